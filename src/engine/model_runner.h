@@ -1,0 +1,81 @@
+// The boundary between the engine core (pure CPU scheduling) and a device
+// runner (cpu reference or cuda). The engine builds one StepInput per step;
+// the runner computes the forward pass over the paged KV cache and samples.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/sampling_params.h"
+
+namespace pd::engine {
+
+enum class KvDtype : uint8_t { kFloat32, kBFloat16, kFloat16 };
+size_t kv_dtype_bytes(KvDtype dtype);
+
+// KV layout per layer: [num_blocks][2 (K,V)][block_size][num_kv_heads][head_dim],
+// so one (layer, block) is one contiguous segment of bytes_per_block() bytes.
+struct KvCacheSpec {
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t block_size = 16;
+  KvDtype dtype = KvDtype::kFloat32;
+  int32_t num_blocks = 0;
+
+  size_t bytes_per_block() const {
+    return 2ull * block_size * num_kv_heads * head_dim * kv_dtype_bytes(dtype);
+  }
+  size_t bytes_per_layer() const { return bytes_per_block() * static_cast<size_t>(num_blocks); }
+};
+
+// One sequence's slice of a step. Tokens at positions
+// [num_computed_tokens, num_computed_tokens + num_new_tokens) are computed now;
+// their token ids are StepInput::token_ids[token_offset, token_offset + num_new_tokens).
+struct SeqStep {
+  int32_t token_offset = 0;
+  int32_t num_new_tokens = 0;
+  int32_t num_computed_tokens = 0;
+  // Block ids covering positions [0, num_computed_tokens + num_new_tokens).
+  std::vector<int32_t> block_table;
+  // True when this step computes the last known token, so a next token is sampled.
+  bool sample = false;
+  SamplingParams sampling;  // valid when sample == true
+  // Seed for this (request, output index): counter-based so CPU and GPU agree.
+  uint64_t rng_seed = 0;
+  // Token ids generated so far (for min_tokens handling of EOS/stop ids).
+  int32_t num_output_tokens = 0;
+  std::vector<int32_t> suppressed_token_ids;  // masked to -inf before sampling (eos while < min_tokens)
+};
+
+struct StepInput {
+  std::vector<int32_t> token_ids;  // all new tokens of all seqs, concatenated
+  std::vector<SeqStep> seqs;
+};
+
+struct SampledToken {
+  int32_t token_id = -1;
+  float logprob = 0.0f;             // log-softmax of the raw logits (before temperature)
+  std::vector<std::pair<int32_t, float>> top_logprobs;  // when sampling.logprobs > 0
+};
+
+struct StepOutput {
+  // One entry per SeqStep with sample == true, in StepInput::seqs order.
+  std::vector<SampledToken> sampled;
+};
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+  virtual const KvCacheSpec& kv_cache_spec() const = 0;
+  virtual int32_t vocab_size() const = 0;
+  virtual Result<StepOutput> execute(const StepInput& input) = 0;
+  // Base address of one layer's KV region (for xfer registration by the connector).
+  virtual void* kv_layer_base(int32_t layer) = 0;
+  virtual bool kv_on_device() const = 0;
+};
+
+}  // namespace pd::engine

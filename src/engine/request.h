@@ -1,0 +1,77 @@
+// What callers (server, connector) hand the engine and what it hands back.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/sampling_params.h"
+
+namespace pd::engine {
+
+// Request lifecycle (docs/engine.md has the transition table). Ordered: a
+// request only moves forward, except Preempted -> Waiting.
+enum class RequestState : uint8_t {
+  kWaiting,             // queued, no KV computed (or preempted and reset)
+  kWaitingForRemoteKv,  // P/D consumer: blocks allocated, KV arriving from a producer
+  kRunning,             // scheduled; num_computed_tokens advances each step
+  kPreempted,           // blocks taken back; returns to kWaiting and recomputes
+  kFinishedStopped,     // EOS, stop id or stop string
+  kFinishedLength,      // max_tokens or max_model_len reached
+  kFinishedAborted,     // client abort/disconnect
+  kFinishedError,       // engine-side failure for this request only
+};
+bool is_finished(RequestState state);
+const char* request_state_name(RequestState state);
+
+enum class FinishReason : uint8_t { kNone, kStop, kLength, kAbort, kError };
+// OpenAI spelling: "stop", "length", "abort", "error"; kNone -> null.
+const char* finish_reason_name(FinishReason reason);
+
+struct GenerateRequest {
+  std::string request_id;               // unique among live requests
+  std::vector<int32_t> prompt_token_ids;
+  SamplingParams sampling;
+  // vLLM's kv_transfer_params extension; validated by the connector (issue 5).
+  std::optional<nlohmann::json> kv_transfer_params;
+  int64_t arrival_ns = 0;               // 0 = stamped by the engine on arrival
+};
+
+struct TopLogprob {
+  int32_t token_id;
+  float logprob;
+};
+struct TokenLogprob {
+  int32_t token_id;
+  float logprob;
+  std::vector<TopLogprob> top;  // descending by logprob, length = SamplingParams::logprobs
+};
+
+// A delta for one request. Outputs for one request arrive in order; the last
+// has finished = true and nothing arrives after it.
+struct RequestOutput {
+  std::string request_id;
+  std::vector<int32_t> new_token_ids;
+  std::string text_delta;                 // detokenized, never a broken UTF-8 sequence
+  std::vector<TokenLogprob> logprobs;     // parallel to new_token_ids when requested
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  // The stop string or token id that ended the request, if any (OpenAI "stop_reason").
+  std::optional<std::string> stop_string;
+  std::optional<int32_t> stop_token_id;
+  int32_t num_prompt_tokens = 0;
+  int32_t num_output_tokens = 0;          // total so far
+  int32_t num_cached_tokens = 0;          // prompt tokens served from prefix cache or remote KV
+  std::string error;                      // set when finish_reason == kError
+  std::optional<nlohmann::json> kv_transfer_params;  // returned by a P/D producer on finish
+};
+
+// Called on the engine thread. Must not block and must not call back into the
+// engine synchronously (post elsewhere instead).
+using OutputCallback = std::function<void(RequestOutput)>;
+
+}  // namespace pd::engine
