@@ -51,9 +51,22 @@ struct SeqStep {
   std::vector<int32_t> suppressed_token_ids;  // masked to -inf before sampling (eos while < min_tokens)
 };
 
+// Worker-side P/D connector hooks (DESIGN.md §3.3), called by a runner inside
+// execute(): wait_for_layer_load before a layer reads its KV, save_layer after
+// a layer's attention wrote its KV (so per-layer transfer overlaps the rest of
+// the forward pass). What to load or save comes from the connector's own
+// per-step metadata, built on the engine thread before execute().
+class LayerKvHooks {
+ public:
+  virtual ~LayerKvHooks() = default;
+  virtual void wait_for_layer_load(int32_t layer) = 0;
+  virtual void save_layer(int32_t layer) = 0;
+};
+
 struct StepInput {
   std::vector<int32_t> token_ids;  // all new tokens of all seqs, concatenated
   std::vector<SeqStep> seqs;
+  LayerKvHooks* layer_hooks = nullptr;  // null when no connector is active
 };
 
 struct SampledToken {
