@@ -1,0 +1,154 @@
+#include "engine/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace pd::engine {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Descending by value, ties by lower id: the one total order every ranking here uses.
+struct Candidate {
+  int32_t id;
+  float value;
+};
+bool ranks_before(const Candidate& a, const Candidate& b) {
+  if (a.value != b.value) return a.value > b.value;
+  return a.id < b.id;
+}
+
+void fill_logprobs(std::span<const float> logits, int32_t num_top, int32_t sampled_id, SampledToken* out) {
+  float max_logit = kNegInf;
+  for (float v : logits) max_logit = std::max(max_logit, v);
+  double sum = 0.0;
+  for (float v : logits) sum += std::exp(static_cast<double>(v) - max_logit);
+  const float log_norm = max_logit + static_cast<float>(std::log(sum));
+  out->logprob = logits[static_cast<size_t>(sampled_id)] - log_norm;
+  if (num_top <= 0) return;
+  const size_t k = std::min(static_cast<size_t>(num_top), logits.size());
+  std::vector<Candidate> all(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i) all[i] = {static_cast<int32_t>(i), logits[i]};
+  std::partial_sort(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(k), all.end(), ranks_before);
+  out->top_logprobs.reserve(k);
+  for (size_t i = 0; i < k; ++i) out->top_logprobs.emplace_back(all[i].id, all[i].value - log_norm);
+}
+
+int32_t argmax(std::span<const float> logits) {
+  int32_t best = 0;
+  for (size_t i = 1; i < logits.size(); ++i) {
+    if (logits[i] > logits[static_cast<size_t>(best)]) best = static_cast<int32_t>(i);
+  }
+  return best;
+}
+
+}  // namespace
+
+uint64_t derive_rng_seed(uint64_t request_seed, int32_t output_index) {
+  return splitmix64(splitmix64(request_seed) ^ (static_cast<uint64_t>(static_cast<uint32_t>(output_index)) + 1));
+}
+
+double uniform_from_seed(uint64_t rng_seed) {
+  return static_cast<double>(splitmix64(rng_seed) >> 11) * 0x1.0p-53;
+}
+
+SampledToken sample_token(std::span<float> logits, const SamplingParams& params, uint64_t rng_seed,
+                          std::span<const int32_t> suppressed_token_ids) {
+  SampledToken out;
+  if (logits.empty()) return out;
+  const auto vocab = static_cast<int32_t>(logits.size());
+
+  // Raw logits are needed for logprobs after the filters overwrote the row.
+  std::vector<float> raw;
+  if (params.logprobs >= 0) raw.assign(logits.begin(), logits.end());
+
+  // Suppression, unless it would leave nothing to sample.
+  std::vector<float> saved;
+  for (int32_t id : suppressed_token_ids) {
+    if (id < 0 || id >= vocab) continue;
+    saved.push_back(logits[static_cast<size_t>(id)]);
+    logits[static_cast<size_t>(id)] = kNegInf;
+  }
+  if (!saved.empty() && std::all_of(logits.begin(), logits.end(), [](float v) { return v == kNegInf; })) {
+    size_t j = 0;
+    for (int32_t id : suppressed_token_ids) {
+      if (id < 0 || id >= vocab) continue;
+      logits[static_cast<size_t>(id)] = saved[j++];
+    }
+  }
+
+  auto finish_greedy_fallback = [&]() {
+    out.token_id = argmax(logits);
+    if (params.logprobs >= 0) fill_logprobs(raw, params.logprobs, out.token_id, &out);
+    return out;
+  };
+  if (params.greedy()) {
+    out.token_id = argmax(logits);
+  } else {
+    // Temperature-scaled softmax probabilities (unnormalized weights are enough).
+    // Shifted by the max before scaling so a tiny temperature cannot overflow.
+    const float inv_temperature = 1.0f / params.temperature;
+    float max_raw = kNegInf;
+    for (float v : logits) max_raw = std::max(max_raw, v);
+    if (max_raw == kNegInf) return finish_greedy_fallback();
+    for (float& v : logits) v = v == kNegInf ? kNegInf : (v - max_raw) * inv_temperature;
+    const float max_scaled = 0.0f;
+    std::vector<Candidate> kept;
+    kept.reserve(logits.size());
+    // min-p: weight >= min_p * max weight, i.e. scaled logit >= max + log(min_p).
+    const float min_scaled = params.min_p > 0.0f ? max_scaled + std::log(params.min_p) : kNegInf;
+    for (int32_t i = 0; i < vocab; ++i) {
+      const float v = logits[static_cast<size_t>(i)];
+      if (v == kNegInf || v < min_scaled) continue;
+      kept.push_back({i, std::exp(v - max_scaled)});
+    }
+    const bool need_order = params.top_k > 0 || params.top_p < 1.0f;
+    if (params.top_k > 0 && static_cast<size_t>(params.top_k) < kept.size()) {
+      std::partial_sort(kept.begin(), kept.begin() + params.top_k, kept.end(), ranks_before);
+      kept.resize(static_cast<size_t>(params.top_k));
+    } else if (need_order) {
+      std::sort(kept.begin(), kept.end(), ranks_before);
+    }
+    double total = 0.0;
+    for (const Candidate& c : kept) total += c.value;
+    if (params.top_p < 1.0f) {
+      // Smallest prefix (in rank order) whose mass reaches top_p; always >= 1 token.
+      const double target = static_cast<double>(params.top_p) * total;
+      double cumulative = 0.0;
+      size_t keep = 0;
+      while (keep < kept.size()) {
+        cumulative += kept[keep].value;
+        ++keep;
+        if (cumulative >= target) break;
+      }
+      kept.resize(keep);
+      total = cumulative;
+    }
+    if (kept.empty()) return finish_greedy_fallback();
+    // Inverse CDF over the kept list in its (deterministic) order.
+    const double u = uniform_from_seed(rng_seed) * total;
+    double cumulative = 0.0;
+    out.token_id = kept.back().id;
+    for (const Candidate& c : kept) {
+      cumulative += c.value;
+      if (u < cumulative) {
+        out.token_id = c.id;
+        break;
+      }
+    }
+  }
+
+  if (params.logprobs >= 0) fill_logprobs(raw, params.logprobs, out.token_id, &out);
+  return out;
+}
+
+}  // namespace pd::engine

@@ -1,0 +1,37 @@
+// Token sampling from one row of logits. Pure function of its inputs: the
+// same (logits, params, rng_seed, suppressed ids) always gives the same token,
+// on any runner, so CPU and CUDA runners share this code for the final pick.
+//
+// Order of the filters (vLLM v1's order): suppression (-inf), temperature,
+// min-p (relative to the most likely token), top-k, top-p (on the distribution
+// renormalized after top-k). The returned logprobs are always the log-softmax
+// of the RAW logits, before suppression, temperature and any filter.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "engine/model_runner.h"
+#include "engine/sampling_params.h"
+
+namespace pd::engine {
+
+// The seed of one sampling draw: counter-based (request seed, output index),
+// so a request's n-th token is reproducible independent of batching, steps or
+// preemption. request_seed is SamplingParams::seed when set, otherwise derived
+// by the engine from --seed and the request's arrival counter.
+uint64_t derive_rng_seed(uint64_t request_seed, int32_t output_index);
+
+// Uniform double in [0, 1) from a 64-bit seed (splitmix64 finalizer).
+double uniform_from_seed(uint64_t rng_seed);
+
+// Samples one token. `logits` is vocab-sized and is used as scratch (its
+// contents are unspecified afterwards). Suppressed ids outside the vocab are
+// ignored. If every token is suppressed the suppression is ignored (a token
+// must come out; the engine only suppresses EOS/stop ids during min_tokens).
+// top_logprobs has min(params.logprobs, vocab) entries, descending by logprob,
+// ties by lower id; empty when params.logprobs <= 0.
+SampledToken sample_token(std::span<float> logits, const SamplingParams& params, uint64_t rng_seed,
+                          std::span<const int32_t> suppressed_token_ids);
+
+}  // namespace pd::engine

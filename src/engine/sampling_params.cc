@@ -1,0 +1,52 @@
+#include "engine/sampling_params.h"
+
+#include <cmath>
+
+namespace pd::engine {
+
+namespace {
+constexpr int32_t kMaxLogprobs = 20;
+constexpr size_t kMaxStopStrings = 64;
+constexpr size_t kMaxStopStringBytes = 1024;
+constexpr size_t kMaxStopTokenIds = 1024;
+}  // namespace
+
+Status SamplingParams::validate(int32_t vocab_size) const {
+  if (!std::isfinite(temperature) || temperature < 0.0f || temperature > 100.0f) {
+    return invalid_argument("temperature must be in [0, 100], got {}", temperature);
+  }
+  if (!std::isfinite(top_p) || top_p <= 0.0f || top_p > 1.0f) {
+    return invalid_argument("top_p must be in (0, 1], got {}", top_p);
+  }
+  if (top_k < -1) return invalid_argument("top_k must be -1, 0 or positive, got {}", top_k);
+  if (!std::isfinite(min_p) || min_p < 0.0f || min_p > 1.0f) {
+    return invalid_argument("min_p must be in [0, 1], got {}", min_p);
+  }
+  if (max_tokens < 1) return invalid_argument("max_tokens must be >= 1, got {}", max_tokens);
+  if (min_tokens < 0 || min_tokens > max_tokens) {
+    return invalid_argument("min_tokens must be in [0, max_tokens={}], got {}", max_tokens, min_tokens);
+  }
+  if (logprobs < -1 || logprobs > kMaxLogprobs) {
+    return invalid_argument("logprobs must be in [0, {}], got {}", kMaxLogprobs, logprobs);
+  }
+  if (stop.size() > kMaxStopStrings) {
+    return invalid_argument("at most {} stop strings, got {}", kMaxStopStrings, stop.size());
+  }
+  for (const std::string& s : stop) {
+    if (s.empty()) return invalid_argument("stop strings must not be empty");
+    if (s.size() > kMaxStopStringBytes) {
+      return invalid_argument("stop string longer than {} bytes ({} bytes)", kMaxStopStringBytes, s.size());
+    }
+  }
+  if (stop_token_ids.size() > kMaxStopTokenIds) {
+    return invalid_argument("at most {} stop_token_ids, got {}", kMaxStopTokenIds, stop_token_ids.size());
+  }
+  for (int32_t id : stop_token_ids) {
+    if (id < 0 || (vocab_size > 0 && id >= vocab_size)) {
+      return invalid_argument("stop_token_ids entry {} outside the vocabulary [0, {})", id, vocab_size);
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace pd::engine

@@ -1,0 +1,165 @@
+#include "engine/sampler.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <set>
+#include <vector>
+
+namespace pd::engine {
+namespace {
+
+std::vector<float> ramp_logits() {
+  return {0.5f, 2.0f, -1.0f, 1.5f, 0.0f, 3.0f, -2.0f, 1.0f};
+}
+
+SamplingParams random_params() {
+  SamplingParams p;
+  p.temperature = 1.0f;
+  return p;
+}
+
+// The set of ids a filter can ever produce, observed over many seeds.
+std::set<int32_t> reachable(const std::vector<float>& logits, const SamplingParams& params, int draws = 4000) {
+  std::set<int32_t> ids;
+  for (int i = 0; i < draws; ++i) {
+    std::vector<float> row = logits;
+    ids.insert(sample_token(row, params, derive_rng_seed(7, i), {}).token_id);
+  }
+  return ids;
+}
+
+TEST(Sampler, GreedyIsArgmax) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  std::vector<float> row = ramp_logits();
+  EXPECT_EQ(sample_token(row, p, 123, {}).token_id, 5);
+}
+
+TEST(Sampler, GreedyTieGoesToLowestId) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  std::vector<float> row = {1.0f, 4.0f, 4.0f, 0.0f};
+  EXPECT_EQ(sample_token(row, p, 0, {}).token_id, 1);
+}
+
+TEST(Sampler, SuppressedTokenIsNeverSampled) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  std::vector<float> row = ramp_logits();
+  const std::vector<int32_t> suppressed = {5, 99, -3};
+  EXPECT_EQ(sample_token(row, p, 0, suppressed).token_id, 1);
+  EXPECT_EQ(reachable(ramp_logits(), random_params()).count(5), 1u);
+  std::set<int32_t> ids;
+  for (int i = 0; i < 2000; ++i) {
+    std::vector<float> r = ramp_logits();
+    ids.insert(sample_token(r, random_params(), derive_rng_seed(1, i), suppressed).token_id);
+  }
+  EXPECT_EQ(ids.count(5), 0u);
+}
+
+TEST(Sampler, SameSeedSameToken) {
+  for (int i = 0; i < 200; ++i) {
+    std::vector<float> a = ramp_logits(), b = ramp_logits();
+    const uint64_t seed = derive_rng_seed(42, i);
+    EXPECT_EQ(sample_token(a, random_params(), seed, {}).token_id, sample_token(b, random_params(), seed, {}).token_id);
+  }
+}
+
+TEST(Sampler, DifferentSeedsExploreTheDistribution) {
+  // Temperature 1 over 8 tokens: every token has mass > 0.5%; 4000 draws reach all.
+  EXPECT_EQ(reachable(ramp_logits(), random_params()).size(), 8u);
+}
+
+TEST(Sampler, EmpiricalFrequenciesFollowSoftmax) {
+  const std::vector<float> logits = {0.0f, std::log(3.0f)};  // probabilities 0.25 / 0.75
+  int ones = 0;
+  constexpr int kDraws = 20000;
+  for (int i = 0; i < kDraws; ++i) {
+    std::vector<float> row = logits;
+    ones += sample_token(row, random_params(), derive_rng_seed(3, i), {}).token_id == 1;
+  }
+  EXPECT_NEAR(static_cast<double>(ones) / kDraws, 0.75, 0.015);
+}
+
+TEST(Sampler, TopKKeepsExactlyTheKMostLikely) {
+  SamplingParams p = random_params();
+  p.top_k = 3;
+  EXPECT_EQ(reachable(ramp_logits(), p), (std::set<int32_t>{5, 1, 3}));
+}
+
+TEST(Sampler, TopPKeepsTheSmallestPrefixReachingP) {
+  // Probabilities 0.5, 0.25, 0.125, 0.125: top_p 0.7 keeps {0, 1}; 0.75 keeps {0, 1}; 0.76 adds one.
+  const std::vector<float> logits = {std::log(4.0f), std::log(2.0f), 0.0f, 0.0f};
+  SamplingParams p = random_params();
+  p.top_p = 0.7f;
+  EXPECT_EQ(reachable(logits, p), (std::set<int32_t>{0, 1}));
+  p.top_p = 0.74f;
+  EXPECT_EQ(reachable(logits, p), (std::set<int32_t>{0, 1}));
+  p.top_p = 0.8f;
+  EXPECT_EQ(reachable(logits, p), (std::set<int32_t>{0, 1, 2}));  // tie at 0.125 broken by lower id
+  p.top_p = 0.3f;
+  EXPECT_EQ(reachable(logits, p), (std::set<int32_t>{0}));
+}
+
+TEST(Sampler, MinPDropsTokensBelowFractionOfTheMax) {
+  // Probabilities relative to max: 1, 0.5, 0.25, 0.125.
+  const std::vector<float> logits = {std::log(8.0f), std::log(4.0f), std::log(2.0f), 0.0f};
+  SamplingParams p = random_params();
+  p.min_p = 0.3f;
+  EXPECT_EQ(reachable(logits, p), (std::set<int32_t>{0, 1}));
+  p.min_p = 0.2f;
+  EXPECT_EQ(reachable(logits, p), (std::set<int32_t>{0, 1, 2}));
+}
+
+TEST(Sampler, LogprobsAreLogSoftmaxOfRawLogitsAndSumToOne) {
+  SamplingParams p = random_params();
+  p.temperature = 0.3f;  // must not change the reported logprobs
+  p.logprobs = 8;
+  std::vector<float> row = ramp_logits();
+  SampledToken t = sample_token(row, p, 9, {});
+  ASSERT_EQ(t.top_logprobs.size(), 8u);
+  double total = 0.0;
+  std::map<int32_t, float> by_id;
+  for (auto [id, lp] : t.top_logprobs) {
+    total += std::exp(lp);
+    by_id[id] = lp;
+  }
+  EXPECT_NEAR(total, 1.0, 1e-5);
+  EXPECT_FLOAT_EQ(by_id.at(t.token_id), t.logprob);
+  const std::vector<float> raw = ramp_logits();
+  EXPECT_NEAR(by_id.at(5) - by_id.at(1), raw[5] - raw[1], 1e-5);
+  for (size_t i = 1; i < t.top_logprobs.size(); ++i) EXPECT_GE(t.top_logprobs[i - 1].second, t.top_logprobs[i].second);
+}
+
+TEST(Sampler, LogprobsZeroReportsOnlyTheSampledToken) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.logprobs = 0;
+  std::vector<float> row = {0.0f, 0.0f};
+  SampledToken t = sample_token(row, p, 0, {});
+  EXPECT_TRUE(t.top_logprobs.empty());
+  EXPECT_NEAR(t.logprob, std::log(0.5f), 1e-6);
+}
+
+TEST(Sampler, TinyTemperatureDoesNotOverflow) {
+  SamplingParams p = random_params();
+  p.temperature = 1e-6f;
+  for (int i = 0; i < 50; ++i) {
+    std::vector<float> row = ramp_logits();
+    EXPECT_EQ(sample_token(row, p, derive_rng_seed(5, i), {}).token_id, 5);
+  }
+}
+
+TEST(Sampler, RngSeedDependsOnRequestSeedAndIndex) {
+  EXPECT_NE(derive_rng_seed(1, 0), derive_rng_seed(1, 1));
+  EXPECT_NE(derive_rng_seed(1, 0), derive_rng_seed(2, 0));
+  EXPECT_EQ(derive_rng_seed(1, 5), derive_rng_seed(1, 5));
+  const double u = uniform_from_seed(derive_rng_seed(1, 5));
+  EXPECT_GE(u, 0.0);
+  EXPECT_LT(u, 1.0);
+}
+
+}  // namespace
+}  // namespace pd::engine
