@@ -1,0 +1,102 @@
+// The engine's own record of one live request. Owned by the engine thread
+// (scheduler + output processing); the connector sees it as const& only.
+//
+// Progress is one number: num_computed_tokens, the count of leading positions
+// of token_ids whose KV is in this request's blocks. Chunked prefill, prefix
+// hits, remote KV arrival and preemption all just move that number.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "engine/request.h"
+#include "engine/sampling_params.h"
+
+namespace pd::engine {
+
+using BlockHash = uint64_t;
+
+class Request {
+ public:
+  Request(std::string request_id, uint64_t arrival_seq, std::vector<int32_t> prompt_token_ids, SamplingParams sampling,
+          std::optional<nlohmann::json> kv_transfer_params, int64_t arrival_ns, uint64_t rng_base_seed,
+          int32_t max_output_tokens);
+
+  const std::string& request_id() const { return request_id_; }
+  // Engine-local arrival counter: unique for the engine's lifetime, unlike
+  // request_id (a client may reuse an id after the request finished).
+  uint64_t arrival_seq() const { return arrival_seq_; }
+  RequestState state() const { return state_; }
+  // Enforces the transition table of docs/engine.md; an illegal move is a bug
+  // (kInternal) and leaves the state unchanged.
+  Status transition_to(RequestState next);
+
+  // Prompt followed by the generated tokens.
+  const std::vector<int32_t>& token_ids() const { return token_ids_; }
+  int32_t num_tokens() const { return static_cast<int32_t>(token_ids_.size()); }
+  int32_t num_prompt_tokens() const { return num_prompt_tokens_; }
+  int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens_; }
+  std::span<const int32_t> output_token_ids() const {
+    return std::span<const int32_t>(token_ids_).subspan(static_cast<size_t>(num_prompt_tokens_));
+  }
+  void append_output_token(int32_t token_id) { token_ids_.push_back(token_id); }
+
+  const SamplingParams& sampling() const { return sampling_; }
+  // min(sampling.max_tokens, max_model_len - prompt length), fixed at arrival.
+  int32_t max_output_tokens() const { return max_output_tokens_; }
+  const std::optional<nlohmann::json>& kv_transfer_params() const { return kv_transfer_params_; }
+  int64_t arrival_ns() const { return arrival_ns_; }
+  uint64_t rng_base_seed() const { return rng_base_seed_; }
+
+  // --- KV progress (engine thread only) -------------------------------------
+  int32_t num_computed_tokens = 0;
+  // Block ids covering positions [0, block_ids.size() * block_size); the
+  // first num_computed_tokens positions hold valid KV.
+  std::vector<int32_t> block_ids;
+  // Chained hashes of the full blocks of token_ids (grows as tokens arrive).
+  std::vector<BlockHash> block_hashes;
+  // How many leading blocks are registered in the prefix cache (or were hits).
+  int32_t num_cached_blocks = 0;
+  // Prompt tokens served without computing them (prefix cache or remote KV), for usage.
+  int32_t num_cached_tokens = 0;
+  int32_t num_preemptions = 0;
+
+  // --- P/D (kv_connector.h) --------------------------------------------------
+  // The connector is asked for external KV only while this is true: set for a
+  // request that carries kv_transfer_params, cleared on its first admission
+  // and never set again, so a preempted or re-admitted request recomputes
+  // locally instead of waiting for KV that will never come (DESIGN §6.1).
+  bool external_kv_eligible = false;
+  // Tokens the connector is loading asynchronously into block_ids while the
+  // request is kWaitingForRemoteKv; applied to num_computed_tokens on arrival.
+  int32_t num_pending_external_tokens = 0;
+  int64_t remote_kv_deadline_ns = 0;
+
+  // --- output bookkeeping ----------------------------------------------------
+  int64_t first_token_ns = 0;
+  int64_t last_token_ns = 0;
+  FinishReason finish_reason = FinishReason::kNone;
+
+ private:
+  std::string request_id_;
+  uint64_t arrival_seq_;
+  RequestState state_ = RequestState::kWaiting;
+  std::vector<int32_t> token_ids_;
+  int32_t num_prompt_tokens_;
+  SamplingParams sampling_;
+  std::optional<nlohmann::json> kv_transfer_params_;
+  int64_t arrival_ns_;
+  uint64_t rng_base_seed_;
+  int32_t max_output_tokens_;
+};
+
+// True when the transition table (docs/engine.md) allows from -> to.
+bool is_valid_transition(RequestState from, RequestState to);
+
+}  // namespace pd::engine

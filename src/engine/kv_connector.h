@@ -1,0 +1,132 @@
+// Scheduler-side P/D connector interface (DESIGN.md §3.3), called only on the
+// engine thread. The engine without a connector (nullptr) is a plain engine;
+// every call below is skipped then. The connector module implements it; the
+// worker-side half is LayerKvHooks (model_runner.h), handed to the runner per
+// step by build_step_hooks.
+//
+// Lifecycle of a request as the connector sees it:
+//   admission:  get_num_new_matched_tokens -> (blocks allocated) -> update_state_after_alloc
+//               (async load: request sits in kWaitingForRemoteKv until poll() lists it in
+//               finished_recving, or its deadline passes -> on_remote_kv_timeout)
+//   each step:  build_step_hooks -> runner.execute -> after_step -> poll
+//   preemption: request_preempted (may hold the old blocks until a transfer stops)
+//   finish:     request_finished (any finish: stop, length, abort, error; may hold blocks)
+//
+// Block holds: when request_preempted returns true or request_finished returns
+// delay_free_blocks, the engine keeps one reference on each of those blocks (a
+// "hold"). Each hold is released by exactly one later appearance of the request
+// id in ConnectorEvents::finished_sending or finished_recving (oldest hold
+// first). The connector must report every hold eventually (its transfer
+// timeout bounds that); while held, an id cannot be reused by a new request.
+//
+// DESIGN §6 items and how this interface covers them:
+//  1. get_num_new_matched_tokens is asked only for requests that carry
+//     kv_transfer_params, only on their first admission (Request::external_kv_eligible):
+//     plain requests and preempted/re-admitted ones never wait for KV.
+//  2. every kWaitingForRemoteKv request has a deadline (ExternalMatch::timeout_ms);
+//     an abort while waiting finishes it and calls request_finished with its
+//     blocks, which are freed unless the connector holds them (a write may still land).
+//  3. a producer whose only token was EOS/stop still gets request_finished and
+//     keeps its blocks by returning delay_free_blocks until finished_sending.
+//  4. load failures are reported by poll() as LoadError; the engine rolls the
+//     request's num_computed_tokens back to the first failed block and
+//     recomputes from there (a token sampled on partial KV is discarded).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "engine/engine_request.h"
+#include "engine/model_runner.h"
+#include "engine/step_plan.h"
+
+namespace pd::engine {
+
+struct ExternalMatch {
+  // Tokens after the locally computed prefix whose KV the connector provides.
+  // The engine clamps it so that at least the last prompt token is computed
+  // locally (the sampler needs its logits).
+  int32_t num_external_tokens = 0;
+  // true: the KV arrives asynchronously; the request waits in
+  // kWaitingForRemoteKv until poll() reports it in finished_recving.
+  // false: the KV is loaded inside the next forward pass (wait_for_layer_load).
+  bool load_async = false;
+  // Deadline for an async load, from the moment the request starts waiting.
+  int64_t timeout_ms = 120'000;
+};
+
+struct FinishDecision {
+  // Keep the request's blocks referenced (a transfer may still read or write
+  // them) until the id is reported in finished_sending / finished_recving.
+  bool delay_free_blocks = false;
+  // Returned to the client in the final RequestOutput (vLLM's extension field).
+  std::optional<nlohmann::json> kv_transfer_params;
+};
+
+struct LoadError {
+  std::string request_id;
+  std::vector<int32_t> failed_block_ids;  // KV in these blocks is invalid
+};
+
+struct ConnectorEvents {
+  std::vector<std::string> finished_recving;  // async loads complete (or a held block set may be released)
+  std::vector<std::string> finished_sending;  // sends complete: release one hold each
+  std::vector<LoadError> load_errors;         // recompute those blocks' tokens
+};
+
+enum class RemoteKvTimeoutAction : uint8_t {
+  kRecomputeLocally,  // forget the external tokens, compute them here
+  kFail,              // finish the request with kFinishedError
+};
+
+class KvConnector {
+ public:
+  virtual ~KvConnector() = default;
+
+  // Called once by the engine before its thread starts. `wakeup` is thread-safe
+  // and cheap: call it from any thread when poll() has something new, so the
+  // idle engine thread does not wait for its idle timeout.
+  virtual void bind_engine_wakeup(std::function<void()> wakeup) = 0;
+
+  // Admission of a request with external_kv_eligible set. num_local_computed_tokens
+  // is the block-aligned local prefix-cache hit. An error (e.g. malformed
+  // kv_transfer_params) finishes the request with kFinishedError and that message.
+  virtual Result<ExternalMatch> get_num_new_matched_tokens(const Request& request,
+                                                           int32_t num_local_computed_tokens) = 0;
+
+  // After the engine allocated blocks for an admission with num_external_tokens > 0:
+  // block_ids is the request's whole block table; the external tokens go to
+  // positions [num_local_computed_tokens, + num_external_tokens).
+  virtual void update_state_after_alloc(const Request& request, std::span<const int32_t> block_ids,
+                                        int32_t num_external_tokens) = 0;
+
+  // The worker-side hooks for this step, or nullptr when there is nothing to
+  // load or save. Owned by the connector, valid until after_step returns.
+  virtual LayerKvHooks* build_step_hooks(const StepInput& input, const StepPlan& plan) = 0;
+
+  // The runner returned (status is its result). Saves can be sealed here.
+  virtual void after_step(const StepPlan& plan, const Status& status) = 0;
+
+  // Called on the engine thread after every step and whenever woken or idle.
+  virtual ConnectorEvents poll() = 0;
+
+  // A running request is preempted and will recompute; block_ids are its
+  // blocks. Return true to hold them (a save from an earlier step may still
+  // read them): one hold, released by one finished_sending report.
+  virtual bool request_preempted(const Request& request, std::span<const int32_t> block_ids) = 0;
+
+  // A request finished (any reason; request.state() is the finished state).
+  virtual FinishDecision request_finished(const Request& request, std::span<const int32_t> block_ids) = 0;
+
+  // A kWaitingForRemoteKv request passed its deadline.
+  virtual RemoteKvTimeoutAction on_remote_kv_timeout(const Request& request) = 0;
+};
+
+}  // namespace pd::engine
