@@ -1,0 +1,394 @@
+// UCX backend: UCP RMA (put/get + endpoint flush) on host memory.
+//
+// Threads: the worker runs in UCS_THREAD_MODE_MULTI so that posting threads call
+// ucp_put_nbx/ucp_get_nbx directly; one progress thread owned by this backend
+// drives ucp_worker_progress (spinning while batches are in flight, sleeping in
+// epoll on the worker's wakeup fd otherwise, so that a TCP target keeps serving
+// incoming RMA). Completion callbacks run on the progress thread.
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <sys/epoll.h>
+#include <arpa/inet.h>
+#include <unistd.h>
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/log.h"
+#include "xfer/backends/factory.h"
+
+namespace pd::xfer {
+namespace {
+
+constexpr int64_t kCloseTimeoutMs = 2000;
+
+// Interface that carries `host` (UCX_NET_DEVICES), or empty if none matches.
+std::string interface_for(const std::string& host) {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return {};
+  std::string found;
+  for (ifaddrs* a = list; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof(text));
+    if (host == text) found = a->ifa_name;
+  }
+  freeifaddrs(list);
+  return found;
+}
+
+// Completion of one batch: set once by the flush callback (progress thread).
+struct UcxCompletion {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::atomic<int> status{0};  // 0 pending, 1 done, 2 failed
+  std::string message;
+
+  void finish(ucs_status_t ucs) {
+    {
+      std::lock_guard lock(mutex);
+      if (ucs != UCS_OK) message = fmt::format("UCX flush failed: {}", ucs_status_string(ucs));
+      status.store(ucs == UCS_OK ? 1 : 2, std::memory_order_release);
+    }
+    cv.notify_all();
+  }
+};
+
+class UcxBackend;
+
+// user_data of one flush request; deleted by its callback.
+struct FlushContext {
+  std::shared_ptr<UcxCompletion> completion;
+  UcxBackend* backend;
+};
+
+// An endpoint to one boot of one peer. Failed when UCX reports the peer gone.
+struct UcxPeer {
+  std::string name;
+  uint64_t boot_nonce = 0;
+  ucp_ep_h ep = nullptr;
+  std::atomic<bool> failed{false};
+};
+
+class UcxRoute : public Route {
+ public:
+  UcxRoute(std::shared_ptr<UcxPeer> peer, ucp_rkey_h rkey, uint8_t* local, uint64_t remote_base)
+      : peer_(std::move(peer)), rkey_(rkey), local_(local), remote_base_(remote_base) {}
+  ~UcxRoute() override { ucp_rkey_destroy(rkey_); }
+  std::shared_ptr<UcxPeer> peer_;
+  ucp_rkey_h rkey_;
+  uint8_t* local_;
+  uint64_t remote_base_;
+};
+
+class UcxBatch : public BackendBatch {
+ public:
+  UcxBatch(std::shared_ptr<UcxCompletion> completion, std::shared_ptr<Route> route)
+      : completion_(std::move(completion)), route_(std::move(route)) {}
+  TransferState test() override {
+    int s = completion_->status.load(std::memory_order_acquire);
+    if (s == 0) return {};
+    if (s == 1) return {TransferStatus::kDone, {}};
+    std::lock_guard lock(completion_->mutex);
+    return {TransferStatus::kFailed, completion_->message};
+  }
+  void wait_until(SteadyClock::time_point until) override {
+    std::unique_lock lock(completion_->mutex);
+    completion_->cv.wait_until(lock, until, [&] { return completion_->status.load() != 0; });
+  }
+
+ private:
+  std::shared_ptr<UcxCompletion> completion_;
+  std::shared_ptr<Route> route_;  // keeps the rkey alive while the ops are in flight
+};
+
+class UcxBackend : public Backend {
+ public:
+  ~UcxBackend() override { shutdown(); }
+
+  Status init(const EngineConfig& config) {
+    ucp_config_t* ucp_config = nullptr;
+    if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &ucp_config); s != UCS_OK) {
+      return internal_error("ucp_config_read: {}", ucs_status_string(s));
+    }
+    if (!config.ucx_transports.empty()) ucp_config_modify(ucp_config, "TLS", config.ucx_transports.c_str());
+    if (std::string dev = interface_for(config.listen_host); !dev.empty()) {
+      ucp_config_modify(ucp_config, "NET_DEVICES", dev.c_str());
+    }
+    ucp_params_t params = {};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 1;
+    ucs_status_t s = ucp_init(&params, ucp_config, &context_);
+    ucp_config_release(ucp_config);
+    if (s != UCS_OK) return unavailable("ucp_init: {}", ucs_status_string(s));
+
+    ucp_worker_params_t wparams = {};
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wparams.thread_mode = UCS_THREAD_MODE_MULTI;
+    if (s = ucp_worker_create(context_, &wparams, &worker_); s != UCS_OK) {
+      return unavailable("ucp_worker_create: {}", ucs_status_string(s));
+    }
+    ucp_address_t* address = nullptr;
+    size_t address_bytes = 0;
+    if (s = ucp_worker_get_address(worker_, &address, &address_bytes); s != UCS_OK) {
+      return internal_error("ucp_worker_get_address: {}", ucs_status_string(s));
+    }
+    const auto* a = reinterpret_cast<const uint8_t*>(address);
+    address_.assign(a, a + address_bytes);
+    ucp_worker_release_address(worker_, address);
+
+    int efd = -1;
+    if (s = ucp_worker_get_efd(worker_, &efd); s != UCS_OK) {
+      return internal_error("ucp_worker_get_efd: {}", ucs_status_string(s));
+    }
+    epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+    epoll_event ev = {};
+    ev.events = EPOLLIN;
+    if (epoll_fd_ < 0 || epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, efd, &ev) != 0) {
+      return internal_error("epoll setup for the UCX worker failed: {}", std::strerror(errno));
+    }
+    progress_thread_ = std::thread([this] { progress_loop(); });
+    return Status::Ok();
+  }
+
+  std::string_view name() const override { return "ucx"; }
+  void describe(EngineDesc& desc) const override { desc.endpoints["ucx"] = address_; }
+  bool can_register(MemKind kind) const override { return kind == MemKind::kHost; }
+  bool supports(MemKind local, MemKind remote, bool) const override {
+    return local == MemKind::kHost && remote == MemKind::kHost;
+  }
+
+  Result<std::vector<uint8_t>> register_memory(const LocalRegion& region) override {
+    ucp_mem_map_params_t params = {};
+    params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    params.address = region.ptr;
+    params.length = region.bytes;
+    ucp_mem_h memh = nullptr;
+    if (ucs_status_t s = ucp_mem_map(context_, &params, &memh); s != UCS_OK) {
+      return unavailable("ucp_mem_map of {} bytes: {}", region.bytes, ucs_status_string(s));
+    }
+    void* packed = nullptr;
+    size_t packed_bytes = 0;
+    if (ucs_status_t s = ucp_rkey_pack(context_, memh, &packed, &packed_bytes); s != UCS_OK) {
+      ucp_mem_unmap(context_, memh);
+      return internal_error("ucp_rkey_pack: {}", ucs_status_string(s));
+    }
+    const auto* p = static_cast<const uint8_t*>(packed);
+    std::vector<uint8_t> key(p, p + packed_bytes);
+    ucp_rkey_buffer_release(packed);
+    std::lock_guard lock(mutex_);
+    memhs_[region.id] = memh;
+    return key;
+  }
+
+  void deregister(RegionId id) override {
+    std::lock_guard lock(mutex_);
+    auto it = memhs_.find(id);
+    if (it == memhs_.end()) return;
+    ucp_mem_unmap(context_, it->second);
+    memhs_.erase(it);
+  }
+
+  Status connect(const EngineDesc& peer) override {
+    auto endpoint = peer.endpoints.find("ucx");
+    if (endpoint == peer.endpoints.end()) return Status::Ok();  // peer without ucx: no sessions over it
+    auto record = std::make_shared<UcxPeer>();
+    record->name = peer.name;
+    record->boot_nonce = peer.boot_nonce;
+    ucp_ep_params_t params = {};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(endpoint->second.data());
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &UcxBackend::on_ep_error;
+    params.err_handler.arg = record.get();
+    if (ucs_status_t s = ucp_ep_create(worker_, &params, &record->ep); s != UCS_OK) {
+      return unavailable("ucp_ep_create to '{}': {}", peer.name, ucs_status_string(s));
+    }
+    std::shared_ptr<UcxPeer> old;
+    {
+      std::lock_guard lock(mutex_);
+      auto [it, inserted] = peers_.try_emplace(peer.name, record);
+      if (!inserted) {
+        old = it->second;
+        it->second = record;
+      }
+      all_peers_.push_back(record);
+    }
+    if (old) old->failed.store(true);  // routes to the old boot see it as gone
+    return Status::Ok();
+  }
+
+  Result<std::shared_ptr<Route>> open_route(const LocalRegion& local, const MemDesc& remote) override {
+    std::shared_ptr<UcxPeer> peer;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = peers_.find(remote.engine_name);
+      if (it == peers_.end() || it->second->boot_nonce != remote.boot_nonce) {
+        return failed_precondition("no UCX endpoint to '{}' boot {}", remote.engine_name, remote.boot_nonce);
+      }
+      peer = it->second;
+    }
+    auto key = remote.keys.find("ucx");
+    if (key == remote.keys.end()) return failed_precondition("remote region {} has no ucx key", remote.region_id);
+    ucp_rkey_h rkey = nullptr;
+    if (ucs_status_t s = ucp_ep_rkey_unpack(peer->ep, key->second.data(), &rkey); s != UCS_OK) {
+      return invalid_argument("remote region {} of '{}': bad ucx key: {}", remote.region_id, remote.engine_name,
+                              ucs_status_string(s));
+    }
+    return std::shared_ptr<Route>(
+        std::make_shared<UcxRoute>(peer, rkey, static_cast<uint8_t*>(local.ptr), remote.base));
+  }
+
+  Result<std::unique_ptr<BackendBatch>> post(const std::shared_ptr<Route>& route_base, Direction direction,
+                                             std::span<const Op> ops) override {
+    auto& route = static_cast<UcxRoute&>(*route_base);
+    if (route.peer_->failed.load()) {
+      return unavailable("UCX endpoint to '{}' has failed", route.peer_->name);
+    }
+    ucp_request_param_t op_param = {};  // no callback: completion is observed by the flush below
+    ucs_status_t first_error = UCS_OK;
+    for (const Op& op : ops) {
+      ucs_status_ptr_t r;
+      if (direction == Direction::kWrite) {
+        r = ucp_put_nbx(route.peer_->ep, route.local_ + op.local_offset, op.bytes,
+                        route.remote_base_ + op.remote_offset, route.rkey_, &op_param);
+      } else {
+        r = ucp_get_nbx(route.peer_->ep, route.local_ + op.local_offset, op.bytes,
+                        route.remote_base_ + op.remote_offset, route.rkey_, &op_param);
+      }
+      if (UCS_PTR_IS_ERR(r)) {
+        first_error = UCS_PTR_STATUS(r);
+        break;
+      }
+      if (r != nullptr) ucp_request_free(r);  // completes on its own; the flush tracks it
+    }
+    // Always flush, even after an error, so that nothing this batch posted is in flight
+    // once the batch reports a final status.
+    auto completion = std::make_shared<UcxCompletion>();
+    auto* holder = new FlushContext{completion, this};
+    ucp_request_param_t flush_param = {};
+    flush_param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    flush_param.cb.send = &UcxBackend::on_flush;
+    flush_param.user_data = holder;
+    num_inflight_.fetch_add(1);
+    ucs_status_ptr_t f = ucp_ep_flush_nbx(route.peer_->ep, &flush_param);
+    if (!UCS_PTR_IS_PTR(f)) {
+      // Completed (or failed) immediately; the callback will not run.
+      num_inflight_.fetch_sub(1);
+      delete holder;
+      ucs_status_t s = UCS_PTR_STATUS(f);
+      completion->finish(first_error != UCS_OK ? first_error : s);
+    } else {
+      if (first_error != UCS_OK) {
+        std::lock_guard lock(completion->mutex);
+        completion->message = fmt::format("UCX post failed: {}", ucs_status_string(first_error));
+      }
+      ucp_worker_signal(worker_);  // the progress thread may be asleep in epoll
+    }
+    return std::unique_ptr<BackendBatch>(std::make_unique<UcxBatch>(completion, route_base));
+  }
+
+ private:
+  static void on_flush(void* request, ucs_status_t status, void* user_data) {
+    auto* holder = static_cast<FlushContext*>(user_data);
+    std::shared_ptr<UcxCompletion> completion = std::move(holder->completion);
+    UcxBackend* backend = holder->backend;
+    delete holder;
+    bool had_post_error;
+    {
+      std::lock_guard lock(completion->mutex);
+      had_post_error = !completion->message.empty();
+    }
+    if (had_post_error) {
+      completion->status.store(2, std::memory_order_release);
+      completion->cv.notify_all();
+    } else {
+      completion->finish(status);
+    }
+    ucp_request_free(request);
+    backend->num_inflight_.fetch_sub(1);
+  }
+
+  static void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* peer = static_cast<UcxPeer*>(arg);
+    PD_LOG_WARN("xfer ucx: endpoint to '{}' failed: {}", peer->name, ucs_status_string(status));
+    peer->failed.store(true);
+  }
+
+  void progress_loop() {
+    while (!stop_.load(std::memory_order_acquire)) {
+      if (ucp_worker_progress(worker_) != 0) continue;
+      if (num_inflight_.load(std::memory_order_acquire) > 0) continue;  // spin while batches are in flight
+      ucs_status_t s = ucp_worker_arm(worker_);
+      if (s == UCS_ERR_BUSY) continue;
+      epoll_event ev;
+      // Bounded so that stop_ is seen even if no event ever arrives.
+      epoll_wait(epoll_fd_, &ev, 1, 100);
+    }
+  }
+
+  void close_endpoint(UcxPeer& peer) {
+    if (peer.ep == nullptr) return;
+    ucp_request_param_t param = {};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &param);
+    if (UCS_PTR_IS_PTR(r)) {
+      Deadline deadline = Deadline::after_ms(kCloseTimeoutMs);
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && !deadline.expired()) ucp_worker_progress(worker_);
+      ucp_request_free(r);
+    }
+    peer.ep = nullptr;
+  }
+
+  void shutdown() {
+    if (progress_thread_.joinable()) {
+      stop_.store(true, std::memory_order_release);
+      ucp_worker_signal(worker_);
+      progress_thread_.join();
+    }
+    // Force-closing cancels whatever is in flight; the flush callbacks run here.
+    for (auto& peer : all_peers_) close_endpoint(*peer);
+    Deadline deadline = Deadline::after_ms(kCloseTimeoutMs);
+    while (num_inflight_.load() > 0 && !deadline.expired() && worker_ != nullptr) ucp_worker_progress(worker_);
+    for (auto& [id, memh] : memhs_) ucp_mem_unmap(context_, memh);
+    memhs_.clear();
+    if (epoll_fd_ >= 0) close(epoll_fd_);
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (context_ != nullptr) ucp_cleanup(context_);
+    worker_ = nullptr;
+    context_ = nullptr;
+  }
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::vector<uint8_t> address_;
+  int epoll_fd_ = -1;
+  std::thread progress_thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> num_inflight_{0};
+
+  std::mutex mutex_;  // guards the maps below
+  std::map<RegionId, ucp_mem_h> memhs_;
+  std::map<std::string, std::shared_ptr<UcxPeer>> peers_;
+  // Every endpoint ever created (old boots too); closed at shutdown.
+  std::vector<std::shared_ptr<UcxPeer>> all_peers_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> make_ucx_backend(const EngineConfig& config) {
+  auto backend = std::make_unique<UcxBackend>();
+  PD_RETURN_IF_ERROR(backend->init(config));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace pd::xfer

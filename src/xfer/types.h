@@ -1,0 +1,97 @@
+// Value types of the transfer engine: configuration, descriptors, ops, batch
+// status. Descriptors cross process boundaries (msgpack, versioned, validated
+// on decode); everything else stays in-process.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace pd::xfer {
+
+// Wire version of EngineDesc / MemDesc. A decoder refuses any other version.
+inline constexpr uint32_t kDescriptorVersion = 1;
+
+struct EngineConfig {
+  // Engine id among peers; a restarted process reuses its name with a new boot nonce.
+  std::string name;
+  // Address whose network interface UCX may use (UCX_NET_DEVICES is derived from it).
+  std::string listen_host = "127.0.0.1";
+  // Backends to enable, in preference order for "auto" among the usable ones.
+  std::vector<std::string> backends = {"ucx", "cuda"};
+  // A batch not complete this long after posting fails (the DESIGN's transfer_timeout).
+  int64_t batch_timeout_ms = 30'000;
+  // UCX_TLS for this engine's UCX context; empty keeps UCX's own choice.
+  std::string ucx_transports;
+  // cuda backend: "kernel" (one gather/scatter launch per batch) or "copy_engine"
+  // (one cudaMemcpyAsync per merged op).
+  std::string cuda_copy_mode = "kernel";
+  // Wrap every enabled backend in the fault backend (tests only).
+  bool enable_fault_injection = false;
+};
+
+enum class MemKind : uint8_t { kHost = 0, kCuda = 1 };
+const char* mem_kind_name(MemKind kind);
+
+// What a peer needs to reach this engine. Serializable.
+struct EngineDesc {
+  std::string name;
+  uint64_t boot_nonce = 0;
+  // Hostname + kernel boot id: equal ids mean one host (same-host paths such as CUDA IPC).
+  std::string host_id;
+  // Backend name -> endpoint blob (ucx: the worker address).
+  std::map<std::string, std::vector<uint8_t>> endpoints;
+  std::vector<std::string> gpu_uuids;
+};
+
+using RegionId = uint64_t;
+
+// A registered region as a peer sees it. Serializable.
+struct MemDesc {
+  std::string engine_name;
+  uint64_t boot_nonce = 0;
+  RegionId region_id = 0;
+  uint64_t base = 0;  // address in the owner's address space (informational for peers)
+  uint64_t bytes = 0;
+  MemKind kind = MemKind::kHost;
+  int32_t device = -1;  // CUDA ordinal in the owner's process, -1 for host memory
+  // Backend name -> remote key (ucx: packed rkey; cuda: IPC handle + offset in the allocation).
+  std::map<std::string, std::vector<uint8_t>> keys;
+};
+
+std::vector<uint8_t> encode(const EngineDesc& desc);
+std::vector<uint8_t> encode(const MemDesc& desc);
+// Garbage, truncated, oversized or wrong-version input is rejected with kInvalidArgument.
+Result<EngineDesc> decode_engine_desc(std::span<const uint8_t> bytes);
+Result<MemDesc> decode_mem_desc(std::span<const uint8_t> bytes);
+
+// One contiguous copy between the session's local and remote regions.
+struct Op {
+  uint64_t local_offset = 0;
+  uint64_t remote_offset = 0;
+  uint64_t bytes = 0;
+  bool operator==(const Op&) const = default;
+};
+
+enum class Direction : uint8_t { kWrite, kRead };  // write: local -> remote; read: remote -> local
+
+using XferId = uint64_t;
+
+enum class TransferStatus : uint8_t { kPending, kDone, kFailed };
+const char* transfer_status_name(TransferStatus status);
+
+// Snapshot of one batch: its status and, when failed, why.
+struct TransferState {
+  TransferStatus status = TransferStatus::kPending;
+  std::string message;
+  bool pending() const { return status == TransferStatus::kPending; }
+  bool done() const { return status == TransferStatus::kDone; }
+  bool failed() const { return status == TransferStatus::kFailed; }
+};
+
+}  // namespace pd::xfer
