@@ -1,0 +1,106 @@
+#include "router/request_rewrite.h"
+
+namespace pd::router {
+
+Result<ClientRequest> parse_client_request(std::string_view body) {
+  ClientRequest request;
+  request.body = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (request.body.is_discarded()) return invalid_argument("request body is not valid JSON");
+  if (!request.body.is_object()) return invalid_argument("request body must be a JSON object");
+  if (auto it = request.body.find("stream"); it != request.body.end() && !it->is_null()) {
+    if (!it->is_boolean()) return invalid_argument("'stream' must be a boolean");
+    request.stream = it->get<bool>();
+  }
+  if (auto it = request.body.find("model"); it != request.body.end() && !it->is_null()) {
+    if (!it->is_string()) return invalid_argument("'model' must be a string");
+    request.model = it->get<std::string>();
+  }
+  request.dropped_kv_transfer_params = request.body.erase("kv_transfer_params") > 0;
+  return request;
+}
+
+std::string format_transfer_id(uint64_t high, uint64_t low) { return fmt::format("{:016x}{:016x}", high, low); }
+
+bool is_transfer_id(std::string_view text) {
+  if (text.size() != 32) return false;
+  for (char c : text) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+nlohmann::json make_producer_body(const nlohmann::json& body, std::string_view transfer_id, TransferMode mode) {
+  nlohmann::json leg = body;
+  leg["max_tokens"] = 1;
+  if (leg.contains("max_completion_tokens")) leg["max_completion_tokens"] = 1;
+  leg["stream"] = false;
+  leg.erase("stream_options");
+  leg["kv_transfer_params"] = {
+      {"transfer_id", transfer_id},
+      {"do_remote_decode", true},
+      {"mode", mode_name(mode)},
+  };
+  return leg;
+}
+
+nlohmann::json make_write_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
+                                        const InstanceInfo& producer) {
+  nlohmann::json leg = body;
+  leg["kv_transfer_params"] = {
+      {"transfer_id", transfer_id},
+      {"do_remote_prefill", true},
+      {"mode", "write"},
+      {"remote_instance_id", producer.instance_id},
+      {"remote_control", producer.control ? producer.control->to_string() : std::string()},
+      {"remote_boot_nonce", producer.boot_nonce},
+  };
+  return leg;
+}
+
+namespace {
+
+bool is_non_negative_integer(const nlohmann::json& value) {
+  return value.is_number_unsigned() || (value.is_number_integer() && value.get<int64_t>() >= 0);
+}
+
+}  // namespace
+
+Result<nlohmann::json> make_read_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
+                                               const nlohmann::json& producer_response,
+                                               std::string_view expected_producer_id) {
+  if (!producer_response.is_object()) return invalid_argument("producer response is not a JSON object");
+  auto params_it = producer_response.find("kv_transfer_params");
+  if (params_it == producer_response.end() || !params_it->is_object()) {
+    return invalid_argument("producer response has no kv_transfer_params object");
+  }
+  const nlohmann::json& params = *params_it;
+  auto id_it = params.find("transfer_id");
+  if (id_it == params.end() || !id_it->is_string() || id_it->get_ref<const std::string&>() != transfer_id) {
+    return invalid_argument("producer kv_transfer_params.transfer_id does not match the minted {}", transfer_id);
+  }
+  auto require = [&](const char* key, auto check, const char* what) -> Status {
+    auto it = params.find(key);
+    if (it == params.end() || !check(*it)) return invalid_argument("producer kv_transfer_params.{} must be {}", key, what);
+    return Status::Ok();
+  };
+  PD_RETURN_IF_ERROR(require("remote_instance_id", [](const nlohmann::json& v) { return v.is_string(); }, "a string"));
+  PD_RETURN_IF_ERROR(require("remote_control", [](const nlohmann::json& v) { return v.is_string(); }, "a string"));
+  PD_RETURN_IF_ERROR(
+      require("remote_boot_nonce", is_non_negative_integer, "an unsigned integer"));
+  PD_RETURN_IF_ERROR(require("block_ids", [](const nlohmann::json& v) { return v.is_array(); }, "an array"));
+  PD_RETURN_IF_ERROR(
+      require("num_tokens", is_non_negative_integer, "an unsigned integer"));
+  if (!expected_producer_id.empty() && params["remote_instance_id"].get_ref<const std::string&>() != expected_producer_id) {
+    return invalid_argument("producer kv_transfer_params.remote_instance_id '{}' is not the chosen producer '{}'",
+                            params["remote_instance_id"].get<std::string>(), expected_producer_id);
+  }
+  nlohmann::json leg = body;
+  nlohmann::json consumer_params = params;
+  consumer_params["do_remote_prefill"] = true;
+  consumer_params["mode"] = "read";
+  consumer_params.erase("do_remote_decode");
+  leg["kv_transfer_params"] = std::move(consumer_params);
+  return leg;
+}
+
+}  // namespace pd::router

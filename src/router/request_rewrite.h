@@ -1,0 +1,51 @@
+// Request rewriting for the P/D legs (pd_contract.md "Request legs"). Pure
+// JSON in, JSON out. The client's own kv_transfer_params are removed when the
+// request is parsed, so no later step can forward them by accident.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+#include "router/instance_info.h"
+
+namespace pd::router {
+
+struct ClientRequest {
+  nlohmann::json body;  // a JSON object, never containing "kv_transfer_params"
+  bool stream = false;
+  std::string model;  // empty when the client sent none
+  bool dropped_kv_transfer_params = false;
+};
+
+// Parses a completions / chat completions body. Only what the router relies
+// on is checked (an object; "stream" a bool; "model" a string); the engine
+// validates the rest and its 400 reaches the client unchanged.
+Result<ClientRequest> parse_client_request(std::string_view body);
+
+// 32 lowercase hex chars from 128 random bits.
+std::string format_transfer_id(uint64_t high, uint64_t low);
+bool is_transfer_id(std::string_view text);
+
+// Producer leg: max_tokens (and max_completion_tokens) = 1, stream = false,
+// no stream_options, kv_transfer_params = {transfer_id, do_remote_decode, mode}.
+nlohmann::json make_producer_body(const nlohmann::json& body, std::string_view transfer_id, TransferMode mode);
+
+// WRITE consumer leg: the body as the client sent it plus the producer's address.
+// Precondition: producer.control is set (a P/D producer always has one).
+nlohmann::json make_write_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
+                                        const InstanceInfo& producer);
+
+// READ consumer leg from the producer's response: its kv_transfer_params must
+// be an object with transfer_id == `transfer_id` and the fields the consumer
+// needs to pull (remote_instance_id, remote_control, remote_boot_nonce,
+// block_ids, num_tokens). When `expected_producer_id` is not empty, the
+// response must name that producer.
+Result<nlohmann::json> make_read_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
+                                               const nlohmann::json& producer_response,
+                                               std::string_view expected_producer_id);
+
+}  // namespace pd::router

@@ -1,0 +1,118 @@
+#include "router/request_rewrite.h"
+
+#include <gtest/gtest.h>
+
+namespace pd::router {
+namespace {
+
+constexpr std::string_view kTransferId = "0123456789abcdef0123456789abcdef";
+
+TEST(ParseClientRequest, DropsClientKvTransferParams) {
+  auto request = parse_client_request(
+      R"({"model":"m","prompt":"hi","stream":true,"kv_transfer_params":{"remote_control":"evil:1"}})");
+  ASSERT_TRUE(request.ok());
+  EXPECT_TRUE(request->dropped_kv_transfer_params);
+  EXPECT_FALSE(request->body.contains("kv_transfer_params"));
+  EXPECT_TRUE(request->stream);
+  EXPECT_EQ(request->model, "m");
+}
+
+TEST(ParseClientRequest, RejectsWhatTheRouterCannotRoute) {
+  EXPECT_FALSE(parse_client_request("{not json").ok());
+  EXPECT_FALSE(parse_client_request("[1,2]").ok());
+  EXPECT_FALSE(parse_client_request(R"({"stream":"yes"})").ok());
+  EXPECT_FALSE(parse_client_request(R"({"model":5})").ok());
+  auto plain = parse_client_request(R"({"prompt":"x","stream":null})");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain->stream);
+  EXPECT_FALSE(plain->dropped_kv_transfer_params);
+}
+
+TEST(TransferId, FormatsAs32LowercaseHex) {
+  std::string id = format_transfer_id(0xfedcba9876543210ull, 1);
+  EXPECT_EQ(id, "fedcba98765432100000000000000001");
+  EXPECT_TRUE(is_transfer_id(id));
+  EXPECT_FALSE(is_transfer_id("FEDCBA98765432100000000000000001"));
+  EXPECT_FALSE(is_transfer_id("abc"));
+}
+
+TEST(ProducerBody, IsOneTokenNonStreamingWithRouterParams) {
+  nlohmann::json body = {{"model", "m"},
+                         {"prompt", "hi"},
+                         {"max_tokens", 50},
+                         {"max_completion_tokens", 50},
+                         {"stream", true},
+                         {"stream_options", {{"include_usage", true}}}};
+  nlohmann::json leg = make_producer_body(body, kTransferId, TransferMode::kRead);
+  EXPECT_EQ(leg["max_tokens"], 1);
+  EXPECT_EQ(leg["max_completion_tokens"], 1);
+  EXPECT_EQ(leg["stream"], false);
+  EXPECT_FALSE(leg.contains("stream_options"));
+  EXPECT_EQ(leg["kv_transfer_params"],
+            (nlohmann::json{{"transfer_id", kTransferId}, {"do_remote_decode", true}, {"mode", "read"}}));
+  EXPECT_EQ(leg["prompt"], "hi");
+  EXPECT_EQ(body["max_tokens"], 50) << "the client's body is not modified";
+}
+
+TEST(ProducerBody, DoesNotInventMaxCompletionTokens) {
+  nlohmann::json leg = make_producer_body({{"prompt", "x"}}, kTransferId, TransferMode::kWrite);
+  EXPECT_FALSE(leg.contains("max_completion_tokens"));
+  EXPECT_EQ(leg["kv_transfer_params"]["mode"], "write");
+}
+
+TEST(WriteConsumerBody, KeepsClientStreamingAndNamesTheProducer) {
+  InstanceInfo producer;
+  producer.instance_id = "p0";
+  producer.control = HostPort{"127.0.0.1", 9100};
+  producer.boot_nonce = 77;
+  nlohmann::json body = {{"prompt", "hi"}, {"stream", true}, {"max_tokens", 8}};
+  nlohmann::json leg = make_write_consumer_body(body, kTransferId, producer);
+  EXPECT_EQ(leg["stream"], true);
+  EXPECT_EQ(leg["max_tokens"], 8);
+  EXPECT_EQ(leg["kv_transfer_params"], (nlohmann::json{{"transfer_id", kTransferId},
+                                                        {"do_remote_prefill", true},
+                                                        {"mode", "write"},
+                                                        {"remote_instance_id", "p0"},
+                                                        {"remote_control", "127.0.0.1:9100"},
+                                                        {"remote_boot_nonce", 77}}));
+}
+
+nlohmann::json producer_response(std::string_view transfer_id) {
+  return {{"choices", nlohmann::json::array()},
+          {"kv_transfer_params",
+           {{"transfer_id", transfer_id},
+            {"remote_instance_id", "p0"},
+            {"remote_control", "127.0.0.1:9100"},
+            {"remote_boot_nonce", 5},
+            {"block_ids", {1, 2, 3}},
+            {"num_tokens", 40},
+            {"do_remote_decode", true}}}};
+}
+
+TEST(ReadConsumerBody, CarriesTheProducersParamsPlusRemotePrefill) {
+  auto leg = make_read_consumer_body({{"prompt", "hi"}}, kTransferId, producer_response(kTransferId), "p0");
+  ASSERT_TRUE(leg.ok()) << leg.status().to_string();
+  const nlohmann::json& params = (*leg)["kv_transfer_params"];
+  EXPECT_EQ(params["transfer_id"], kTransferId);
+  EXPECT_EQ(params["do_remote_prefill"], true);
+  EXPECT_EQ(params["mode"], "read");
+  EXPECT_EQ(params["block_ids"], (nlohmann::json{1, 2, 3}));
+  EXPECT_EQ(params["num_tokens"], 40);
+  EXPECT_FALSE(params.contains("do_remote_decode"));
+}
+
+TEST(ReadConsumerBody, FailsOnAnotherTransferIdOrMissingFields) {
+  EXPECT_FALSE(
+      make_read_consumer_body({}, kTransferId, producer_response("ffffffffffffffffffffffffffffffff"), "").ok());
+  EXPECT_FALSE(make_read_consumer_body({}, kTransferId, producer_response(kTransferId), "p1").ok());
+  for (const char* key : {"remote_instance_id", "remote_control", "remote_boot_nonce", "block_ids", "num_tokens"}) {
+    nlohmann::json response = producer_response(kTransferId);
+    response["kv_transfer_params"].erase(key);
+    EXPECT_FALSE(make_read_consumer_body({}, kTransferId, response, "").ok()) << key;
+  }
+  EXPECT_FALSE(make_read_consumer_body({}, kTransferId, nlohmann::json{{"choices", 1}}, "").ok());
+  EXPECT_FALSE(make_read_consumer_body({}, kTransferId, nlohmann::json::array(), "").ok());
+}
+
+}  // namespace
+}  // namespace pd::router
