@@ -1,0 +1,67 @@
+// Registration with pdrouter (pd_contract.md): a dedicated thread sends the
+// instance record over a ZMQ DEALER every interval. Model work never runs on
+// this thread, so a busy engine cannot starve it; a dead router cannot block it
+// (non-blocking sends into a small bounded queue, linger 0).
+#pragma once
+
+#include <zmq.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/curve_auth.h"
+#include "common/status.h"
+
+namespace pd::connector {
+
+struct RegistrationRecord {
+  std::string role;  // "producer" | "consumer" | "both"
+  std::string http;  // "host:port"
+  std::string control;
+  std::string instance_id;
+  uint64_t boot_nonce = 0;
+  int32_t tp_size = 1;
+  int32_t dp_size = 1;
+  std::string mode;  // "read" | "write"
+  std::string model;
+};
+
+// The msgpack frame the router expects: {"v":1,"type":"register", ...record}.
+std::vector<uint8_t> encode_registration(const RegistrationRecord& record);
+
+class RegistrationHeartbeat {
+ public:
+  // router_address: "host:port" of the router's ROUTER socket.
+  static Result<std::unique_ptr<RegistrationHeartbeat>> start(RegistrationRecord record, std::string router_address,
+                                                               int64_t interval_ms,
+                                                               std::optional<auth::CurveKeys> curve);
+  ~RegistrationHeartbeat();
+  RegistrationHeartbeat(const RegistrationHeartbeat&) = delete;
+  RegistrationHeartbeat& operator=(const RegistrationHeartbeat&) = delete;
+
+  uint64_t num_sent() const { return num_sent_.load(); }
+  uint64_t num_dropped() const { return num_dropped_.load(); }
+
+ private:
+  RegistrationHeartbeat() = default;
+  void run();
+
+  std::vector<uint8_t> frame_;
+  int64_t interval_ms_ = 3'000;
+  zmq::context_t context_{1};
+  zmq::socket_t socket_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::atomic<uint64_t> num_sent_{0};
+  std::atomic<uint64_t> num_dropped_{0};
+  std::thread thread_;
+};
+
+}  // namespace pd::connector

@@ -1,0 +1,81 @@
+// Control-plane messages between connectors (DESIGN.md §3.3).
+//
+// One ZMQ frame = one msgpack map {"v": kProtocolVersion, "type": ..., "instance_id": ...,
+// "boot_nonce": ..., <type fields>}. Decoding is strict: unknown versions, unknown
+// types, unknown or missing keys, wrong types, out-of-range sizes and ids are all
+// refused with a message naming the field. Callers count and drop refused frames.
+//
+//   meta / meta_ok  handshake: engine descriptor, per-layer memory descriptors, KV layout
+//                   fingerprint, number of blocks (bounds for block ids)
+//   blocks          consumer -> producer (WRITE): destination block ids of a transfer
+//   read            consumer -> producer (READ): the producer block ids it will read;
+//                   the producer checks they are the ones it holds for that transfer
+//   read_ok         producer -> consumer (READ): ids confirmed, hold extended
+//   done            producer -> consumer (WRITE): all writes completed (ok) or failed
+//   abort           either way: the transfer is cancelled
+//   release         consumer -> producer (READ): reads finished, free the blocks
+//   error           either way: a refusal (layout mismatch, unknown transfer, ...)
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace pd::connector {
+
+inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr size_t kMaxFrameBytes = 8u << 20;
+inline constexpr size_t kMaxInstanceIdBytes = 128;
+inline constexpr size_t kMaxBlocksPerTransfer = 1u << 20;
+inline constexpr size_t kMaxLayers = 1024;
+inline constexpr size_t kMaxDescriptorBytes = 64u << 10;
+inline constexpr size_t kMaxTextBytes = 1024;
+
+enum class MessageType : uint8_t { kMeta, kMetaOk, kBlocks, kRead, kReadOk, kDone, kAbort, kRelease, kError };
+const char* message_type_name(MessageType type);
+
+// What must match between producer and consumer for KV bytes to mean the same thing.
+struct KvFingerprint {
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  std::string dtype;  // "float32" | "bfloat16" | "float16"
+  int32_t block_size = 0;
+  int32_t tp_size = 1;
+  bool operator==(const KvFingerprint&) const = default;
+};
+// Ok when equal; else kFailedPrecondition naming every field that differs (local vs remote).
+Status check_layout_compatible(const KvFingerprint& local, const KvFingerprint& remote);
+
+// True for exactly 32 hex digits (the router's transfer ids).
+bool is_valid_transfer_id(std::string_view id);
+
+// One decoded message. Fields not used by `type` stay default.
+struct ControlMessage {
+  MessageType type = MessageType::kError;
+  std::string instance_id;  // sender
+  uint64_t boot_nonce = 0;  // sender
+  int32_t tp_rank = 0;
+  // meta, meta_ok
+  std::vector<uint8_t> engine_desc;               // xfer::encode(EngineDesc)
+  std::vector<std::vector<uint8_t>> layer_descs;  // xfer::encode(MemDesc), one per layer
+  KvFingerprint fingerprint;
+  int32_t num_blocks = 0;
+  // blocks, read, read_ok, done, abort, release, error (error: may be empty)
+  std::string transfer_id;
+  std::vector<int32_t> block_ids;  // blocks, read
+  int32_t num_skip_blocks = 0;     // blocks: leading prompt blocks the consumer already has
+  int32_t num_tokens = 0;          // blocks, read, done
+  bool ok = false;                 // done
+  std::string text;                // abort reason, done/error message
+};
+
+std::vector<uint8_t> encode_message(const ControlMessage& message);
+// Refuses anything malformed (kInvalidArgument with the field named).
+Result<ControlMessage> decode_message(std::span<const uint8_t> frame);
+
+}  // namespace pd::connector

@@ -1,0 +1,751 @@
+#include "connector/transfer_state.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "connector/transfer_params.h"
+
+namespace pd::connector {
+
+// ============================================================================
+// Producer
+// ============================================================================
+
+Status ProducerTransfers::start(const std::string& transfer_id, const std::string& request_id, bool read_mode,
+                                int32_t num_prompt_tokens, int64_t now_ms) {
+  if (transfers_.count(transfer_id)) {
+    return failed_precondition("transfer {} is already active on this producer", transfer_id);
+  }
+  Transfer& t = transfers_[transfer_id];
+  t.request_id = request_id;
+  t.read_mode = read_mode;
+  t.num_prompt_tokens = num_prompt_tokens;
+  t.layer_ready.assign(static_cast<size_t>(num_layers_), false);
+  t.layer_posted.assign(static_cast<size_t>(num_layers_), false);
+  auto early = early_blocks_.find(transfer_id);
+  if (early != early_blocks_.end()) {
+    EarlyBlocks buffered = std::move(early->second);
+    early_blocks_.erase(early);
+    on_blocks(buffered.from, buffered.msg, buffered.peer_num_blocks, now_ms);
+  }
+  return Status::Ok();
+}
+
+void ProducerTransfers::send(const PeerRef& to, MessageType type, const std::string& transfer_id, std::string text,
+                             bool ok, int32_t num_tokens) {
+  OutgoingMessage out;
+  out.to = to.key;
+  out.message.type = type;
+  out.message.transfer_id = transfer_id;
+  out.message.text = std::move(text);
+  out.message.ok = ok;
+  out.message.num_tokens = num_tokens;
+  actions_.sends.push_back(std::move(out));
+}
+
+Status ProducerTransfers::attach_destination(Transfer& t, const std::string& transfer_id, const PeerRef& from,
+                                             const ControlMessage& msg, int32_t peer_num_blocks) {
+  if (msg.num_tokens != t.num_prompt_tokens) {
+    return invalid_argument("transfer {}: blocks for {} tokens, the prompt has {}", transfer_id, msg.num_tokens,
+                            t.num_prompt_tokens);
+  }
+  // The consumer computes the last prompt token itself: it needs KV for n - 1 tokens.
+  const int32_t needed = blocks_for_tokens(t.num_prompt_tokens - 1, block_size_);
+  if (msg.num_skip_blocks > needed ||
+      static_cast<int64_t>(msg.block_ids.size()) != static_cast<int64_t>(needed) - msg.num_skip_blocks) {
+    return invalid_argument("transfer {}: {} destination blocks after skipping {}, expected {}", transfer_id,
+                            msg.block_ids.size(), msg.num_skip_blocks, needed - std::min(needed, msg.num_skip_blocks));
+  }
+  std::unordered_set<int32_t> seen;
+  for (int32_t id : msg.block_ids) {
+    if (id < 0 || id >= peer_num_blocks) {
+      return out_of_range("transfer {}: destination block {} outside the consumer's {} blocks", transfer_id, id,
+                          peer_num_blocks);
+    }
+    if (!seen.insert(id).second) return invalid_argument("transfer {}: destination block {} repeated", transfer_id, id);
+  }
+  t.dest = Destination{from, msg.block_ids, msg.num_skip_blocks};
+  return Status::Ok();
+}
+
+void ProducerTransfers::on_blocks(const PeerRef& from, const ControlMessage& msg, int32_t peer_num_blocks,
+                                  int64_t now_ms) {
+  auto it = transfers_.find(msg.transfer_id);
+  if (it == transfers_.end() && closed_set_.count(msg.transfer_id)) {
+    send(from, MessageType::kAbort, msg.transfer_id, "transfer already ended on the producer");
+    return;
+  }
+  if (it == transfers_.end()) {
+    // The consumer's leg can beat ours: keep the ids until our request arrives.
+    if (early_blocks_.count(msg.transfer_id) || early_blocks_.size() >= kMaxEarlyBlocks) {
+      ++actions_.num_refused;
+      send(from, MessageType::kAbort, msg.transfer_id, "duplicate or too many unclaimed block lists");
+      return;
+    }
+    early_blocks_[msg.transfer_id] = EarlyBlocks{from, msg, peer_num_blocks, now_ms + timeouts_.defer_timeout_ms};
+    return;
+  }
+  Transfer& t = it->second;
+  if (t.read_mode || t.dest) {
+    // Not ours to change: a second list (or one for a READ transfer) is refused, the
+    // transfer keeps its first destination.
+    ++actions_.num_refused;
+    send(from, MessageType::kError, msg.transfer_id,
+         t.read_mode ? "blocks sent for a READ transfer" : "destination blocks already received");
+    return;
+  }
+  if (t.failed) {
+    send(from, MessageType::kAbort, msg.transfer_id, "transfer already failed on the producer");
+    return;
+  }
+  Status status = attach_destination(t, msg.transfer_id, from, msg, peer_num_blocks);
+  if (!status.ok()) {
+    ++actions_.num_refused;
+    t.failed = true;
+    ++actions_.num_failed;
+    send(from, MessageType::kAbort, msg.transfer_id, status.message());
+    maybe_finish(msg.transfer_id);
+    return;
+  }
+  post_ready_layers(msg.transfer_id, t);
+  maybe_finish(msg.transfer_id);
+}
+
+void ProducerTransfers::post_ready_layers(const std::string& transfer_id, Transfer& t) {
+  if (!t.dest || t.failed) return;
+  for (int32_t layer = 0; layer < num_layers_; ++layer) {
+    if (!t.layer_ready[layer] || t.layer_posted[layer]) continue;
+    t.layer_posted[layer] = true;
+    if (t.dest->block_ids.empty()) continue;  // the consumer had every block already
+    ++t.num_in_flight;
+    actions_.writes.push_back({transfer_id, layer});
+  }
+}
+
+void ProducerTransfers::begin_final_step(const std::string& transfer_id, std::vector<int32_t> local_block_ids) {
+  auto it = transfers_.find(transfer_id);
+  if (it != transfers_.end()) it->second.local_block_ids = std::move(local_block_ids);
+}
+
+void ProducerTransfers::on_layer_saved(const std::string& transfer_id, int32_t layer) {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end() || layer < 0 || layer >= num_layers_) return;
+  it->second.layer_ready[layer] = true;
+  post_ready_layers(transfer_id, it->second);
+}
+
+void ProducerTransfers::on_forward_done(const std::string& transfer_id, bool ok) {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) return;
+  Transfer& t = it->second;
+  if (!ok) {
+    fail(transfer_id, t, "forward pass failed");
+    return;
+  }
+  // Sealed: every layer's KV exists now, so the expected write count is num_layers.
+  t.phase = Phase::kKvReady;
+  std::fill(t.layer_ready.begin(), t.layer_ready.end(), true);
+  post_ready_layers(transfer_id, t);
+  maybe_finish(transfer_id);
+}
+
+bool ProducerTransfers::request_finished(const std::string& transfer_id, const std::vector<int32_t>& block_ids,
+                                         bool kv_complete, int64_t now_ms) {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) return false;
+  it->second.finished = true;
+  if (it->second.local_block_ids.empty()) it->second.local_block_ids = block_ids;
+  if (!kv_complete || it->second.phase != Phase::kKvReady) {
+    fail(transfer_id, it->second, "request finished before its KV was computed");
+    it = transfers_.find(transfer_id);
+    if (it == transfers_.end()) return false;  // nothing in flight: the blocks are free now
+    it->second.holding = true;                 // writes in flight: released when they end
+    return true;
+  }
+  Transfer& t = it->second;
+  t.holding = true;
+  t.deadline_ms = now_ms + (t.read_mode ? timeouts_.transfer_timeout_ms : timeouts_.defer_timeout_ms);
+  maybe_finish(transfer_id);
+  return true;
+}
+
+void ProducerTransfers::on_write_done(const std::string& transfer_id, int32_t layer, bool ok) {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) return;
+  Transfer& t = it->second;
+  if (t.num_in_flight > 0) --t.num_in_flight;
+  if (!ok) fail(transfer_id, t, fmt::format("write of layer {} failed", layer));
+  else maybe_finish(transfer_id);
+}
+
+void ProducerTransfers::fail(const std::string& transfer_id, Transfer& t, const std::string& reason) {
+  if (!t.failed) {
+    t.failed = true;
+    t.failure = reason;
+    ++actions_.num_failed;
+  }
+  maybe_finish(transfer_id);
+}
+
+void ProducerTransfers::maybe_finish(const std::string& transfer_id) {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) return;
+  Transfer& t = it->second;
+  if (t.num_in_flight > 0) return;  // the one release path waits for in-flight writes
+  if (t.failed) {
+    // "done" (ok or not) promises no more writes, which is why it waits for in-flight ones.
+    if (t.dest && !t.done_sent && !t.consumer_aborted) {
+      send(t.dest->peer, MessageType::kDone, transfer_id, t.failure, /*ok=*/false, t.num_prompt_tokens);
+      t.done_sent = true;
+    }
+    if (t.holding) actions_.released_request_ids.push_back(t.request_id);
+    if (t.holding || t.finished) {
+      remember_closed(transfer_id);
+      transfers_.erase(it);
+    }
+    return;
+  }
+  if (t.read_mode) return;  // READ ends on release or timeout
+  const bool all_posted = std::all_of(t.layer_posted.begin(), t.layer_posted.end(), [](bool b) { return b; });
+  if (t.dest && t.phase == Phase::kKvReady && all_posted && !t.done_sent) {
+    send(t.dest->peer, MessageType::kDone, transfer_id, {}, /*ok=*/true, t.num_prompt_tokens);
+    t.done_sent = true;
+    ++actions_.num_completed;
+  }
+  if (t.done_sent && (t.holding || t.finished)) {
+    if (t.holding) actions_.released_request_ids.push_back(t.request_id);
+    remember_closed(transfer_id);
+    transfers_.erase(it);
+  }
+}
+
+void ProducerTransfers::remember_closed(const std::string& transfer_id) {
+  if (closed_set_.insert(transfer_id).second) closed_order_.push_back(transfer_id);
+  while (closed_order_.size() > kMaxEarlyBlocks) {
+    closed_set_.erase(closed_order_.front());
+    closed_order_.pop_front();
+  }
+}
+
+void ProducerTransfers::on_read(const PeerRef& from, const ControlMessage& msg, int64_t now_ms) {
+  auto it = transfers_.find(msg.transfer_id);
+  std::string refusal;
+  if (it == transfers_.end()) refusal = "unknown transfer (expired or never started)";
+  else if (!it->second.read_mode) refusal = "read for a WRITE transfer";
+  else if (!it->second.holding || it->second.failed) refusal = "transfer has no KV held";
+  else if (it->second.reader && !(*it->second.reader == from)) refusal = "transfer is being read by another peer";
+  else if (msg.num_tokens != it->second.num_prompt_tokens) refusal = "num_tokens does not match the transfer";
+  else {
+    const auto& held = it->second.local_block_ids;
+    std::unordered_set<int32_t> seen;
+    for (int32_t id : msg.block_ids) {
+      if (std::find(held.begin(), held.end(), id) == held.end() || !seen.insert(id).second) {
+        refusal = fmt::format("block {} does not belong to transfer {}", id, msg.transfer_id);
+        break;
+      }
+    }
+  }
+  if (!refusal.empty()) {
+    ++actions_.num_refused;
+    send(from, MessageType::kError, msg.transfer_id, refusal);
+    return;
+  }
+  Transfer& t = it->second;
+  t.reader = from;
+  t.deadline_ms = now_ms + timeouts_.transfer_timeout_ms;
+  send(from, MessageType::kReadOk, msg.transfer_id);
+}
+
+void ProducerTransfers::on_release(const PeerRef& from, const ControlMessage& msg) {
+  auto it = transfers_.find(msg.transfer_id);
+  if (it == transfers_.end() || !it->second.read_mode || !it->second.holding ||
+      (it->second.reader && !(*it->second.reader == from))) {
+    if (!closed_set_.count(msg.transfer_id)) ++actions_.num_refused;
+    return;
+  }
+  actions_.released_request_ids.push_back(it->second.request_id);
+  ++actions_.num_completed;
+  remember_closed(msg.transfer_id);
+  transfers_.erase(it);
+}
+
+void ProducerTransfers::on_abort(const PeerRef& from, const ControlMessage& msg) {
+  auto early = early_blocks_.find(msg.transfer_id);
+  if (early != early_blocks_.end() && early->second.from == from) {
+    early_blocks_.erase(early);
+    remember_closed(msg.transfer_id);
+    return;
+  }
+  auto it = transfers_.find(msg.transfer_id);
+  if (it == transfers_.end()) return;
+  Transfer& t = it->second;
+  if (t.read_mode) {
+    if (t.reader && !(*t.reader == from)) {
+      ++actions_.num_refused;
+      return;
+    }
+    if (t.holding) {
+      actions_.released_request_ids.push_back(t.request_id);
+      remember_closed(msg.transfer_id);
+      transfers_.erase(it);
+    } else {
+      t.consumer_aborted = true;
+      fail(msg.transfer_id, t, "consumer aborted");
+    }
+    return;
+  }
+  if (t.dest && !(t.dest->peer == from)) {
+    ++actions_.num_refused;
+    return;
+  }
+  t.consumer_aborted = true;
+  fail(msg.transfer_id, t, "consumer aborted: " + msg.text);
+}
+
+void ProducerTransfers::on_peer_gone(const std::string& instance_id, uint64_t boot_nonce) {
+  for (auto it = early_blocks_.begin(); it != early_blocks_.end();) {
+    if (it->second.from.instance_id == instance_id && it->second.from.boot_nonce == boot_nonce) it = early_blocks_.erase(it);
+    else ++it;
+  }
+  std::vector<std::string> doomed;
+  for (auto& [id, t] : transfers_) {
+    if (t.dest && t.dest->peer.instance_id == instance_id && t.dest->peer.boot_nonce == boot_nonce) doomed.push_back(id);
+  }
+  for (const auto& id : doomed) {
+    auto it = transfers_.find(id);
+    if (it == transfers_.end()) continue;
+    it->second.consumer_aborted = true;  // nobody to tell
+    fail(id, it->second, "consumer instance restarted or gone");
+  }
+}
+
+void ProducerTransfers::tick(int64_t now_ms) {
+  for (auto it = early_blocks_.begin(); it != early_blocks_.end();) {
+    if (now_ms >= it->second.deadline_ms) {
+      ++actions_.num_timeouts;
+      send(it->second.from, MessageType::kAbort, it->first, "the producer never received this transfer's request");
+      remember_closed(it->first);
+      it = early_blocks_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  std::vector<std::string> expired;
+  for (auto& [id, t] : transfers_) {
+    if (!t.holding || t.failed || now_ms < t.deadline_ms) continue;
+    // WRITE: only while no destination arrived (writes in flight are bounded by xfer).
+    if (t.read_mode || !t.dest) expired.push_back(id);
+  }
+  for (const auto& id : expired) {
+    auto it = transfers_.find(id);
+    ++actions_.num_timeouts;
+    actions_.released_request_ids.push_back(it->second.request_id);
+    remember_closed(id);
+    transfers_.erase(it);
+  }
+}
+
+ProducerActions ProducerTransfers::take_actions() {
+  ProducerActions out = std::move(actions_);
+  actions_ = ProducerActions{};
+  return out;
+}
+
+const ProducerTransfers::Destination* ProducerTransfers::destination(const std::string& transfer_id) const {
+  auto it = transfers_.find(transfer_id);
+  return it == transfers_.end() || !it->second.dest ? nullptr : &*it->second.dest;
+}
+
+const std::vector<int32_t>* ProducerTransfers::local_blocks(const std::string& transfer_id) const {
+  auto it = transfers_.find(transfer_id);
+  return it == transfers_.end() ? nullptr : &it->second.local_block_ids;
+}
+
+size_t ProducerTransfers::num_blocks_held() const {
+  size_t total = 0;
+  for (const auto& [id, t] : transfers_) {
+    if (t.holding) total += t.local_block_ids.size();
+  }
+  return total;
+}
+
+std::optional<std::string> ProducerTransfers::transfer_of_request(const std::string& request_id) const {
+  for (const auto& [id, t] : transfers_) {
+    if (t.request_id == request_id && !t.finished) return id;
+  }
+  return std::nullopt;
+}
+
+}  // namespace pd::connector
+
+namespace pd::connector {
+
+// ============================================================================
+// Consumer
+// ============================================================================
+
+void ConsumerTransfers::send(const std::string& control, MessageType type, const std::string& transfer_id,
+                             std::string text) {
+  OutgoingMessage out;
+  out.to = dealer_peer_key(control);
+  out.message.type = type;
+  out.message.transfer_id = transfer_id;
+  out.message.text = std::move(text);
+  actions_.sends.push_back(std::move(out));
+}
+
+int32_t ConsumerTransfers::admit(const std::string& request_id, Params params, int32_t num_local_computed_tokens,
+                                 int32_t num_prompt_tokens, int64_t now_ms) {
+  const std::string transfer_id = params.transfer_id;
+  if (transfers_.count(transfer_id) || by_request_.count(request_id)) {
+    ++actions_.num_refused;
+    return -1;
+  }
+  const int32_t num_external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
+  Transfer& t = transfers_[transfer_id];
+  t.request_id = request_id;
+  t.params = std::move(params);
+  t.num_prompt_tokens = num_prompt_tokens;
+  t.num_skip_blocks = num_local_computed_tokens / block_size_;
+  if (num_external == 0) {
+    // Everything is here already: tell the producer to let go, run as a normal request.
+    t.phase = Phase::kNotifyOnly;
+    t.request_live = false;
+    ensure_peer(transfer_id, t, now_ms);
+    return 0;
+  }
+  by_request_[request_id] = transfer_id;
+  return num_external;
+}
+
+void ConsumerTransfers::allocated(const std::string& request_id, const std::vector<int32_t>& block_table,
+                                  int32_t num_local_computed_tokens, int32_t num_external_tokens, int64_t now_ms) {
+  auto r = by_request_.find(request_id);
+  if (r == by_request_.end()) return;
+  Transfer& t = transfers_.at(r->second);
+  t.num_skip_blocks = num_local_computed_tokens / block_size_;
+  const int32_t end = blocks_for_tokens(num_local_computed_tokens + num_external_tokens, block_size_);
+  if (end > static_cast<int32_t>(block_table.size()) ||
+      (t.params.read_mode && end > static_cast<int32_t>(t.params.remote_block_ids.size()))) {
+    finish(r->second, t, false, "block table shorter than the external range");
+    return;
+  }
+  t.local_block_ids.assign(block_table.begin() + t.num_skip_blocks, block_table.begin() + end);
+  if (t.params.read_mode) {
+    t.read_remote_ids.assign(t.params.remote_block_ids.begin() + t.num_skip_blocks,
+                             t.params.remote_block_ids.begin() + end);
+  }
+  ensure_peer(r->second, t, now_ms);
+}
+
+void ConsumerTransfers::ensure_peer(const std::string& transfer_id, Transfer& t, int64_t now_ms) {
+  if (t.phase != Phase::kNotifyOnly) t.phase = Phase::kAwaitingPeer;
+  const std::string& control = t.params.remote_control;
+  auto it = peers_.find(control);
+  if (it != peers_.end() && it->second.phase == PeerPhase::kReady) {
+    if (it->second.boot_nonce == t.params.remote_boot_nonce && it->second.instance_id == t.params.remote_instance_id) {
+      proceed(transfer_id, t, it->second);
+      return;
+    }
+    // The request names another incarnation: the producer restarted. Re-handshake
+    // from a fresh connection; transfers of the old incarnation fail on their own.
+    actions_.dropped_dealers.push_back(control);
+  } else if (it != peers_.end() && it->second.phase == PeerPhase::kHandshaking) {
+    return;
+  }
+  Peer& peer = peers_[control];
+  peer = Peer{};
+  peer.phase = PeerPhase::kHandshaking;
+  peer.deadline_ms = now_ms + timeouts_.handshake_timeout_ms;
+  actions_.handshakes.push_back(control);
+}
+
+void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, const Peer& peer) {
+  const int32_t needed = blocks_for_tokens(t.num_prompt_tokens - 1, block_size_);
+  if (t.phase == Phase::kNotifyOnly) {
+    if (t.params.read_mode) {
+      send(t.params.remote_control, MessageType::kRelease, transfer_id);
+    } else {
+      OutgoingMessage out;
+      out.to = dealer_peer_key(t.params.remote_control);
+      out.message.type = MessageType::kBlocks;
+      out.message.transfer_id = transfer_id;
+      out.message.num_tokens = t.num_prompt_tokens;
+      out.message.num_skip_blocks = needed;
+      actions_.sends.push_back(std::move(out));
+    }
+    transfers_.erase(transfer_id);
+    return;
+  }
+  if (t.params.read_mode) {
+    for (int32_t id : t.read_remote_ids) {
+      if (id >= peer.num_blocks) {
+        finish(transfer_id, t, false, fmt::format("producer block {} outside its {} blocks", id, peer.num_blocks));
+        return;
+      }
+    }
+    OutgoingMessage out;
+    out.to = dealer_peer_key(t.params.remote_control);
+    out.message.type = MessageType::kRead;
+    out.message.transfer_id = transfer_id;
+    out.message.block_ids = t.read_remote_ids;
+    out.message.num_tokens = t.num_prompt_tokens;
+    actions_.sends.push_back(std::move(out));
+    t.phase = Phase::kAwaitingReadOk;
+    return;
+  }
+  OutgoingMessage out;
+  out.to = dealer_peer_key(t.params.remote_control);
+  out.message.type = MessageType::kBlocks;
+  out.message.transfer_id = transfer_id;
+  out.message.block_ids = t.local_block_ids;
+  out.message.num_skip_blocks = t.num_skip_blocks;
+  out.message.num_tokens = t.num_prompt_tokens;
+  actions_.sends.push_back(std::move(out));
+  t.phase = Phase::kWaitingDone;
+  t.data_may_move = true;
+}
+
+void ConsumerTransfers::on_peer_ready(const std::string& control, const std::string& instance_id,
+                                      uint64_t boot_nonce, int32_t peer_num_blocks) {
+  Peer& peer = peers_[control];
+  peer.phase = PeerPhase::kReady;
+  peer.instance_id = instance_id;
+  peer.boot_nonce = boot_nonce;
+  peer.num_blocks = peer_num_blocks;
+  std::vector<std::string> waiting;
+  for (auto& [id, t] : transfers_) {
+    if (t.params.remote_control == control &&
+        (t.phase == Phase::kAwaitingPeer || t.phase == Phase::kNotifyOnly)) {
+      waiting.push_back(id);
+    }
+  }
+  for (const auto& id : waiting) {
+    auto it = transfers_.find(id);
+    if (it == transfers_.end()) continue;
+    Transfer& t = it->second;
+    if (t.params.remote_instance_id != instance_id || t.params.remote_boot_nonce != boot_nonce) {
+      const std::string reason =
+          fmt::format("producer at {} is {} (nonce {}), the request names {} (nonce {})", control, instance_id,
+                      boot_nonce, t.params.remote_instance_id, t.params.remote_boot_nonce);
+      if (t.phase == Phase::kNotifyOnly) transfers_.erase(it);
+      else finish(id, t, false, reason);
+      continue;
+    }
+    proceed(id, t, peer);
+  }
+}
+
+void ConsumerTransfers::on_peer_failed(const std::string& control, const std::string& reason) {
+  Peer& peer = peers_[control];
+  peer.phase = PeerPhase::kFailed;
+  actions_.dropped_dealers.push_back(control);
+  std::vector<std::string> waiting;
+  for (auto& [id, t] : transfers_) {
+    if (t.params.remote_control == control && (t.phase == Phase::kAwaitingPeer || t.phase == Phase::kNotifyOnly)) {
+      waiting.push_back(id);
+    }
+  }
+  for (const auto& id : waiting) {
+    auto it = transfers_.find(id);
+    if (it->second.phase == Phase::kNotifyOnly) transfers_.erase(it);
+    else finish(id, it->second, false, "producer unreachable: " + reason);
+  }
+}
+
+bool ConsumerTransfers::from_producer(const Transfer& t, const PeerRef& from) const {
+  return from.key == dealer_peer_key(t.params.remote_control) && from.instance_id == t.params.remote_instance_id &&
+         from.boot_nonce == t.params.remote_boot_nonce;
+}
+
+void ConsumerTransfers::finish(const std::string& transfer_id, Transfer& t, bool ok, const std::string& reason) {
+  t.phase = Phase::kClosed;
+  if (t.holding) {
+    // The request is gone; this only ends the hold on its blocks.
+    actions_.finished_recving.push_back(t.request_id);
+  } else if (!t.silent && t.request_live) {
+    actions_.finished_recving.push_back(t.request_id);
+    if (ok) {
+      ++actions_.num_completed;
+    } else {
+      actions_.load_failures.push_back({t.request_id, t.local_block_ids, reason});
+    }
+  }
+  auto r = by_request_.find(t.request_id);
+  if (r != by_request_.end() && r->second == transfer_id) by_request_.erase(r);
+  transfers_.erase(transfer_id);
+}
+
+void ConsumerTransfers::on_done(const PeerRef& from, const ControlMessage& msg) {
+  auto it = transfers_.find(msg.transfer_id);
+  if (it == transfers_.end() || it->second.params.read_mode || !from_producer(it->second, from) ||
+      it->second.phase != Phase::kWaitingDone) {
+    ++actions_.num_refused;
+    return;
+  }
+  Transfer& t = it->second;
+  if (msg.ok && msg.num_tokens != t.num_prompt_tokens) {
+    finish(msg.transfer_id, t, false, "done for a different token count");
+    return;
+  }
+  finish(msg.transfer_id, t, msg.ok, msg.ok ? std::string() : "producer failed the transfer: " + msg.text);
+}
+
+void ConsumerTransfers::on_read_ok(const PeerRef& from, const ControlMessage& msg) {
+  auto it = transfers_.find(msg.transfer_id);
+  if (it == transfers_.end() || !it->second.params.read_mode || !from_producer(it->second, from) ||
+      it->second.phase != Phase::kAwaitingReadOk) {
+    ++actions_.num_refused;
+    return;
+  }
+  Transfer& t = it->second;
+  t.phase = Phase::kReading;
+  t.data_may_move = true;
+  t.num_in_flight = num_layers_;
+  for (int32_t layer = 0; layer < num_layers_; ++layer) actions_.reads.push_back({msg.transfer_id, layer});
+}
+
+void ConsumerTransfers::on_read_done(const std::string& transfer_id, int32_t layer, bool ok) {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) return;
+  Transfer& t = it->second;
+  if (t.num_in_flight > 0) --t.num_in_flight;
+  if (!ok && !t.failed) {
+    t.failed = true;
+    t.failure = fmt::format("read of layer {} failed", layer);
+  }
+  if (t.num_in_flight > 0) return;
+  send(t.params.remote_control, MessageType::kRelease, transfer_id);
+  finish(transfer_id, t, !t.failed, t.failure);
+}
+
+void ConsumerTransfers::on_abort_or_error(const PeerRef& from, const ControlMessage& msg) {
+  if (msg.transfer_id.empty()) {
+    // A refusal of our handshake (e.g. layout mismatch) from a producer we dialled.
+    if (is_dealer_peer(from.key)) {
+      const std::string control = from.key.substr(2);
+      auto peer = peers_.find(control);
+      if (peer != peers_.end() && peer->second.phase == PeerPhase::kHandshaking) {
+        on_peer_failed(control, msg.text);
+        return;
+      }
+    }
+    ++actions_.num_refused;
+    return;
+  }
+  auto it = transfers_.find(msg.transfer_id);
+  if (it == transfers_.end() || !from_producer(it->second, from)) {
+    ++actions_.num_refused;
+    return;
+  }
+  Transfer& t = it->second;
+  if (t.phase == Phase::kReading) {
+    // Our reads are still in flight into our blocks; they end the transfer.
+    t.failed = true;
+    t.failure = "producer aborted: " + msg.text;
+    return;
+  }
+  finish(msg.transfer_id, t, false, "producer aborted: " + msg.text);
+}
+
+bool ConsumerTransfers::request_finished(const std::string& request_id, int64_t now_ms) {
+  auto r = by_request_.find(request_id);
+  if (r == by_request_.end()) return false;
+  const std::string transfer_id = r->second;
+  by_request_.erase(r);
+  Transfer& t = transfers_.at(transfer_id);
+  t.request_live = false;
+  if (t.data_may_move) {
+    // A write may still land (or our reads are in flight): keep the blocks until the
+    // producer says it stopped, or transfer_timeout.
+    if (!t.params.read_mode) send(t.params.remote_control, MessageType::kAbort, transfer_id, "request finished");
+    t.holding = true;
+    t.hold_deadline_ms = now_ms + timeouts_.transfer_timeout_ms;
+    return true;
+  }
+  if (t.phase == Phase::kAwaitingReadOk || peer_ready(t.params.remote_control)) {
+    send(t.params.remote_control, MessageType::kAbort, transfer_id, "request finished");
+  }
+  transfers_.erase(transfer_id);
+  return false;
+}
+
+void ConsumerTransfers::on_remote_kv_timeout(const std::string& request_id) {
+  auto r = by_request_.find(request_id);
+  if (r == by_request_.end()) return;
+  const std::string transfer_id = r->second;
+  Transfer& t = transfers_.at(transfer_id);
+  ++actions_.num_timeouts;
+  t.silent = true;  // the engine handles the request; we only look after the blocks
+  if (!t.params.read_mode && (t.data_may_move || peer_ready(t.params.remote_control))) {
+    send(t.params.remote_control, MessageType::kAbort, transfer_id, "consumer timed out waiting for the KV");
+  }
+  if (!t.data_may_move) {
+    by_request_.erase(request_id);
+    transfers_.erase(transfer_id);
+  }
+}
+
+bool ConsumerTransfers::request_preempted(const std::string& request_id, int64_t now_ms) {
+  auto r = by_request_.find(request_id);
+  if (r == by_request_.end()) return false;
+  const std::string transfer_id = r->second;
+  Transfer& t = transfers_.at(transfer_id);
+  if (!t.data_may_move) {
+    by_request_.erase(r);
+    transfers_.erase(transfer_id);
+    return false;
+  }
+  by_request_.erase(r);
+  t.request_live = false;
+  t.holding = true;
+  t.hold_deadline_ms = now_ms + timeouts_.transfer_timeout_ms;
+  if (!t.params.read_mode) send(t.params.remote_control, MessageType::kAbort, transfer_id, "request preempted");
+  return true;
+}
+
+void ConsumerTransfers::tick(int64_t now_ms) {
+  std::vector<std::string> failed_peers;
+  for (auto& [control, peer] : peers_) {
+    if (peer.phase == PeerPhase::kHandshaking && now_ms >= peer.deadline_ms) failed_peers.push_back(control);
+  }
+  for (const auto& control : failed_peers) {
+    ++actions_.num_timeouts;
+    on_peer_failed(control, fmt::format("handshake timed out after {} ms", timeouts_.handshake_timeout_ms));
+  }
+  std::vector<std::string> expired;
+  for (auto& [id, t] : transfers_) {
+    if (t.holding && now_ms >= t.hold_deadline_ms) expired.push_back(id);
+  }
+  for (const auto& id : expired) {
+    ++actions_.num_timeouts;
+    Transfer& t = transfers_.at(id);
+    finish(id, t, false, "hold timed out");
+  }
+}
+
+ConsumerActions ConsumerTransfers::take_actions() {
+  ConsumerActions out = std::move(actions_);
+  actions_ = ConsumerActions{};
+  return out;
+}
+
+std::optional<ConsumerTransfers::TransferView> ConsumerTransfers::view(const std::string& transfer_id) const {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) return std::nullopt;
+  return TransferView{it->second.request_id, it->second.params.read_mode, it->second.params.remote_control,
+                      it->second.local_block_ids, it->second.read_remote_ids};
+}
+
+bool ConsumerTransfers::peer_ready(const std::string& control) const {
+  auto it = peers_.find(control);
+  return it != peers_.end() && it->second.phase == PeerPhase::kReady;
+}
+
+std::optional<std::string> ConsumerTransfers::transfer_of_request(const std::string& request_id) const {
+  auto it = by_request_.find(request_id);
+  if (it == by_request_.end()) return std::nullopt;
+  return it->second;
+}
+
+}  // namespace pd::connector

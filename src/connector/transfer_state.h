@@ -1,0 +1,298 @@
+// The pure cores of the connector: producer-side and consumer-side transfer
+// state machines. No sockets, threads, clocks or devices: time comes in as
+// now_ms, effects go out as Actions that the adapter (pd_connector.cc)
+// executes. Single-threaded by contract (the engine thread owns them).
+//
+// Producer, WRITE:   Prefilling --forward done--> KvReady --request_finished--> Held
+//   blocks may arrive in any phase (even before the request: buffered up to
+//   defer_timeout); each layer's write is posted as soon as both that layer's KV
+//   and the destination ids exist; once all layers are posted and complete: done
+//   (ok) to the consumer, hold released. Held without destination ids past
+//   defer_timeout: released, counted. A failure or consumer abort stops new writes;
+//   the hold is released only when no write is in flight.
+// Producer, READ:    Prefilling --> Held (transfer_timeout) --read(ids checked)--> Held
+//   (deadline extended) --release from the same peer--> freed; timeout: freed, counted.
+// Consumer:          Admitted --alloc--> AwaitingPeer (handshake_timeout) -->
+//   WRITE: WaitingDone --done ok--> finished | done !ok / abort / error --> load error
+//   READ:  AwaitingReadOk --read_ok--> Reading (per-layer reads) --all ok--> release + finished
+//                                                             |-- a read failed --> release + load error
+//   request finished while data may still move into its blocks: abort sent, blocks
+//   held until the producer answers or transfer_timeout passes.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "connector/control_plane.h"
+#include "connector/messages.h"
+
+namespace pd::connector {
+
+// Who sent a message: the connection it came through and the identity it claimed
+// in its (validated) meta handshake.
+struct PeerRef {
+  PeerKey key;
+  std::string instance_id;
+  uint64_t boot_nonce = 0;
+  bool operator==(const PeerRef&) const = default;
+};
+
+struct OutgoingMessage {
+  PeerKey to;
+  ControlMessage message;  // instance_id / boot_nonce filled by the adapter
+};
+
+// ----------------------------------------------------------------------------
+struct ProducerTimeouts {
+  int64_t defer_timeout_ms = 60'000;
+  int64_t transfer_timeout_ms = 30'000;
+};
+
+struct ProducerActions {
+  std::vector<OutgoingMessage> sends;
+  struct PostWrite {
+    std::string transfer_id;
+    int32_t layer = 0;
+  };
+  std::vector<PostWrite> writes;
+  std::vector<std::string> released_request_ids;  // -> finished_sending
+  int32_t num_timeouts = 0;
+  int32_t num_completed = 0;
+  int32_t num_failed = 0;
+  int32_t num_refused = 0;  // messages refused (forged, wrong peer, bad ids)
+};
+
+class ProducerTransfers {
+ public:
+  ProducerTransfers(int32_t num_layers, int32_t block_size, ProducerTimeouts timeouts)
+      : num_layers_(num_layers), block_size_(block_size), timeouts_(timeouts) {}
+
+  struct Destination {
+    PeerRef peer;
+    std::vector<int32_t> block_ids;  // consumer blocks, in prompt order
+    int32_t num_skip_blocks = 0;     // leading prompt blocks the consumer already has
+  };
+
+  // A do_remote_decode request was admitted.
+  Status start(const std::string& transfer_id, const std::string& request_id, bool read_mode,
+               int32_t num_prompt_tokens, int64_t now_ms);
+  // The step that completes the prompt is about to run with these local blocks.
+  void begin_final_step(const std::string& transfer_id, std::vector<int32_t> local_block_ids);
+  // Inside the final step, after `layer`'s attention wrote its KV.
+  void on_layer_saved(const std::string& transfer_id, int32_t layer);
+  // The final step's forward pass returned; ok=false fails the transfer.
+  void on_forward_done(const std::string& transfer_id, bool ok);
+  // Returns delay_free: keep the blocks until released_request_ids names the request.
+  // kv_complete: the whole prompt's KV was computed.
+  bool request_finished(const std::string& transfer_id, const std::vector<int32_t>& block_ids, bool kv_complete,
+                        int64_t now_ms);
+  void on_write_done(const std::string& transfer_id, int32_t layer, bool ok);
+
+  // Control messages (already decoded and validated for shape). peer_num_blocks:
+  // the consumer's pool size from its meta (bounds for its block ids).
+  void on_blocks(const PeerRef& from, const ControlMessage& msg, int32_t peer_num_blocks, int64_t now_ms);
+  void on_read(const PeerRef& from, const ControlMessage& msg, int64_t now_ms);
+  void on_release(const PeerRef& from, const ControlMessage& msg);
+  void on_abort(const PeerRef& from, const ControlMessage& msg);
+  // A consumer instance restarted (new nonce) or its connection is gone.
+  void on_peer_gone(const std::string& instance_id, uint64_t boot_nonce);
+
+  void tick(int64_t now_ms);
+  ProducerActions take_actions();
+
+  // Introspection for the adapter and tests.
+  bool has(const std::string& transfer_id) const { return transfers_.count(transfer_id) > 0; }
+  const Destination* destination(const std::string& transfer_id) const;
+  const std::vector<int32_t>* local_blocks(const std::string& transfer_id) const;
+  size_t num_active() const { return transfers_.size(); }
+  size_t num_buffered_blocks() const { return early_blocks_.size(); }
+  size_t num_blocks_held() const;
+  std::optional<std::string> transfer_of_request(const std::string& request_id) const;
+
+ private:
+  enum class Phase : uint8_t { kPrefilling, kKvReady };
+  struct Transfer {
+    std::string request_id;
+    bool read_mode = false;
+    int32_t num_prompt_tokens = 0;
+    Phase phase = Phase::kPrefilling;
+    std::vector<int32_t> local_block_ids;
+    std::optional<Destination> dest;
+    std::vector<bool> layer_ready;
+    std::vector<bool> layer_posted;
+    int32_t num_in_flight = 0;
+    bool failed = false;
+    std::string failure;
+    bool consumer_aborted = false;  // nothing to tell the consumer
+    bool done_sent = false;
+    bool holding = false;   // request finished, blocks kept for us
+    bool finished = false;  // request_finished seen
+    int64_t deadline_ms = 0;
+    std::optional<PeerRef> reader;  // READ: the peer whose `read` was accepted
+  };
+  struct EarlyBlocks {
+    PeerRef from;
+    ControlMessage msg;
+    int32_t peer_num_blocks = 0;
+    int64_t deadline_ms = 0;
+  };
+
+  Status attach_destination(Transfer& t, const std::string& transfer_id, const PeerRef& from,
+                            const ControlMessage& msg, int32_t peer_num_blocks);
+  void post_ready_layers(const std::string& transfer_id, Transfer& t);
+  void fail(const std::string& transfer_id, Transfer& t, const std::string& reason);
+  void maybe_finish(const std::string& transfer_id);
+  void remember_closed(const std::string& transfer_id);
+  void send(const PeerRef& to, MessageType type, const std::string& transfer_id, std::string text = {},
+            bool ok = false, int32_t num_tokens = 0);
+
+  int32_t num_layers_;
+  int32_t block_size_;
+  ProducerTimeouts timeouts_;
+  std::map<std::string, Transfer> transfers_;
+  std::map<std::string, EarlyBlocks> early_blocks_;
+  // Recently ended transfers, so late messages for them get an answer, not a buffer slot.
+  std::set<std::string> closed_set_;
+  std::deque<std::string> closed_order_;
+  ProducerActions actions_;
+};
+
+inline constexpr size_t kMaxEarlyBlocks = 4096;
+
+// ----------------------------------------------------------------------------
+struct ConsumerTimeouts {
+  int64_t handshake_timeout_ms = 5'000;
+  int64_t transfer_timeout_ms = 30'000;
+};
+
+struct LoadFailure {
+  std::string request_id;
+  std::vector<int32_t> block_ids;
+  std::string reason;
+};
+
+struct ConsumerActions {
+  std::vector<OutgoingMessage> sends;
+  // Open (or re-open) a handshake: send meta to this control address.
+  std::vector<std::string> handshakes;
+  std::vector<std::string> dropped_dealers;  // close the DEALER (failed or restarted peer)
+  struct PostRead {
+    std::string transfer_id;
+    int32_t layer = 0;
+  };
+  std::vector<PostRead> reads;
+  std::vector<std::string> finished_recving;
+  std::vector<LoadFailure> load_failures;
+  int32_t num_completed = 0;
+  int32_t num_timeouts = 0;
+  int32_t num_refused = 0;
+};
+
+class ConsumerTransfers {
+ public:
+  ConsumerTransfers(int32_t num_layers, int32_t block_size, ConsumerTimeouts timeouts)
+      : num_layers_(num_layers), block_size_(block_size), timeouts_(timeouts) {}
+
+  struct Params {
+    std::string transfer_id;
+    bool read_mode = false;
+    std::string remote_instance_id;
+    std::string remote_control;
+    uint64_t remote_boot_nonce = 0;
+    std::vector<int32_t> remote_block_ids;  // READ
+  };
+
+  // Admission: returns the number of external tokens (prompt minus the local
+  // prefix minus the last token, which is always computed here). 0 means nothing
+  // to move: the producer is told to let go of its blocks.
+  int32_t admit(const std::string& request_id, Params params, int32_t num_local_computed_tokens,
+                int32_t num_prompt_tokens, int64_t now_ms);
+  // Blocks were allocated: block_table is the whole table; the external tokens
+  // are [num_local_computed_tokens, + num_external_tokens).
+  void allocated(const std::string& request_id, const std::vector<int32_t>& block_table,
+                 int32_t num_local_computed_tokens, int32_t num_external_tokens, int64_t now_ms);
+
+  // Handshake results (the adapter checked the layout fingerprint).
+  void on_peer_ready(const std::string& control, const std::string& instance_id, uint64_t boot_nonce,
+                     int32_t peer_num_blocks);
+  void on_peer_failed(const std::string& control, const std::string& reason);
+
+  void on_done(const PeerRef& from, const ControlMessage& msg);
+  void on_read_ok(const PeerRef& from, const ControlMessage& msg);
+  void on_abort_or_error(const PeerRef& from, const ControlMessage& msg);
+  void on_read_done(const std::string& transfer_id, int32_t layer, bool ok);
+
+  // Returns delay_free.
+  bool request_finished(const std::string& request_id, int64_t now_ms);
+  // The engine's recv_abort_timeout passed for a waiting request.
+  void on_remote_kv_timeout(const std::string& request_id);
+  // The engine preempted a request whose transfer finished: nothing to do; if a
+  // transfer is still moving data into its blocks, hold them (returns true).
+  bool request_preempted(const std::string& request_id, int64_t now_ms);
+
+  void tick(int64_t now_ms);
+  ConsumerActions take_actions();
+
+  // Introspection for the adapter and tests.
+  struct TransferView {
+    std::string request_id;
+    bool read_mode = false;
+    std::string remote_control;
+    std::vector<int32_t> local_block_ids;   // destination blocks (external range)
+    std::vector<int32_t> remote_block_ids;  // READ: source blocks, same length
+  };
+  std::optional<TransferView> view(const std::string& transfer_id) const;
+  size_t num_active() const { return transfers_.size(); }
+  bool peer_ready(const std::string& control) const;
+  std::optional<std::string> transfer_of_request(const std::string& request_id) const;
+
+ private:
+  enum class Phase : uint8_t { kAdmitted, kNotifyOnly, kAwaitingPeer, kWaitingDone, kAwaitingReadOk, kReading, kClosed };
+  struct Transfer {
+    std::string request_id;
+    Params params;
+    Phase phase = Phase::kAdmitted;
+    int32_t num_prompt_tokens = 0;
+    int32_t num_skip_blocks = 0;
+    std::vector<int32_t> local_block_ids;
+    std::vector<int32_t> read_remote_ids;
+    int32_t num_in_flight = 0;
+    bool failed = false;
+    std::string failure;
+    bool request_live = true;
+    bool holding = false;
+    bool silent = false;  // engine already handled it (timeout): report nothing but a hold release
+    int64_t hold_deadline_ms = 0;
+    bool data_may_move = false;  // blocks were sent / reads posted
+  };
+  enum class PeerPhase : uint8_t { kHandshaking, kReady, kFailed };
+  struct Peer {
+    PeerPhase phase = PeerPhase::kHandshaking;
+    int64_t deadline_ms = 0;
+    std::string instance_id;
+    uint64_t boot_nonce = 0;
+    int32_t num_blocks = 0;
+  };
+
+  void ensure_peer(const std::string& transfer_id, Transfer& t, int64_t now_ms);
+  void proceed(const std::string& transfer_id, Transfer& t, const Peer& peer);
+  void finish(const std::string& transfer_id, Transfer& t, bool ok, const std::string& reason);
+  bool from_producer(const Transfer& t, const PeerRef& from) const;
+  void send(const std::string& control, MessageType type, const std::string& transfer_id, std::string text = {});
+
+  int32_t num_layers_;
+  int32_t block_size_;
+  ConsumerTimeouts timeouts_;
+  std::map<std::string, Transfer> transfers_;        // by transfer id
+  std::map<std::string, std::string> by_request_;    // request id -> transfer id
+  std::map<std::string, Peer> peers_;                // by control address
+  ConsumerActions actions_;
+};
+
+}  // namespace pd::connector
