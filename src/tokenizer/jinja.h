@@ -1,0 +1,39 @@
+// A Jinja2 interpreter for the subset real HF chat templates use, configured as transformers
+// configures jinja2 (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks, loopcontrols,
+// tojson = json.dumps(ensure_ascii=False), raise_exception, strftime_now, namespace, dict).
+//
+// A Template is parsed once (at model load) and is immutable; render() keeps all state on its own
+// stack, so one Template renders from any number of threads at once.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace pd::tokenizer::jinja {
+
+struct Node;
+
+class Template {
+ public:
+  // Errors: kInvalidArgument for a syntax error, kUnimplemented for a construct, filter or test this
+  // interpreter does not support; both name it and give line:column.
+  static Result<std::shared_ptr<const Template>> parse(std::string_view source);
+  ~Template();
+
+  // context: the template's top-level variables (messages, tools, add_generation_prompt, ...).
+  // Errors: kInvalidArgument for raise_exception (with its message) and for runtime type errors
+  // (what went wrong, at which line), kResourceExhausted past the output / step limits.
+  Result<std::string> render(const nlohmann::ordered_json& context) const;
+
+ private:
+  Template() = default;
+  std::unique_ptr<Node> root_;
+};
+
+}  // namespace pd::tokenizer::jinja
