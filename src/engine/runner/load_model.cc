@@ -1,0 +1,126 @@
+#include "engine/runner/load_model.h"
+
+#include <cstdlib>
+#include <system_error>
+
+#include "common/log.h"
+#include "engine/runner/cpu_model_runner.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+#include "model/weights.h"
+
+namespace pd::engine {
+namespace {
+
+constexpr char kBuiltinTiny[] = "builtin:tiny";
+
+bool is_dir(const std::filesystem::path& p) {
+  std::error_code ec;
+  return !p.empty() && std::filesystem::is_directory(p, ec);
+}
+
+bool has_tokenizer_files(const std::filesystem::path& dir) {
+  std::error_code ec;
+  return std::filesystem::exists(dir / "tokenizer.json", ec) || std::filesystem::exists(dir / "vocab.json", ec);
+}
+
+}  // namespace
+
+std::filesystem::path find_assets_dir() {
+  if (const char* env = std::getenv("PDSERVE_ASSETS_DIR"); env != nullptr && *env != '\0') {
+    if (is_dir(env)) return std::filesystem::path(env);
+    PD_LOG_WARN("PDSERVE_ASSETS_DIR={} is not a directory; trying the other locations", env);
+  }
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    // Binaries live in <build>/bin or <build>/tests: two levels below the repository.
+    const std::filesystem::path candidate = exe.parent_path() / ".." / ".." / "assets";
+    if (is_dir(candidate)) return std::filesystem::weakly_canonical(candidate, ec);
+  }
+#ifdef PDSERVE_SOURCE_DIR
+  const std::filesystem::path source_assets = std::filesystem::path(PDSERVE_SOURCE_DIR) / "assets";
+  if (is_dir(source_assets)) return source_assets;
+#endif
+  return {};
+}
+
+Result<LoadedModel> load_model(const ModelLoadOptions& options) {
+  if (options.device != "cpu")
+    return unimplemented("device '{}' is not available in this build (this runner supports: cpu)", options.device);
+  if (options.load_format != "auto" && options.load_format != "safetensors" && options.load_format != "dummy")
+    return invalid_argument("load_format must be auto, safetensors or dummy, got '{}'", options.load_format);
+  if (options.block_size <= 0 || options.block_size > 1024)
+    return invalid_argument("block_size must be in [1, 1024], got {}", options.block_size);
+  if (options.num_kv_blocks < 0) return invalid_argument("num_kv_blocks must be >= 0, got {}", options.num_kv_blocks);
+  if (options.kv_cache_bytes < 0)
+    return invalid_argument("kv_cache_bytes must be >= 0, got {}", options.kv_cache_bytes);
+  if (options.max_model_len < 0) return invalid_argument("max_model_len must be >= 0, got {}", options.max_model_len);
+
+  LoadedModel loaded;
+  model::ModelConfig config;
+  model::ModelWeights weights;
+  if (options.model == kBuiltinTiny) {
+    if (options.load_format == "safetensors")
+      return invalid_argument("model '{}' has no safetensors; use load_format auto or dummy", options.model);
+    config = model::builtin_tiny_config();
+    weights = model::dummy_weights(config, options.seed);
+    const std::filesystem::path assets = find_assets_dir();
+    const std::filesystem::path tok = assets.empty() ? std::filesystem::path() : assets / "tokenizers" / "qwen3";
+    if (!tok.empty() && has_tokenizer_files(tok)) {
+      loaded.tokenizer_dir = tok;
+    } else {
+      PD_LOG_WARN(
+          "builtin:tiny: no tokenizer found under assets/tokenizers/qwen3 (set PDSERVE_ASSETS_DIR); "
+          "only token-id prompts will work");
+    }
+  } else {
+    const std::filesystem::path dir(options.model);
+    if (!is_dir(dir)) return not_found("model '{}' is neither '{}' nor a directory", options.model, kBuiltinTiny);
+    PD_ASSIGN_OR_RETURN(config, model::load_model_config(dir));
+    const bool use_dummy = options.load_format == "dummy";
+    if (!use_dummy && !model::SafetensorsCheckpoint::dir_has_weights(dir))
+      return not_found("{}: no *.safetensors weights (use load_format dummy for random weights)", dir.string());
+    if (use_dummy) {
+      weights = model::dummy_weights(config, options.seed);
+    } else {
+      PD_ASSIGN_OR_RETURN(weights, model::load_safetensors_weights(config, dir));
+    }
+    if (has_tokenizer_files(dir)) loaded.tokenizer_dir = dir;
+  }
+
+  int32_t max_model_len = options.max_model_len;
+  if (max_model_len == 0) max_model_len = std::min(config.max_position_embeddings, kDefaultMaxModelLen);
+  if (max_model_len > config.max_position_embeddings)
+    return invalid_argument("max_model_len {} exceeds the model's max_position_embeddings {}", max_model_len,
+                            config.max_position_embeddings);
+
+  int32_t num_blocks = options.num_kv_blocks;
+  if (num_blocks == 0) {
+    const int64_t bytes = options.kv_cache_bytes > 0 ? options.kv_cache_bytes : kDefaultCpuKvCacheBytes;
+    KvCacheSpec probe;
+    probe.num_layers = config.num_layers;
+    probe.num_kv_heads = config.num_kv_heads;
+    probe.head_dim = config.head_dim;
+    probe.block_size = options.block_size;
+    probe.dtype = KvDtype::kFloat32;
+    const int64_t per_block_all_layers = static_cast<int64_t>(probe.bytes_per_block()) * config.num_layers;
+    const int64_t blocks = bytes / per_block_all_layers;
+    if (blocks < 1)
+      return invalid_argument("kv_cache_bytes {} is smaller than one block across all layers ({} bytes)", bytes,
+                              per_block_all_layers);
+    num_blocks = static_cast<int32_t>(std::min<int64_t>(blocks, INT32_MAX));
+  }
+
+  loaded.architecture = config.architecture;
+  loaded.eos_token_ids = config.eos_token_ids;
+  loaded.max_model_len = max_model_len;
+  PD_ASSIGN_OR_RETURN(auto runner, CpuModelRunner::create(std::move(config), std::move(weights), options.block_size,
+                                                          num_blocks, max_model_len));
+  PD_LOG_INFO("loaded {} ({}) on cpu: {} KV blocks of {} tokens, max_model_len {}", options.model, loaded.architecture,
+              num_blocks, options.block_size, max_model_len);
+  loaded.runner = std::move(runner);
+  return loaded;
+}
+
+}  // namespace pd::engine

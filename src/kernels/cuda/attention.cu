@@ -1,0 +1,456 @@
+// Paged attention over [num_blocks][2][16][num_kv_heads][head_dim] bf16 KV.
+//
+// Prefill (and chunked prefill): FlashAttention-2 style on mma.sync
+// m16n8k16 (bf16 in, fp32 accumulate). One CTA = 64 query rows of one q head
+// (4 warps x 16 rows); key/value tiles of 64 tokens (4 paged blocks) staged in
+// shared memory; online softmax in registers using the documented fragment
+// layout of m16n8k16 (row = lane/4 and lane/4 + 8, columns 2*(lane%4) + {0,1}).
+//
+// Decode: one CTA = (sequence, kv head, partition of 256 tokens) serving all
+// q heads of the GQA group, so each K/V byte is read once per step. A warp
+// takes chunks of tokens; each token is split over head_dim/8 lanes holding
+// 16 bytes each. Partial (max, sum, output) go to a workspace; a second kernel
+// merges the partitions.
+#include <cuda_bf16.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "kernels/cuda/launch.h"
+
+namespace pd::kernels::cuda::detail {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+constexpr int kPrefillRows = 64;   // query rows per CTA
+constexpr int kPrefillKeys = 64;   // keys per tile (4 KV blocks)
+constexpr int kPrefillWarps = 4;
+constexpr int kSmemPad = 8;  // bf16 per row: breaks the bank pattern of 32-bit fragment loads
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(AttentionArgs a) {
+  constexpr int kStride = kHeadDim + kSmemPad;
+  constexpr int kKSteps = kHeadDim / 16;      // k-steps of Q K^T
+  constexpr int kSTiles = kPrefillKeys / 8;   // n-tiles of S
+  constexpr int kOTiles = kHeadDim / 8;       // n-tiles of O
+  constexpr int kChunksPerRow = kHeadDim / 8; // 16-byte chunks per K/V row
+  __shared__ alignas(16) bf16 k_s[kPrefillKeys][kStride];
+  __shared__ alignas(16) bf16 v_s[kPrefillKeys][kStride];
+
+  const int seq = blockIdx.z;
+  const int q_head = blockIdx.y;
+  const int q_begin = a.query_start[seq];
+  const int q_len = a.query_start[seq + 1] - q_begin;
+  const int tile0 = blockIdx.x * kPrefillRows;
+  if (tile0 >= q_len) return;
+  const int ctx = a.context_lens[seq];
+  const int first_pos = ctx - q_len;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int kv_head = q_head / group;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int tq = lane & 3;
+  const int r0 = tile0 + warp * 16 + g;
+  const int r1 = r0 + 8;
+  const int pos0 = first_pos + r0;
+  const int pos1 = first_pos + r1;
+
+  uint32_t qa[kKSteps][4];
+  {
+    const bf16* q0 = a.q + (static_cast<int64_t>(q_begin + r0) * a.num_q_heads + q_head) * kHeadDim;
+    const bf16* q1 = a.q + (static_cast<int64_t>(q_begin + r1) * a.num_q_heads + q_head) * kHeadDim;
+    const bool ok0 = r0 < q_len, ok1 = r1 < q_len;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      const int c = kk * 16 + 2 * tq;
+      qa[kk][0] = ok0 ? *reinterpret_cast<const uint32_t*>(q0 + c) : 0u;
+      qa[kk][1] = ok1 ? *reinterpret_cast<const uint32_t*>(q1 + c) : 0u;
+      qa[kk][2] = ok0 ? *reinterpret_cast<const uint32_t*>(q0 + c + 8) : 0u;
+      qa[kk][3] = ok1 ? *reinterpret_cast<const uint32_t*>(q1 + c + 8) : 0u;
+    }
+  }
+
+  const float scale_log2 = a.scale * kLog2e;
+  float m0 = -FLT_MAX, m1 = -FLT_MAX, l0 = 0.0f, l1 = 0.0f;
+  float o[kOTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+
+  // Keys needed by this tile: up to the last valid query's position.
+  const int last_row = min(tile0 + kPrefillRows, q_len) - 1;
+  const int kv_end = min(ctx, first_pos + last_row + 1);
+  const int64_t block_elems = 2LL * a.block_size * a.num_kv_heads * kHeadDim;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+
+  for (int kb = 0; kb < kv_end; kb += kPrefillKeys) {
+    __syncthreads();  // the previous tile is consumed
+    for (int idx = threadIdx.x; idx < kPrefillKeys * kChunksPerRow; idx += kPrefillWarps * 32) {
+      const int row = idx / kChunksPerRow;
+      const int chunk = idx % kChunksPerRow;
+      const int key = kb + row;
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+      if (key < kv_end) {
+        const int block = table[key / a.block_size];
+        const bf16* src = a.kv_cache + block * block_elems +
+                          (static_cast<int64_t>(key % a.block_size) * a.num_kv_heads + kv_head) * kHeadDim + chunk * 8;
+        kv = *reinterpret_cast<const uint4*>(src);
+        vv = *reinterpret_cast<const uint4*>(src + block_elems / 2);
+      }
+      *reinterpret_cast<uint4*>(&k_s[row][chunk * 8]) = kv;
+      *reinterpret_cast<uint4*>(&v_s[row][chunk * 8]) = vv;
+    }
+    __syncthreads();
+
+    float s[kSTiles][4];
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) {
+        const bf16* krow = &k_s[nt * 8 + g][kk * 16 + 2 * tq];
+        mma_bf16_16816(s[nt], qa[kk], *reinterpret_cast<const uint32_t*>(krow),
+                       *reinterpret_cast<const uint32_t*>(krow + 8));
+      }
+    }
+
+    float mx0 = -FLT_MAX, mx1 = -FLT_MAX;
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kb + nt * 8 + 2 * tq + (e & 1);
+        const int pos = e < 2 ? pos0 : pos1;
+        const bool valid = key <= pos && key < kv_end;
+        s[nt][e] = valid ? s[nt][e] * scale_log2 : -FLT_MAX;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float m_new0 = fmaxf(m0, mx0), m_new1 = fmaxf(m1, mx1);
+    const float alpha0 = exp2f(m0 - m_new0), alpha1 = exp2f(m1 - m_new1);
+    m0 = m_new0;
+    m1 = m_new1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt) {
+      // A masked score is -FLT_MAX: exp2 of a huge negative is exactly 0, and a
+      // row with no valid key yet keeps m = -FLT_MAX, so no inf - inf appears.
+      s[nt][0] = s[nt][0] == -FLT_MAX ? 0.0f : exp2f(s[nt][0] - m0);
+      s[nt][1] = s[nt][1] == -FLT_MAX ? 0.0f : exp2f(s[nt][1] - m0);
+      s[nt][2] = s[nt][2] == -FLT_MAX ? 0.0f : exp2f(s[nt][2] - m1);
+      s[nt][3] = s[nt][3] == -FLT_MAX ? 0.0f : exp2f(s[nt][3] - m1);
+      sum0 += s[nt][0] + s[nt][1];
+      sum1 += s[nt][2] + s[nt][3];
+    }
+    l0 = l0 * alpha0 + sum0;
+    l1 = l1 * alpha1 + sum1;
+#pragma unroll
+    for (int nt = 0; nt < kOTiles; ++nt) {
+      o[nt][0] *= alpha0;
+      o[nt][1] *= alpha0;
+      o[nt][2] *= alpha1;
+      o[nt][3] *= alpha1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kPrefillKeys / 16; ++kk) {
+      const uint32_t pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const int key_row = kk * 16 + 2 * tq;
+#pragma unroll
+      for (int nt = 0; nt < kOTiles; ++nt) {
+        const int d = nt * 8 + g;
+        __nv_bfloat162 b0, b1;
+        b0.x = v_s[key_row][d];
+        b0.y = v_s[key_row + 1][d];
+        b1.x = v_s[key_row + 8][d];
+        b1.y = v_s[key_row + 9][d];
+        mma_bf16_16816(o[nt], pa, *reinterpret_cast<uint32_t*>(&b0), *reinterpret_cast<uint32_t*>(&b1));
+      }
+    }
+  }
+
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f;
+  const float inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  bf16* out0 = a.out + (static_cast<int64_t>(q_begin + r0) * a.num_q_heads + q_head) * kHeadDim;
+  bf16* out1 = a.out + (static_cast<int64_t>(q_begin + r1) * a.num_q_heads + q_head) * kHeadDim;
+#pragma unroll
+  for (int nt = 0; nt < kOTiles; ++nt) {
+    const int c = nt * 8 + 2 * tq;
+    if (r0 < q_len) *reinterpret_cast<__nv_bfloat162*>(out0 + c) = __floats2bfloat162_rn(o[nt][0] * inv0, o[nt][1] * inv0);
+    if (r1 < q_len) *reinterpret_cast<__nv_bfloat162*>(out1 + c) = __floats2bfloat162_rn(o[nt][2] * inv1, o[nt][3] * inv1);
+  }
+}
+
+// ---------------------------------------------------------------- decode
+
+constexpr int kDecodeWarps = 4;
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __bfloat1622float2(h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+template <int kHeadDim, int kMaxGroup>
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    decode_attention_kernel(AttentionArgs a, float* __restrict__ part_lse, float* __restrict__ part_out,
+                            int32_t num_partitions) {
+  constexpr int kLanesPerTok = kHeadDim / 8;
+  constexpr int kTokPerStep = 32 / kLanesPerTok;
+  // Steps per chunk bound the score registers (steps x group <= 32).
+  constexpr int kStepsFull = kDecodeTokensPerBlock / kTokPerStep;
+  constexpr int kStepsCap = 32 / kMaxGroup;
+  constexpr int kSteps = kStepsFull < kStepsCap ? kStepsFull : kStepsCap;
+  constexpr int kChunkTokens = kSteps * kTokPerStep;
+
+  const int seq = blockIdx.z;
+  const int kv_head = blockIdx.y;
+  const int part = blockIdx.x;
+  const int ctx = a.context_lens[seq];
+  const int part_begin = part * kDecodePartitionTokens;
+  if (part_begin >= ctx) return;  // the reduce reads only partitions below ctx
+  const int part_end = min(ctx, part_begin + kDecodePartitionTokens);
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int sub = lane / kLanesPerTok;
+  const int dl = lane % kLanesPerTok;
+  const int q_row = a.query_start[seq];
+
+  const float scale_log2 = a.scale * kLog2e;
+  float qf[kMaxGroup][8];
+#pragma unroll
+  for (int h = 0; h < kMaxGroup; ++h) {
+    if (h < group) {
+      const bf16* qp = a.q + (static_cast<int64_t>(q_row) * a.num_q_heads + kv_head * group + h) * kHeadDim + dl * 8;
+      bf16x8_to_float(*reinterpret_cast<const uint4*>(qp), qf[h]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qf[h][e] *= scale_log2;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qf[h][e] = 0.0f;
+    }
+  }
+  float m[kMaxGroup], l[kMaxGroup], acc[kMaxGroup][8];
+#pragma unroll
+  for (int h = 0; h < kMaxGroup; ++h) {
+    m[h] = -FLT_MAX;
+    l[h] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[h][e] = 0.0f;
+  }
+
+  const int64_t block_elems = 2LL * a.block_size * a.num_kv_heads * kHeadDim;
+  const int64_t token_stride = static_cast<int64_t>(a.num_kv_heads) * kHeadDim;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+  const int num_chunks = (part_end - part_begin + kChunkTokens - 1) / kChunkTokens;
+
+  for (int c = warp; c < num_chunks; c += kDecodeWarps) {
+    const int chunk_begin = part_begin + c * kChunkTokens;  // never crosses a block: kChunkTokens | 16
+    const int block = table[chunk_begin / kDecodeTokensPerBlock];
+    const bf16* kbase = a.kv_cache + block * block_elems +
+                        (chunk_begin % kDecodeTokensPerBlock) * token_stride + kv_head * kHeadDim + dl * 8;
+    uint4 kr[kSteps], vr[kSteps];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const int tok = chunk_begin + j * kTokPerStep + sub;
+      if (tok < part_end) {
+        const bf16* p = kbase + (j * kTokPerStep + sub) * token_stride;
+        kr[j] = *reinterpret_cast<const uint4*>(p);
+        vr[j] = *reinterpret_cast<const uint4*>(p + block_elems / 2);
+      } else {
+        kr[j] = vr[j] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    float sc[kSteps][kMaxGroup];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      float kf[8];
+      bf16x8_to_float(kr[j], kf);
+      const bool valid = chunk_begin + j * kTokPerStep + sub < part_end;
+#pragma unroll
+      for (int h = 0; h < kMaxGroup; ++h) {
+        float d = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d += kf[e] * qf[h][e];
+#pragma unroll
+        for (int off = 1; off < kLanesPerTok; off <<= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+        sc[j][h] = valid ? d : -FLT_MAX;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; ++h) {
+      float mx = -FLT_MAX;
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) mx = fmaxf(mx, sc[j][h]);
+#pragma unroll
+      for (int off = kLanesPerTok; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_new = fmaxf(m[h], mx);
+      const float alpha = exp2f(m[h] - m_new);
+      m[h] = m_new;
+      l[h] *= alpha;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[h][e] *= alpha;
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        const float p = sc[j][h] == -FLT_MAX ? 0.0f : exp2f(sc[j][h] - m_new);
+        sc[j][h] = p;
+        l[h] += p;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      float vf[8];
+      bf16x8_to_float(vr[j], vf);
+#pragma unroll
+      for (int h = 0; h < kMaxGroup; ++h) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[h][e] += sc[j][h] * vf[e];
+      }
+    }
+  }
+
+  // Fold the token sub-groups of the warp (they share m), then merge warps.
+#pragma unroll
+  for (int h = 0; h < kMaxGroup; ++h) {
+#pragma unroll
+    for (int off = kLanesPerTok; off < 32; off <<= 1) {
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], off);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[h][e] += __shfl_xor_sync(0xffffffffu, acc[h][e], off);
+    }
+  }
+  __shared__ float m_s[kDecodeWarps][kMaxGroup];
+  __shared__ float l_s[kDecodeWarps][kMaxGroup];
+  __shared__ alignas(16) float acc_s[kDecodeWarps][kMaxGroup][kHeadDim];
+  if (sub == 0) {
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; ++h) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc_s[warp][h][dl * 8 + e] = acc[h][e];
+      if (dl == 0) {
+        m_s[warp][h] = m[h];
+        l_s[warp][h] = l[h];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < group * kHeadDim; idx += kDecodeWarps * 32) {
+    const int h = idx / kHeadDim;
+    const int d = idx % kHeadDim;
+    float mm = -FLT_MAX;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) mm = fmaxf(mm, m_s[w][h]);
+    float sum = 0.0f, out = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float f = m_s[w][h] == -FLT_MAX ? 0.0f : exp2f(m_s[w][h] - mm);
+      sum += l_s[w][h] * f;
+      out += acc_s[w][h][d] * f;
+    }
+    const int q_head = kv_head * group + h;
+    const int64_t pidx = (static_cast<int64_t>(seq) * a.num_q_heads + q_head) * num_partitions + part;
+    part_out[pidx * kHeadDim + d] = out / sum;
+    if (d == 0) part_lse[pidx] = mm + log2f(sum);
+  }
+}
+
+template <int kHeadDim>
+__global__ void decode_reduce_kernel(AttentionArgs a, const float* __restrict__ part_lse,
+                                     const float* __restrict__ part_out, int32_t num_partitions) {
+  const int seq = blockIdx.y;
+  const int q_head = blockIdx.x;
+  const int d = threadIdx.x;
+  const int ctx = a.context_lens[seq];
+  const int used = min(num_partitions, (ctx + kDecodePartitionTokens - 1) / kDecodePartitionTokens);
+  const int64_t base = (static_cast<int64_t>(seq) * a.num_q_heads + q_head) * num_partitions;
+  float mm = -FLT_MAX;
+  for (int p = 0; p < used; ++p) mm = fmaxf(mm, part_lse[base + p]);
+  float sum = 0.0f, out = 0.0f;
+  for (int p = 0; p < used; ++p) {
+    const float w = exp2f(part_lse[base + p] - mm);
+    sum += w;
+    out += w * part_out[(base + p) * kHeadDim + d];
+  }
+  const int q_row = a.query_start[seq];
+  a.out[(static_cast<int64_t>(q_row) * a.num_q_heads + q_head) * kHeadDim + d] =
+      __float2bfloat16(used > 0 ? out / sum : 0.0f);
+}
+
+template <int kHeadDim, int kMaxGroup>
+cudaError_t launch_decode_t(const AttentionArgs& args, float* workspace, int32_t num_partitions,
+                            cudaStream_t stream) {
+  float* lse = workspace;
+  float* out = workspace + static_cast<size_t>(args.num_seqs) * args.num_q_heads * num_partitions;
+  decode_attention_kernel<kHeadDim, kMaxGroup>
+      <<<dim3(num_partitions, args.num_kv_heads, args.num_seqs), kDecodeWarps * 32, 0, stream>>>(args, lse, out,
+                                                                                                 num_partitions);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  decode_reduce_kernel<kHeadDim><<<dim3(args.num_q_heads, args.num_seqs), kHeadDim, 0, stream>>>(args, lse, out,
+                                                                                                  num_partitions);
+  return cudaGetLastError();
+}
+
+template <int kHeadDim>
+cudaError_t launch_decode_d(const AttentionArgs& args, float* workspace, int32_t num_partitions,
+                            cudaStream_t stream) {
+  const int group = args.num_q_heads / args.num_kv_heads;
+  if (group <= 1) return launch_decode_t<kHeadDim, 1>(args, workspace, num_partitions, stream);
+  if (group <= 2) return launch_decode_t<kHeadDim, 2>(args, workspace, num_partitions, stream);
+  if (group <= 4) return launch_decode_t<kHeadDim, 4>(args, workspace, num_partitions, stream);
+  return launch_decode_t<kHeadDim, 8>(args, workspace, num_partitions, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_prefill_attention(const AttentionArgs& args, cudaStream_t stream) {
+  if (args.num_seqs == 0 || args.max_query_len == 0) return cudaSuccess;
+  const dim3 grid((args.max_query_len + kPrefillRows - 1) / kPrefillRows, args.num_q_heads, args.num_seqs);
+  if (args.head_dim == 128) {
+    prefill_attention_kernel<128><<<grid, kPrefillWarps * 32, 0, stream>>>(args);
+  } else {
+    prefill_attention_kernel<64><<<grid, kPrefillWarps * 32, 0, stream>>>(args);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_decode_attention(const AttentionArgs& args, float* workspace, int32_t num_partitions,
+                                    cudaStream_t stream) {
+  if (args.num_seqs == 0) return cudaSuccess;
+  if (args.head_dim == 128) return launch_decode_d<128>(args, workspace, num_partitions, stream);
+  return launch_decode_d<64>(args, workspace, num_partitions, stream);
+}
+
+}  // namespace pd::kernels::cuda::detail

@@ -1,0 +1,77 @@
+// Argument structs of the CUDA kernels (see kernels.h for the contracts).
+// Free of fmt/Status so the .cu files can include it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace pd::kernels::cuda {
+
+using bf16 = __nv_bfloat16;
+
+inline constexpr int32_t kKvBlockSize = 16;
+inline constexpr int32_t kDecodeTokensPerBlock = kKvBlockSize;
+// Decode attention splits each context into partitions of this many tokens.
+inline constexpr int32_t kDecodePartitionTokens = 256;
+
+// Per token t of qkv [num_tokens][(num_q_heads + 2*num_kv_heads) * head_dim]:
+// optional per-head RMSNorm of q and k (Qwen3; weights [head_dim], null = off),
+// rotary embedding (rotate-half form, angle = positions[t] * inv_freq[i],
+// inv_freq has head_dim/2 entries, any scaling folded in by the host), then
+// q goes to q_out [num_tokens][num_q_heads][head_dim] and k, v to the paged
+// cache at slot slot_mapping[t] = block * 16 + offset (a negative slot writes
+// nothing: padding rows of a CUDA graph).
+struct RopeKvArgs {
+  const bf16* qkv = nullptr;
+  bf16* q_out = nullptr;
+  bf16* kv_cache = nullptr;  // this layer's region
+  const int32_t* positions = nullptr;
+  const int32_t* slot_mapping = nullptr;
+  const float* inv_freq = nullptr;
+  const bf16* q_norm_weight = nullptr;
+  const bf16* k_norm_weight = nullptr;
+  float norm_eps = 1e-6f;
+  int32_t num_tokens = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t block_size = kKvBlockSize;
+};
+// Paged attention over the KV cache (which already holds this step's keys and
+// values). Sequence s owns query rows [query_start[s], query_start[s+1]) of q
+// and out ([tokens][num_q_heads][head_dim]); it has context_lens[s] keys in
+// total, its new queries being the last ones (causal: query i of a sequence
+// with q_len queries sits at position context_len - q_len + i). Its blocks are
+// block_tables[s * max_blocks_per_seq + j]. GQA: q head h reads kv head
+// h / (num_q_heads / num_kv_heads).
+struct AttentionArgs {
+  const bf16* q = nullptr;
+  bf16* out = nullptr;
+  const bf16* kv_cache = nullptr;
+  const int32_t* query_start = nullptr;   // [num_seqs + 1]
+  const int32_t* context_lens = nullptr;  // [num_seqs]
+  const int32_t* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq]
+  int32_t num_seqs = 0;
+  int32_t max_blocks_per_seq = 0;
+  int32_t max_query_len = 0;    // upper bound, sizes the prefill grid
+  int32_t max_context_len = 0;  // upper bound, sizes the decode split
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t block_size = kKvBlockSize;
+  float scale = 0.0f;  // softmax scale, usually 1/sqrt(head_dim)
+};
+
+// Per-row sampling parameters for sample_rows (device array).
+struct RowSampling {
+  float temperature = 0.0f;  // <= 0: greedy
+  float min_p = 0.0f;
+  uint64_t rng_seed = 0;
+  int32_t suppressed_begin = 0;  // into the suppressed-id array
+  int32_t suppressed_end = 0;
+};
+inline constexpr int32_t kMaxSuppressedPerRow = 64;
+
+}  // namespace pd::kernels::cuda
