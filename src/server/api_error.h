@@ -1,0 +1,37 @@
+// OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with
+// the HTTP status that goes with them. Every failure the server answers goes
+// through ApiError so the shape and the status stay consistent.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+
+#include "common/status.h"
+
+namespace pd::server {
+
+struct ApiError {
+  int http_status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // the offending request field, empty when none
+  std::string code;   // machine-readable reason, empty when none
+
+  nlohmann::json to_json() const;
+};
+
+ApiError bad_request(std::string message, std::string param = {});
+ApiError model_not_found(const std::string& model);
+ApiError route_not_found(const std::string& target);
+ApiError method_not_allowed(const std::string& method, const std::string& target);
+ApiError body_too_large(size_t max_body_bytes);
+ApiError unauthorized();
+ApiError overloaded(std::string message);
+ApiError internal(std::string message);
+
+// Maps a Status from another module (engine, tokenizer) to the status a client
+// should see: caller mistakes are 400, capacity is 503, everything else 500.
+ApiError api_error_from_status(const Status& status, std::string param = {});
+
+}  // namespace pd::server

@@ -1,0 +1,662 @@
+#include "server/openai_protocol.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+
+namespace pd::server {
+namespace {
+
+using nlohmann::json;
+using ojson = nlohmann::ordered_json;  // requests keep their key order for chat templates
+
+// Deepest [ / { nesting in a JSON text, ignoring brackets inside strings.
+// Checked before parsing so a hostile body cannot make the parser or the
+// value's destructor work through millions of levels.
+size_t json_nesting_depth(std::string_view text) {
+  size_t depth = 0;
+  size_t max_depth = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    else if (c == '[' || c == '{') max_depth = std::max(max_depth, ++depth);
+    else if ((c == ']' || c == '}') && depth > 0) --depth;
+  }
+  return max_depth;
+}
+
+const char* json_type_name(const ojson& value) {
+  switch (value.type()) {
+    case ojson::value_t::null: return "null";
+    case ojson::value_t::boolean: return "boolean";
+    case ojson::value_t::number_integer:
+    case ojson::value_t::number_unsigned: return "integer";
+    case ojson::value_t::number_float: return "number";
+    case ojson::value_t::string: return "string";
+    case ojson::value_t::array: return "array";
+    case ojson::value_t::object: return "object";
+    default: return "value";
+  }
+}
+
+// Reads typed optional fields from a request object. A field that is absent
+// or null reads as std::nullopt; the first type or range error is kept and
+// every later read is a no-op, so parsers read straight down their fields
+// and check error() once.
+class FieldReader {
+ public:
+  explicit FieldReader(const ojson& object) : object_(object) {}
+
+  const std::optional<ApiError>& error() const { return error_; }
+  void fail(ApiError error) {
+    if (!error_) error_ = std::move(error);
+  }
+
+  const ojson* raw(const char* key) const {
+    auto it = object_.find(key);
+    if (it == object_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+
+  std::optional<bool> boolean(const char* key) {
+    const ojson* value = present(key);
+    if (!value) return std::nullopt;
+    if (!value->is_boolean()) return type_error(key, "a boolean", *value), std::nullopt;
+    return value->get<bool>();
+  }
+
+  std::optional<std::string> string(const char* key) {
+    const ojson* value = present(key);
+    if (!value) return std::nullopt;
+    if (!value->is_string()) return type_error(key, "a string", *value), std::nullopt;
+    return value->get<std::string>();
+  }
+
+  std::optional<double> number(const char* key, double lo, double hi) {
+    const ojson* value = present(key);
+    if (!value) return std::nullopt;
+    if (!value->is_number()) return type_error(key, "a number", *value), std::nullopt;
+    double x = value->get<double>();
+    if (!std::isfinite(x) || x < lo || x > hi) {
+      fail(bad_request(fmt::format("'{}' must be between {} and {}, got {}", key, lo, hi, x), key));
+      return std::nullopt;
+    }
+    return x;
+  }
+
+  // Integers, also accepting integral floats (16.0) as pydantic does.
+  std::optional<int64_t> integer(const char* key, int64_t lo, int64_t hi) {
+    const ojson* value = present(key);
+    if (!value) return std::nullopt;
+    return integer_value(key, *value, lo, hi);
+  }
+
+  std::optional<int64_t> integer_value(const char* key, const ojson& value, int64_t lo, int64_t hi) {
+    int64_t x = 0;
+    if (value.is_number_integer() && !value.is_number_unsigned()) {
+      x = value.get<int64_t>();
+    } else if (value.is_number_unsigned()) {
+      uint64_t u = value.get<uint64_t>();
+      if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return range_error(key, lo, hi, value);
+      x = static_cast<int64_t>(u);
+    } else if (value.is_number_float()) {
+      double d = value.get<double>();
+      if (!std::isfinite(d) || std::floor(d) != d || std::fabs(d) > 9.0e18) {
+        if (std::isfinite(d) && std::floor(d) == d) return range_error(key, lo, hi, value);
+        return type_error(key, "an integer", value), std::nullopt;
+      }
+      x = static_cast<int64_t>(d);
+    } else {
+      return type_error(key, "an integer", value), std::nullopt;
+    }
+    if (x < lo || x > hi) return range_error(key, lo, hi, value);
+    return x;
+  }
+
+  std::optional<int64_t> range_error(const char* key, int64_t lo, int64_t hi, const ojson& value) {
+    fail(bad_request(fmt::format("'{}' must be an integer between {} and {}, got {}", key, lo, hi, value.dump()), key));
+    return std::nullopt;
+  }
+
+  void type_error(const char* key, const char* expected, const ojson& value) {
+    fail(bad_request(fmt::format("'{}' must be {}, got {}", key, expected, json_type_name(value)), key));
+  }
+
+ private:
+  const ojson* present(const char* key) { return error_ ? nullptr : raw(key); }
+
+  const ojson& object_;
+  std::optional<ApiError> error_;
+};
+
+template <typename T>
+Parsed<T> finish(FieldReader& reader, T value) {
+  if (reader.error()) return *reader.error();
+  return value;
+}
+
+// Accepts only the value a parameter means when it is left out; we do not
+// implement the others and say so rather than ignore them.
+void require_default_number(FieldReader& reader, const char* key, double default_value) {
+  const ojson* value = reader.raw(key);
+  if (!value) return;
+  if (!value->is_number()) return reader.type_error(key, "a number", *value);
+  if (value->get<double>() != default_value)
+    reader.fail(bad_request(fmt::format("'{}' is not supported by this server (only {} is)", key, default_value), key));
+}
+
+void parse_stop(FieldReader& reader, const RequestLimits& limits, engine::SamplingParams& sampling) {
+  const ojson* stop = reader.raw("stop");
+  if (!stop) return;
+  std::vector<std::string> strings;
+  if (stop->is_string()) {
+    strings.push_back(stop->get<std::string>());
+  } else if (stop->is_array()) {
+    for (const auto& item : *stop) {
+      if (!item.is_string()) return reader.fail(bad_request("'stop' must be a string or a list of strings", "stop"));
+      strings.push_back(item.get<std::string>());
+    }
+  } else {
+    return reader.fail(bad_request("'stop' must be a string or a list of strings", "stop"));
+  }
+  if (strings.size() > limits.max_stop_strings)
+    return reader.fail(bad_request(fmt::format("'stop' has {} entries; at most {} are allowed", strings.size(),
+                                               limits.max_stop_strings),
+                                   "stop"));
+  for (const auto& s : strings) {
+    if (s.empty()) return reader.fail(bad_request("'stop' strings must not be empty", "stop"));
+    if (s.size() > limits.max_stop_string_bytes)
+      return reader.fail(bad_request(
+          fmt::format("a 'stop' string is {} bytes; at most {} are allowed", s.size(), limits.max_stop_string_bytes),
+          "stop"));
+  }
+  sampling.stop = std::move(strings);
+}
+
+void parse_stop_token_ids(FieldReader& reader, const RequestLimits& limits, engine::SamplingParams& sampling) {
+  const ojson* ids = reader.raw("stop_token_ids");
+  if (!ids) return;
+  if (!ids->is_array()) return reader.fail(bad_request("'stop_token_ids' must be a list of integers", "stop_token_ids"));
+  if (ids->size() > limits.max_stop_token_ids)
+    return reader.fail(bad_request(fmt::format("'stop_token_ids' has {} entries; at most {} are allowed", ids->size(),
+                                               limits.max_stop_token_ids),
+                                   "stop_token_ids"));
+  for (const auto& item : *ids) {
+    auto id = reader.integer_value("stop_token_ids", item, 0, std::numeric_limits<int32_t>::max());
+    if (!id) return;
+    sampling.stop_token_ids.push_back(static_cast<int32_t>(*id));
+  }
+}
+
+// Reads everything GenerationFields holds plus the sampling knobs common to
+// both endpoints.
+GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body, const RequestLimits& limits,
+                                         bool is_chat) {
+  GenerationFields fields;
+  if (auto model = reader.string("model")) fields.model = *model;
+  fields.stream = reader.boolean("stream").value_or(false);
+  if (const ojson* options = reader.raw("stream_options")) {
+    if (!options->is_object()) {
+      reader.type_error("stream_options", "an object", *options);
+    } else {
+      FieldReader options_reader(*options);
+      fields.include_usage = options_reader.boolean("include_usage").value_or(false);
+      options_reader.boolean("continuous_usage_stats");
+      if (options_reader.error()) reader.fail(*options_reader.error());
+      if (!fields.stream && !reader.error())
+        reader.fail(bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options"));
+    }
+  }
+
+  auto& sampling = fields.sampling;
+  if (auto t = reader.number("temperature", 0.0, 100.0)) sampling.temperature = static_cast<float>(*t);
+  if (auto p = reader.number("top_p", 0.0, 1.0)) {
+    if (*p <= 0.0) reader.fail(bad_request("'top_p' must be in (0, 1], got 0", "top_p"));
+    sampling.top_p = static_cast<float>(*p);
+  }
+  if (auto k = reader.integer("top_k", -1, std::numeric_limits<int32_t>::max())) sampling.top_k = static_cast<int32_t>(*k);
+  if (auto m = reader.number("min_p", 0.0, 1.0)) sampling.min_p = static_cast<float>(*m);
+  if (const ojson* seed = reader.raw("seed")) {
+    if (seed->is_number_unsigned()) sampling.seed = seed->get<uint64_t>();
+    else if (auto s = reader.integer("seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()))
+      sampling.seed = static_cast<uint64_t>(*s);  // negative seeds wrap, as a bit pattern
+  }
+
+  // max_completion_tokens is the newer chat name and wins when both are set.
+  std::optional<int64_t> max_tokens = reader.integer("max_tokens", 1, limits.max_model_len);
+  if (is_chat) {
+    if (auto mct = reader.integer("max_completion_tokens", 1, limits.max_model_len)) max_tokens = mct;
+  }
+  if (max_tokens) fields.max_tokens = static_cast<int32_t>(*max_tokens);
+  if (auto min_tokens = reader.integer("min_tokens", 0, limits.max_model_len))
+    sampling.min_tokens = static_cast<int32_t>(*min_tokens);
+  if (fields.max_tokens && sampling.min_tokens > *fields.max_tokens)
+    reader.fail(bad_request(fmt::format("'min_tokens' ({}) must not exceed 'max_tokens' ({})", sampling.min_tokens,
+                                        *fields.max_tokens),
+                            "min_tokens"));
+  sampling.ignore_eos = reader.boolean("ignore_eos").value_or(false);
+  sampling.skip_special_tokens = reader.boolean("skip_special_tokens").value_or(true);
+  sampling.include_stop_str_in_output = reader.boolean("include_stop_str_in_output").value_or(false);
+  parse_stop(reader, limits, sampling);
+  parse_stop_token_ids(reader, limits, sampling);
+
+  if (auto n = reader.integer("n", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max())) {
+    if (*n != 1) reader.fail(bad_request(fmt::format("'n' must be 1 on this server, got {}", *n), "n"));
+  }
+  if (auto best_of = reader.integer("best_of", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max())) {
+    if (*best_of != 1) reader.fail(bad_request(fmt::format("'best_of' must be 1 on this server, got {}", *best_of), "best_of"));
+  }
+  require_default_number(reader, "presence_penalty", 0.0);
+  require_default_number(reader, "frequency_penalty", 0.0);
+  require_default_number(reader, "repetition_penalty", 1.0);
+  if (const ojson* bias = reader.raw("logit_bias")) {
+    if (!bias->is_object() || !bias->empty())
+      reader.fail(bad_request("'logit_bias' is not supported by this server", "logit_bias"));
+  }
+  if (const ojson* format = reader.raw("response_format")) {
+    if (!format->is_object() || format->value("type", "") != "text")
+      reader.fail(bad_request("only 'response_format' {\"type\": \"text\"} is supported", "response_format"));
+  }
+  reader.string("user");
+
+  if (const ojson* params = reader.raw("kv_transfer_params")) {
+    if (!params->is_object()) reader.type_error("kv_transfer_params", "an object", *params);
+    else fields.kv_transfer_params = *params;
+  }
+  if (auto id = reader.string("request_id")) {
+    if (id->empty() || id->size() > 256)
+      reader.fail(bad_request("'request_id' must be 1 to 256 characters", "request_id"));
+    fields.request_id = *id;
+  }
+  (void)body;
+  return fields;
+}
+
+// Token ids from the wire: non-negative 32-bit integers (the vocabulary
+// bound is checked by the engine, which knows the model).
+bool read_token_ids(FieldReader& reader, const char* key, const ojson& array, std::vector<int32_t>& out) {
+  out.reserve(array.size());
+  for (const auto& item : array) {
+    auto id = reader.integer_value(key, item, 0, std::numeric_limits<int32_t>::max());
+    if (!id) return false;
+    out.push_back(static_cast<int32_t>(*id));
+  }
+  return true;
+}
+
+void parse_prompts(FieldReader& reader, const RequestLimits& limits, std::vector<PromptInput>& prompts) {
+  const ojson* prompt = reader.raw("prompt");
+  const char* kShapes = "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists";
+  if (!prompt) return reader.fail(bad_request("'prompt' is required", "prompt"));
+  if (prompt->is_string()) {
+    if (prompt->get_ref<const std::string&>().empty()) return reader.fail(bad_request("'prompt' must not be empty", "prompt"));
+    prompts.push_back({prompt->get<std::string>(), {}});
+    return;
+  }
+  if (!prompt->is_array()) return reader.fail(bad_request(kShapes, "prompt"));
+  if (prompt->empty()) return reader.fail(bad_request("'prompt' must not be empty", "prompt"));
+  const ojson& first = prompt->front();
+  if (first.is_number()) {
+    PromptInput input;
+    if (!read_token_ids(reader, "prompt", *prompt, input.token_ids)) return;
+    prompts.push_back(std::move(input));
+    return;
+  }
+  if (prompt->size() > limits.max_batch_prompts)
+    return reader.fail(bad_request(
+        fmt::format("'prompt' holds {} prompts; at most {} are allowed", prompt->size(), limits.max_batch_prompts),
+        "prompt"));
+  for (const auto& item : *prompt) {
+    if (item.is_string() && first.is_string()) {
+      if (item.get_ref<const std::string&>().empty())
+        return reader.fail(bad_request("'prompt' must not contain empty prompts", "prompt"));
+      prompts.push_back({item.get<std::string>(), {}});
+    } else if (item.is_array() && first.is_array()) {
+      if (item.empty()) return reader.fail(bad_request("'prompt' must not contain empty prompts", "prompt"));
+      PromptInput input;
+      if (!read_token_ids(reader, "prompt", item, input.token_ids)) return;
+      prompts.push_back(std::move(input));
+    } else {
+      return reader.fail(bad_request(kShapes, "prompt"));
+    }
+  }
+}
+
+// A message's content as the chat template sees it: a string (text parts
+// joined by newlines, as vLLM does) or null where the role allows it.
+std::optional<ApiError> normalize_content(ojson& message, size_t index) {
+  auto param = fmt::format("messages[{}].content", index);
+  auto it = message.find("content");
+  if (it == message.end() || it->is_null()) {
+    const std::string& role = message["role"].get_ref<const std::string&>();
+    if (role == "assistant") {
+      message["content"] = nullptr;
+      return std::nullopt;
+    }
+    return bad_request(fmt::format("'{}' is required for role '{}'", param, role), param);
+  }
+  if (it->is_string()) return std::nullopt;
+  if (!it->is_array()) return bad_request(fmt::format("'{}' must be a string or a list of content parts", param), param);
+  std::string text;
+  bool first = true;
+  for (const auto& part : *it) {
+    if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+      return bad_request(fmt::format("'{}' parts must be objects with a 'type'", param), param);
+    const auto& type = part["type"].get_ref<const std::string&>();
+    if (type != "text")
+      return bad_request(fmt::format("content part type '{}' is not supported (only 'text')", type), param);
+    if (!part.contains("text") || !part["text"].is_string())
+      return bad_request(fmt::format("'{}' text parts need a string 'text'", param), param);
+    if (!first) text += "\n";
+    text += part["text"].get<std::string>();
+    first = false;
+  }
+  *it = std::move(text);
+  return std::nullopt;
+}
+
+std::optional<ApiError> validate_messages(const ojson* messages, ojson& out) {
+  if (!messages) return bad_request("'messages' is required", "messages");
+  if (!messages->is_array()) return bad_request("'messages' must be a list of message objects", "messages");
+  if (messages->empty()) return bad_request("'messages' must not be empty", "messages");
+  out = *messages;
+  for (size_t i = 0; i < out.size(); ++i) {
+    ojson& message = out[i];
+    auto param = fmt::format("messages[{}]", i);
+    if (!message.is_object()) return bad_request(fmt::format("'{}' must be an object", param), param);
+    auto role = message.find("role");
+    if (role == message.end() || !role->is_string())
+      return bad_request(fmt::format("'{}.role' must be a string", param), param + ".role");
+    const auto& r = role->get_ref<const std::string&>();
+    if (r != "system" && r != "user" && r != "assistant" && r != "tool" && r != "developer")
+      return bad_request(fmt::format("'{}.role' must be one of system, developer, user, assistant, tool; got '{}'",
+                                     param, r),
+                         param + ".role");
+    if (auto error = normalize_content(message, i)) return error;
+    if (auto name = message.find("name"); name != message.end() && !name->is_null() && !name->is_string())
+      return bad_request(fmt::format("'{}.name' must be a string", param), param + ".name");
+  }
+  return std::nullopt;
+}
+
+void parse_template_extras(FieldReader& reader, ojson& tools, ojson& kwargs) {
+  if (const ojson* t = reader.raw("tools")) {
+    if (!t->is_array()) reader.type_error("tools", "a list", *t);
+    else tools = *t;
+  }
+  if (const ojson* k = reader.raw("chat_template_kwargs")) {
+    if (!k->is_object()) reader.type_error("chat_template_kwargs", "an object", *k);
+    else kwargs = *k;
+  }
+  if (reader.raw("chat_template"))
+    reader.fail(bad_request("a request-supplied 'chat_template' is not supported", "chat_template"));
+}
+
+}  // namespace
+
+Parsed<ojson> parse_json_object(std::string_view body, size_t max_depth) {
+  if (json_nesting_depth(body) > max_depth)
+    return bad_request(fmt::format("request body nests deeper than {} levels", max_depth));
+  ojson value = ojson::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (value.is_discarded()) return bad_request("request body is not valid JSON");
+  if (!value.is_object()) return bad_request("request body must be a JSON object");
+  return value;
+}
+
+Parsed<CompletionRequest> parse_completion_request(const ojson& body, const RequestLimits& limits) {
+  FieldReader reader(body);
+  CompletionRequest request;
+  request.fields = parse_generation_fields(reader, body, limits, /*is_chat=*/false);
+  if (auto logprobs = reader.integer("logprobs", 0, limits.max_logprobs))
+    request.fields.sampling.logprobs = static_cast<int32_t>(*logprobs);
+  if (reader.boolean("echo").value_or(false)) reader.fail(bad_request("'echo' must be false on this server", "echo"));
+  if (auto suffix = reader.string("suffix"); suffix && !suffix->empty())
+    reader.fail(bad_request("'suffix' is not supported", "suffix"));
+  parse_prompts(reader, limits, request.prompts);
+  return finish(reader, std::move(request));
+}
+
+Parsed<ChatRequest> parse_chat_request(const ojson& body, const RequestLimits& limits) {
+  FieldReader reader(body);
+  ChatRequest request;
+  request.fields = parse_generation_fields(reader, body, limits, /*is_chat=*/true);
+  request.logprobs = reader.boolean("logprobs").value_or(false);
+  auto top = reader.integer("top_logprobs", 0, limits.max_logprobs);
+  if (top && *top > 0 && !request.logprobs)
+    reader.fail(bad_request("'top_logprobs' needs 'logprobs' to be true", "top_logprobs"));
+  if (request.logprobs) request.fields.sampling.logprobs = static_cast<int32_t>(top.value_or(0));
+  if (reader.boolean("echo").value_or(false)) reader.fail(bad_request("'echo' must be false on this server", "echo"));
+  request.add_generation_prompt = reader.boolean("add_generation_prompt").value_or(true);
+  if (reader.boolean("continue_final_message").value_or(false))
+    reader.fail(bad_request("'continue_final_message' is not supported", "continue_final_message"));
+  parse_template_extras(reader, request.tools, request.chat_template_kwargs);
+  if (const ojson* choice = reader.raw("tool_choice")) {
+    if (!choice->is_string() || (choice->get<std::string>() != "none" && choice->get<std::string>() != "auto"))
+      reader.fail(bad_request("only 'tool_choice' \"none\" or \"auto\" is supported", "tool_choice"));
+  }
+  if (!reader.error()) {
+    if (auto error = validate_messages(reader.raw("messages"), request.messages)) reader.fail(*error);
+  }
+  return finish(reader, std::move(request));
+}
+
+Parsed<TokenizeRequest> parse_tokenize_request(const ojson& body, const RequestLimits& limits) {
+  FieldReader reader(body);
+  TokenizeRequest request;
+  if (auto model = reader.string("model")) request.model = *model;
+  request.return_token_strs = reader.boolean("return_token_strs").value_or(false);
+  if (reader.raw("messages")) {
+    if (auto error = validate_messages(reader.raw("messages"), request.messages)) reader.fail(*error);
+    // Chat prompts carry their special tokens in the template.
+    request.add_special_tokens = reader.boolean("add_special_tokens").value_or(false);
+    request.add_generation_prompt = reader.boolean("add_generation_prompt").value_or(true);
+    parse_template_extras(reader, request.tools, request.chat_template_kwargs);
+  } else {
+    request.prompt = reader.string("prompt");
+    if (!reader.error() && !request.prompt) reader.fail(bad_request("'prompt' or 'messages' is required", "prompt"));
+    request.add_special_tokens = reader.boolean("add_special_tokens").value_or(true);
+  }
+  (void)limits;
+  return finish(reader, std::move(request));
+}
+
+Parsed<DetokenizeRequest> parse_detokenize_request(const ojson& body, const RequestLimits& limits) {
+  FieldReader reader(body);
+  DetokenizeRequest request;
+  if (auto model = reader.string("model")) request.model = *model;
+  const ojson* tokens = reader.raw("tokens");
+  if (!tokens) reader.fail(bad_request("'tokens' is required", "tokens"));
+  else if (!tokens->is_array()) reader.type_error("tokens", "a list of integers", *tokens);
+  else read_token_ids(reader, "tokens", *tokens, request.tokens);
+  (void)limits;
+  return finish(reader, std::move(request));
+}
+
+Parsed<int32_t> resolve_max_tokens(int32_t num_prompt_tokens, std::optional<int32_t> requested,
+                                   int32_t default_max_tokens, int32_t max_model_len) {
+  if (num_prompt_tokens >= max_model_len)
+    return bad_request(fmt::format("This model's maximum context length is {} tokens. However, your prompt has {} "
+                                   "tokens, which leaves no room for output.",
+                                   max_model_len, num_prompt_tokens),
+                       "prompt");
+  int32_t room = max_model_len - num_prompt_tokens;
+  if (!requested) return std::min(default_max_tokens, room);
+  if (*requested > room)
+    return bad_request(fmt::format("This model's maximum context length is {} tokens. However, you requested {} "
+                                   "tokens ({} in the prompt, {} for the completion).",
+                                   max_model_len, static_cast<int64_t>(num_prompt_tokens) + *requested,
+                                   num_prompt_tokens, *requested),
+                       "max_tokens");
+  return *requested;
+}
+
+json usage_json(const Usage& usage) {
+  return {{"prompt_tokens", usage.prompt_tokens},
+          {"completion_tokens", usage.completion_tokens},
+          {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
+}
+
+double json_logprob(float logprob) {
+  if (std::isnan(logprob)) return -9999.0;
+  return std::max(static_cast<double>(logprob), -9999.0);
+}
+
+json completion_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text,
+                              int64_t& text_offset) {
+  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(), offsets = json::array();
+  for (const auto& entry : logprobs) {
+    std::string text = token_text(entry.token_id);
+    tokens.push_back(text);
+    token_logprobs.push_back(json_logprob(entry.logprob));
+    json top = json::object();
+    for (const auto& candidate : entry.top) top[token_text(candidate.token_id)] = json_logprob(candidate.logprob);
+    top_logprobs.push_back(std::move(top));
+    offsets.push_back(text_offset);
+    text_offset += static_cast<int64_t>(text.size());
+  }
+  return {{"tokens", std::move(tokens)},
+          {"token_logprobs", std::move(token_logprobs)},
+          {"top_logprobs", std::move(top_logprobs)},
+          {"text_offset", std::move(offsets)}};
+}
+
+namespace {
+json utf8_bytes(const std::string& text) {
+  json bytes = json::array();
+  for (unsigned char c : text) bytes.push_back(static_cast<int>(c));
+  return bytes;
+}
+}  // namespace
+
+json chat_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text) {
+  json content = json::array();
+  for (const auto& entry : logprobs) {
+    std::string text = token_text(entry.token_id);
+    json top = json::array();
+    for (const auto& candidate : entry.top) {
+      std::string candidate_text = token_text(candidate.token_id);
+      top.push_back({{"token", candidate_text},
+                     {"logprob", json_logprob(candidate.logprob)},
+                     {"bytes", utf8_bytes(candidate_text)}});
+    }
+    content.push_back({{"token", text},
+                       {"logprob", json_logprob(entry.logprob)},
+                       {"bytes", utf8_bytes(text)},
+                       {"top_logprobs", std::move(top)}});
+  }
+  return {{"content", std::move(content)}};
+}
+
+json finish_reason_json(engine::FinishReason reason) {
+  switch (reason) {
+    case engine::FinishReason::kNone: return nullptr;
+    case engine::FinishReason::kStop: return "stop";
+    case engine::FinishReason::kLength: return "length";
+    case engine::FinishReason::kAbort: return "abort";
+    case engine::FinishReason::kError: return "error";
+  }
+  return nullptr;
+}
+
+json stop_reason_json(const std::optional<std::string>& stop_string, const std::optional<int32_t>& stop_id) {
+  if (stop_string) return *stop_string;
+  if (stop_id) return *stop_id;
+  return nullptr;
+}
+
+namespace {
+json kv_params_or_null(const std::optional<json>& params) { return params ? *params : json(nullptr); }
+}  // namespace
+
+json completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices, const Usage& usage,
+                         const std::optional<json>& kv_transfer_params) {
+  json out_choices = json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const auto& c = choices[i];
+    out_choices.push_back({{"index", i},
+                           {"text", c.text},
+                           {"logprobs", c.logprobs},
+                           {"finish_reason", finish_reason_json(c.finish_reason)},
+                           {"stop_reason", c.stop_reason}});
+  }
+  return {{"id", header.id},
+          {"object", "text_completion"},
+          {"created", header.created},
+          {"model", header.model},
+          {"choices", std::move(out_choices)},
+          {"usage", usage_json(usage)},
+          {"kv_transfer_params", kv_params_or_null(kv_transfer_params)}};
+}
+
+json chat_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices, const Usage& usage,
+                   const std::optional<json>& kv_transfer_params) {
+  json out_choices = json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const auto& c = choices[i];
+    out_choices.push_back({{"index", i},
+                           {"message", {{"role", "assistant"}, {"content", c.text}, {"tool_calls", json::array()}}},
+                           {"logprobs", c.logprobs},
+                           {"finish_reason", finish_reason_json(c.finish_reason)},
+                           {"stop_reason", c.stop_reason}});
+  }
+  return {{"id", header.id},
+          {"object", "chat.completion"},
+          {"created", header.created},
+          {"model", header.model},
+          {"choices", std::move(out_choices)},
+          {"usage", usage_json(usage)},
+          {"kv_transfer_params", kv_params_or_null(kv_transfer_params)}};
+}
+
+json completion_chunk(const ResponseHeader& header, int32_t index, const std::string& text, json logprobs,
+                      json finish_reason, json stop_reason) {
+  json choice = {{"index", index},
+                 {"text", text},
+                 {"logprobs", std::move(logprobs)},
+                 {"finish_reason", std::move(finish_reason)},
+                 {"stop_reason", std::move(stop_reason)}};
+  return {{"id", header.id},
+          {"object", "text_completion"},
+          {"created", header.created},
+          {"model", header.model},
+          {"choices", json::array({std::move(choice)})}};
+}
+
+json chat_chunk(const ResponseHeader& header, int32_t index, json delta, json logprobs, json finish_reason,
+                json stop_reason) {
+  json choice = {{"index", index},
+                 {"delta", std::move(delta)},
+                 {"logprobs", std::move(logprobs)},
+                 {"finish_reason", std::move(finish_reason)},
+                 {"stop_reason", std::move(stop_reason)}};
+  return {{"id", header.id},
+          {"object", "chat.completion.chunk"},
+          {"created", header.created},
+          {"model", header.model},
+          {"choices", json::array({std::move(choice)})}};
+}
+
+json usage_chunk(const ResponseHeader& header, const char* object, const Usage& usage) {
+  return {{"id", header.id},
+          {"object", object},
+          {"created", header.created},
+          {"model", header.model},
+          {"choices", json::array()},
+          {"usage", usage_json(usage)}};
+}
+
+std::string sse_event(const json& payload) {
+  // error_handler::replace keeps a stream alive when generated text holds an
+  // invalid UTF-8 sequence; the engine promises none, this is the backstop.
+  return "data: " + payload.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+}
+
+}  // namespace pd::server

@@ -1,0 +1,161 @@
+// The OpenAI wire format at the HTTP edge: request bodies are parsed and
+// validated into native structs here, and responses/stream chunks are shaped
+// here. JSON stays at this edge (STYLE.md: native types inside). Pure
+// functions, no I/O: unit-tested directly (tests/unit/server).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "engine/request.h"
+#include "engine/sampling_params.h"
+#include "server/api_error.h"
+
+namespace pd::server {
+
+// A value or the error a client gets for its request.
+template <typename T>
+using Parsed = std::variant<T, ApiError>;
+
+template <typename T>
+bool failed(const Parsed<T>& parsed) {
+  return std::holds_alternative<ApiError>(parsed);
+}
+
+// Limits the parser enforces that do not need the model or the tokenizer.
+struct RequestLimits {
+  int32_t max_model_len = 4096;
+  int32_t max_logprobs = 20;
+  size_t max_stop_strings = 16;
+  size_t max_stop_string_bytes = 1024;
+  size_t max_stop_token_ids = 256;
+  size_t max_batch_prompts = 64;
+  size_t max_json_depth = 64;
+};
+
+// Parses a request body as a JSON object. Malformed JSON, a non-object and
+// nesting deeper than max_depth are 400s.
+Parsed<nlohmann::ordered_json> parse_json_object(std::string_view body, size_t max_depth);
+
+// One prompt of a completion request: text (tokenized by the server) or ids.
+struct PromptInput {
+  std::optional<std::string> text;
+  std::vector<int32_t> token_ids;  // used when text is empty
+};
+
+// Fields shared by /v1/completions and /v1/chat/completions.
+struct GenerationFields {
+  std::string model;                       // empty = the default served model
+  bool stream = false;
+  bool include_usage = false;              // stream_options.include_usage
+  engine::SamplingParams sampling;         // max_tokens left at its default; see max_tokens below
+  std::optional<int32_t> max_tokens;       // as requested; resolved against the prompt length later
+  std::optional<nlohmann::ordered_json> kv_transfer_params;
+  std::optional<std::string> request_id;   // vLLM extension: a client-chosen id prefix
+};
+
+struct CompletionRequest {
+  GenerationFields fields;
+  std::vector<PromptInput> prompts;  // >= 1; each becomes one choice
+};
+
+struct ChatRequest {
+  GenerationFields fields;
+  nlohmann::ordered_json messages;     // validated; every content normalized to a string (or null)
+  bool add_generation_prompt = true;
+  nlohmann::ordered_json tools;        // null when absent
+  nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
+  bool logprobs = false;
+};
+
+struct TokenizeRequest {
+  std::string model;
+  std::optional<std::string> prompt;   // completion-style
+  nlohmann::ordered_json messages;     // chat-style (null when prompt is set)
+  bool add_special_tokens = true;
+  bool add_generation_prompt = true;
+  bool return_token_strs = false;
+  nlohmann::ordered_json tools;
+  nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
+};
+
+struct DetokenizeRequest {
+  std::string model;
+  std::vector<int32_t> tokens;
+};
+
+Parsed<CompletionRequest> parse_completion_request(const nlohmann::ordered_json& body, const RequestLimits& limits);
+Parsed<ChatRequest> parse_chat_request(const nlohmann::ordered_json& body, const RequestLimits& limits);
+Parsed<TokenizeRequest> parse_tokenize_request(const nlohmann::ordered_json& body, const RequestLimits& limits);
+Parsed<DetokenizeRequest> parse_detokenize_request(const nlohmann::ordered_json& body, const RequestLimits& limits);
+
+// vLLM's rule: an explicit max_tokens must fit beside the prompt in
+// max_model_len; without one, completions default to 16 (clamped to the room
+// left) and chat to all the room left. A prompt that leaves no room is a 400.
+Parsed<int32_t> resolve_max_tokens(int32_t num_prompt_tokens, std::optional<int32_t> requested,
+                                   int32_t default_max_tokens, int32_t max_model_len);
+
+// ---- responses ----
+
+// Text of one token for logprobs ("token" fields).
+using TokenTextFn = std::function<std::string(int32_t)>;
+
+struct Usage {
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  int64_t cached_tokens = 0;
+};
+nlohmann::json usage_json(const Usage& usage);
+
+// JSON cannot hold -inf; like vLLM, clamp to -9999.
+double json_logprob(float logprob);
+
+// Completions logprobs object for a run of tokens; text_offset advances by the
+// length of each token's text.
+nlohmann::json completion_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs,
+                                        const TokenTextFn& token_text, int64_t& text_offset);
+// Chat logprobs object {"content": [...]} for a run of tokens.
+nlohmann::json chat_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text);
+
+// finish_reason / stop_reason as OpenAI and vLLM spell them.
+nlohmann::json finish_reason_json(engine::FinishReason reason);
+nlohmann::json stop_reason_json(const std::optional<std::string>& stop_string, const std::optional<int32_t>& stop_id);
+
+struct ResponseHeader {
+  std::string id;
+  int64_t created = 0;
+  std::string model;
+};
+
+// One finished choice of a non-streamed response.
+struct ChoiceResult {
+  std::string text;
+  nlohmann::json logprobs;  // null or the logprobs object
+  engine::FinishReason finish_reason = engine::FinishReason::kNone;
+  nlohmann::json stop_reason;
+};
+
+nlohmann::json completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices,
+                                   const Usage& usage, const std::optional<nlohmann::json>& kv_transfer_params);
+nlohmann::json chat_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices,
+                             const Usage& usage, const std::optional<nlohmann::json>& kv_transfer_params);
+
+nlohmann::json completion_chunk(const ResponseHeader& header, int32_t index, const std::string& text,
+                                nlohmann::json logprobs, nlohmann::json finish_reason, nlohmann::json stop_reason);
+nlohmann::json chat_chunk(const ResponseHeader& header, int32_t index, nlohmann::json delta, nlohmann::json logprobs,
+                          nlohmann::json finish_reason, nlohmann::json stop_reason);
+// The final stream_options.include_usage chunk: no choices, usage set.
+nlohmann::json usage_chunk(const ResponseHeader& header, const char* object, const Usage& usage);
+
+// "data: <json>\n\n" and the terminator.
+std::string sse_event(const nlohmann::json& payload);
+inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
+
+}  // namespace pd::server

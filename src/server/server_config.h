@@ -1,0 +1,69 @@
+// pdserve's command line: flags follow `vllm serve` where the meaning is the
+// same (DESIGN.md §3.4). Parsed and validated here so main() stays thin and
+// the rules are unit-testable.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace pd::server {
+
+// --kv-transfer-config and --kv-role, kept for the connector (issue 5): the
+// server only checks the text is a JSON object and carries it.
+struct KvTransferSettings {
+  std::string config_json;          // as given; empty when absent
+  nlohmann::json config;            // parsed; null when absent
+  std::string kv_role;              // --kv-role or config["kv_role"]; empty when neither
+};
+
+struct ServerConfig {
+  std::string model = "builtin:tiny";
+  std::string host = "127.0.0.1";
+  int32_t port = 8000;                   // 0 = pick a free port (the real one is printed)
+  std::optional<int32_t> max_model_len;  // absent = the model's own limit
+  int32_t max_num_seqs = 256;
+  int32_t max_num_batched_tokens = 2048;
+  int32_t block_size = 16;
+  double gpu_memory_utilization = 0.9;
+  int32_t tensor_parallel_size = 1;
+  std::string load_format = "auto";
+  uint64_t seed = 0;
+  std::vector<std::string> served_model_names;  // first is the name responses carry
+  std::string api_key;                   // empty = no auth
+  std::string device = "cpu";
+  int64_t num_kv_blocks = 0;             // 0 = derive from --kv-cache-bytes / device memory
+  int64_t kv_cache_bytes = 0;
+  size_t max_body_bytes = 8u << 20;
+  std::string log_level = "info";
+  int32_t num_io_threads = 2;
+  int64_t request_timeout_ms = 600'000;  // bound on one request's whole life
+  int64_t keep_alive_timeout_ms = 60'000;
+  KvTransferSettings kv_transfer;
+
+  // The name a request's "model" must match (first served name, else --model).
+  const std::string& primary_model_name() const {
+    return served_model_names.empty() ? model : served_model_names.front();
+  }
+  bool serves_model(const std::string& name) const;
+};
+
+// Outcome of parsing argv: a config, or a request to exit (e.g. --help) with
+// the text to print and the exit code.
+struct CliOutcome {
+  std::optional<ServerConfig> config;
+  int exit_code = 0;
+  std::string message;
+};
+
+CliOutcome parse_server_cli(int argc, const char* const* argv);
+
+// Range and consistency checks (tensor parallel 1 only, JSON kv config, ...).
+Status validate_server_config(ServerConfig& config);
+
+}  // namespace pd::server

@@ -1,0 +1,298 @@
+#include "server/openai_protocol.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace pd::server {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+RequestLimits limits() {
+  RequestLimits l;
+  l.max_model_len = 128;
+  return l;
+}
+
+template <typename T>
+const ApiError& error_of(const Parsed<T>& parsed) {
+  EXPECT_TRUE(failed(parsed));
+  return std::get<ApiError>(parsed);
+}
+
+CompletionRequest completion(const char* body) {
+  auto parsed = parse_completion_request(ojson::parse(body), limits());
+  if (failed(parsed)) ADD_FAILURE() << std::get<ApiError>(parsed).message;
+  return std::get<CompletionRequest>(std::move(parsed));
+}
+
+ApiError completion_error(const char* body) { return error_of(parse_completion_request(ojson::parse(body), limits())); }
+ApiError chat_error(const char* body) { return error_of(parse_chat_request(ojson::parse(body), limits())); }
+
+TEST(ParseJsonObject, RejectsMalformedJsonWith400) {
+  auto parsed = parse_json_object("{\"prompt\": ", 64);
+  EXPECT_EQ(error_of(parsed).http_status, 400);
+  EXPECT_NE(error_of(parsed).message.find("not valid JSON"), std::string::npos);
+}
+
+TEST(ParseJsonObject, RejectsNonObjectBodies) {
+  EXPECT_EQ(error_of(parse_json_object("[1,2]", 64)).http_status, 400);
+  EXPECT_EQ(error_of(parse_json_object("\"x\"", 64)).http_status, 400);
+}
+
+TEST(ParseJsonObject, RejectsDeepNestingBeforeParsing) {
+  std::string deep = "{\"a\":" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  EXPECT_NE(error_of(parse_json_object(deep, 64)).message.find("deeper"), std::string::npos);
+}
+
+TEST(ParseJsonObject, IgnoresBracketsInsideStrings) {
+  std::string body = "{\"prompt\": \"" + std::string(200, '[') + "\\\"" + std::string(200, '{') + "\"}";
+  EXPECT_FALSE(failed(parse_json_object(body, 4)));
+}
+
+TEST(ParseJsonObject, KeepsKeyOrder) {
+  auto parsed = parse_json_object(R"({"z": 1, "a": 2})", 64);
+  ASSERT_FALSE(failed(parsed));
+  EXPECT_EQ(std::get<ojson>(parsed).dump(), R"({"z":1,"a":2})");
+}
+
+TEST(CompletionRequestParsing, AcceptsTextPrompt) {
+  auto request = completion(R"({"model": "m", "prompt": "hello", "max_tokens": 5, "temperature": 0})");
+  ASSERT_EQ(request.prompts.size(), 1u);
+  EXPECT_EQ(*request.prompts[0].text, "hello");
+  EXPECT_EQ(request.fields.model, "m");
+  EXPECT_EQ(request.fields.max_tokens, 5);
+  EXPECT_TRUE(request.fields.sampling.greedy());
+}
+
+TEST(CompletionRequestParsing, AcceptsBatchOfTextPrompts) {
+  auto request = completion(R"({"prompt": ["a", "b", "c"]})");
+  ASSERT_EQ(request.prompts.size(), 3u);
+  EXPECT_EQ(*request.prompts[2].text, "c");
+}
+
+TEST(CompletionRequestParsing, AcceptsTokenIdPromptAndBatchOfThem) {
+  auto single = completion(R"({"prompt": [1, 2, 3]})");
+  ASSERT_EQ(single.prompts.size(), 1u);
+  EXPECT_FALSE(single.prompts[0].text);
+  EXPECT_EQ(single.prompts[0].token_ids, (std::vector<int32_t>{1, 2, 3}));
+  auto batch = completion(R"({"prompt": [[1, 2], [3]]})");
+  ASSERT_EQ(batch.prompts.size(), 2u);
+  EXPECT_EQ(batch.prompts[1].token_ids, (std::vector<int32_t>{3}));
+}
+
+TEST(CompletionRequestParsing, RejectsBadPromptShapes) {
+  for (const char* body : {R"({})", R"({"prompt": ""})", R"({"prompt": []})", R"({"prompt": 5})",
+                           R"({"prompt": ["a", 1]})", R"({"prompt": [1, "a"]})", R"({"prompt": [[1], "a"]})",
+                           R"({"prompt": [-1]})", R"({"prompt": [1.5]})", R"({"prompt": [[]]})",
+                           R"({"prompt": [4294967296]})"}) {
+    auto error = completion_error(body);
+    EXPECT_EQ(error.http_status, 400) << body;
+    EXPECT_EQ(error.param, "prompt") << body;
+  }
+}
+
+TEST(CompletionRequestParsing, RejectsWrongTypesNamingTheField) {
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "max_tokens": "5"})").param, "max_tokens");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "temperature": "hot"})").param, "temperature");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "stream": 1})").param, "stream");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "stop": 3})").param, "stop");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "model": 3})").param, "model");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "kv_transfer_params": "x"})").param, "kv_transfer_params");
+}
+
+TEST(CompletionRequestParsing, RejectsNegativeAndAbsurdParameters) {
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "max_tokens": -1})").param, "max_tokens");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "max_tokens": 0})").param, "max_tokens");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "max_tokens": 1000000000000})").param, "max_tokens");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "temperature": -0.5})").param, "temperature");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "temperature": 1e300})").param, "temperature");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "top_p": 0})").param, "top_p");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "top_p": 1.5})").param, "top_p");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "top_k": -2})").param, "top_k");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "min_p": 2})").param, "min_p");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "logprobs": 21})").param, "logprobs");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "logprobs": -1})").param, "logprobs");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "min_tokens": 9, "max_tokens": 4})").param, "min_tokens");
+}
+
+TEST(CompletionRequestParsing, OnlyNEqualsOneAndEchoFalseAreServed) {
+  auto n = completion_error(R"({"prompt": "a", "n": 2})");
+  EXPECT_EQ(n.param, "n");
+  EXPECT_NE(n.message.find("'n' must be 1"), std::string::npos);
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "echo": true})").param, "echo");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "best_of": 3})").param, "best_of");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "frequency_penalty": 0.5})").param, "frequency_penalty");
+  completion(R"({"prompt": "a", "n": 1, "echo": false, "frequency_penalty": 0, "presence_penalty": 0.0})");
+}
+
+TEST(CompletionRequestParsing, ReadsSamplingFields) {
+  auto request = completion(R"({"prompt": "a", "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+      "seed": 42, "stop": ["x", "yz"], "stop_token_ids": [7, 8], "ignore_eos": true, "min_tokens": 2,
+      "max_tokens": 10, "logprobs": 3, "include_stop_str_in_output": true})");
+  const auto& s = request.fields.sampling;
+  EXPECT_FLOAT_EQ(s.temperature, 0.7f);
+  EXPECT_FLOAT_EQ(s.top_p, 0.9f);
+  EXPECT_EQ(s.top_k, 5);
+  EXPECT_FLOAT_EQ(s.min_p, 0.1f);
+  EXPECT_EQ(s.seed, 42u);
+  EXPECT_EQ(s.stop, (std::vector<std::string>{"x", "yz"}));
+  EXPECT_EQ(s.stop_token_ids, (std::vector<int32_t>{7, 8}));
+  EXPECT_TRUE(s.ignore_eos);
+  EXPECT_TRUE(s.include_stop_str_in_output);
+  EXPECT_EQ(s.min_tokens, 2);
+  EXPECT_EQ(s.logprobs, 3);
+}
+
+TEST(CompletionRequestParsing, StopAcceptsASingleStringAndRejectsEmptyOnes) {
+  EXPECT_EQ(completion(R"({"prompt": "a", "stop": "END"})").fields.sampling.stop, (std::vector<std::string>{"END"}));
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "stop": ""})").param, "stop");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "stop": ["a", ""]})").param, "stop");
+}
+
+TEST(CompletionRequestParsing, NullMeansAbsent) {
+  auto request = completion(R"({"prompt": "a", "max_tokens": null, "temperature": null, "stop": null, "seed": null})");
+  EXPECT_FALSE(request.fields.max_tokens);
+  EXPECT_FALSE(request.fields.sampling.seed);
+}
+
+TEST(CompletionRequestParsing, IntegralFloatsAreIntegers) {
+  EXPECT_EQ(completion(R"({"prompt": "a", "max_tokens": 16.0})").fields.max_tokens, 16);
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "max_tokens": 16.5})").param, "max_tokens");
+}
+
+TEST(CompletionRequestParsing, StreamOptionsNeedStream) {
+  EXPECT_TRUE(completion(R"({"prompt": "a", "stream": true, "stream_options": {"include_usage": true}})")
+                  .fields.include_usage);
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "stream_options": {"include_usage": true}})").param, "stream_options");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "stream": true, "stream_options": {"include_usage": 1}})").param,
+            "include_usage");
+}
+
+TEST(CompletionRequestParsing, CarriesKvTransferParams) {
+  auto request = completion(R"({"prompt": "a", "kv_transfer_params": {"do_remote_decode": true}})");
+  ASSERT_TRUE(request.fields.kv_transfer_params);
+  EXPECT_TRUE((*request.fields.kv_transfer_params)["do_remote_decode"].get<bool>());
+}
+
+TEST(ChatRequestParsing, NormalizesTextPartsAndKeepsOrder) {
+  auto parsed = parse_chat_request(ojson::parse(R"({"messages": [
+      {"role": "system", "content": "be brief"},
+      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+      {"role": "assistant", "content": null}],
+      "max_completion_tokens": 7, "max_tokens": 3, "chat_template_kwargs": {"enable_thinking": false}})"),
+                                   limits());
+  ASSERT_FALSE(failed(parsed));
+  const auto& request = std::get<ChatRequest>(parsed);
+  EXPECT_EQ(request.messages[1]["content"], "a\nb");
+  EXPECT_TRUE(request.messages[2]["content"].is_null());
+  EXPECT_EQ(request.fields.max_tokens, 7);  // max_completion_tokens wins
+  EXPECT_FALSE(request.chat_template_kwargs["enable_thinking"].get<bool>());
+  EXPECT_TRUE(request.add_generation_prompt);
+}
+
+TEST(ChatRequestParsing, RejectsInvalidMessages) {
+  EXPECT_EQ(chat_error(R"({})").param, "messages");
+  EXPECT_EQ(chat_error(R"({"messages": []})").param, "messages");
+  EXPECT_EQ(chat_error(R"({"messages": "hi"})").param, "messages");
+  EXPECT_EQ(chat_error(R"({"messages": [1]})").param, "messages[0]");
+  EXPECT_EQ(chat_error(R"({"messages": [{"content": "x"}]})").param, "messages[0].role");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "wizard", "content": "x"}]})").param, "messages[0].role");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user"}]})").param, "messages[0].content");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": 5}]})").param, "messages[0].content");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})").param,
+            "messages[0].content");
+}
+
+TEST(ChatRequestParsing, LogprobsFlagAndTopLogprobs) {
+  auto parsed = parse_chat_request(
+      ojson::parse(R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 4})"),
+      limits());
+  ASSERT_FALSE(failed(parsed));
+  EXPECT_EQ(std::get<ChatRequest>(parsed).fields.sampling.logprobs, 4);
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 4})").param,
+            "top_logprobs");
+  auto none = parse_chat_request(ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})"), limits());
+  EXPECT_EQ(std::get<ChatRequest>(none).fields.sampling.logprobs, -1);
+}
+
+TEST(TokenizeRequestParsing, PromptOrMessages) {
+  auto prompt = parse_tokenize_request(ojson::parse(R"({"prompt": "hi"})"), limits());
+  ASSERT_FALSE(failed(prompt));
+  EXPECT_TRUE(std::get<TokenizeRequest>(prompt).add_special_tokens);
+  auto chat = parse_tokenize_request(ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})"), limits());
+  ASSERT_FALSE(failed(chat));
+  EXPECT_FALSE(std::get<TokenizeRequest>(chat).add_special_tokens);
+  EXPECT_EQ(error_of(parse_tokenize_request(ojson::parse(R"({})"), limits())).param, "prompt");
+}
+
+TEST(DetokenizeRequestParsing, NeedsAListOfIds) {
+  auto ok = parse_detokenize_request(ojson::parse(R"({"tokens": [1, 2]})"), limits());
+  ASSERT_FALSE(failed(ok));
+  EXPECT_EQ(std::get<DetokenizeRequest>(ok).tokens, (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(error_of(parse_detokenize_request(ojson::parse(R"({"tokens": "12"})"), limits())).param, "tokens");
+  EXPECT_EQ(error_of(parse_detokenize_request(ojson::parse(R"({"tokens": [-3]})"), limits())).param, "tokens");
+}
+
+TEST(ResolveMaxTokens, FollowsVllmRules) {
+  EXPECT_EQ(std::get<int32_t>(resolve_max_tokens(10, std::nullopt, 16, 100)), 16);
+  EXPECT_EQ(std::get<int32_t>(resolve_max_tokens(90, std::nullopt, 16, 100)), 10);  // clamped to the room left
+  EXPECT_EQ(std::get<int32_t>(resolve_max_tokens(10, 90, 16, 100)), 90);
+  EXPECT_EQ(error_of(resolve_max_tokens(10, 91, 16, 100)).param, "max_tokens");
+  EXPECT_EQ(error_of(resolve_max_tokens(100, std::nullopt, 16, 100)).param, "prompt");
+  EXPECT_EQ(error_of(resolve_max_tokens(150, 1, 16, 100)).http_status, 400);
+}
+
+std::string token_text(int32_t id) { return "t" + std::to_string(id); }
+
+TEST(ResponseShaping, CompletionLogprobsCarryOffsetsAndTopCandidates) {
+  std::vector<engine::TokenLogprob> logprobs = {{5, -0.5f, {{5, -0.5f}, {6, -1.5f}}}, {70, -2.0f, {{70, -2.0f}, {1, -2.5f}}}};
+  int64_t offset = 3;
+  auto json = completion_logprobs_json(logprobs, token_text, offset);
+  EXPECT_EQ(json["tokens"], nlohmann::json({"t5", "t70"}));
+  EXPECT_EQ(json["text_offset"], nlohmann::json({3, 5}));
+  EXPECT_EQ(offset, 8);
+  EXPECT_DOUBLE_EQ(json["top_logprobs"][1]["t1"].get<double>(), -2.5);
+  EXPECT_DOUBLE_EQ(json["token_logprobs"][0].get<double>(), -0.5);
+}
+
+TEST(ResponseShaping, ChatLogprobsHaveBytesAndTopList) {
+  std::vector<engine::TokenLogprob> logprobs = {{5, -0.25f, {{5, -0.25f}, {6, -3.0f}}}};
+  auto json = chat_logprobs_json(logprobs, token_text);
+  const auto& entry = json["content"][0];
+  EXPECT_EQ(entry["token"], "t5");
+  EXPECT_EQ(entry["bytes"], nlohmann::json({'t', '5'}));
+  ASSERT_EQ(entry["top_logprobs"].size(), 2u);
+  EXPECT_EQ(entry["top_logprobs"][1]["token"], "t6");
+}
+
+TEST(ResponseShaping, InfiniteLogprobsBecomeFiniteJson) {
+  EXPECT_DOUBLE_EQ(json_logprob(-std::numeric_limits<float>::infinity()), -9999.0);
+  EXPECT_DOUBLE_EQ(json_logprob(std::numeric_limits<float>::quiet_NaN()), -9999.0);
+}
+
+TEST(ResponseShaping, UsageTotalsAndChunks) {
+  ResponseHeader header{"cmpl-1", 123, "m"};
+  auto chunk = usage_chunk(header, "text_completion", Usage{4, 6, 0});
+  EXPECT_TRUE(chunk["choices"].empty());
+  EXPECT_EQ(chunk["usage"]["total_tokens"], 10);
+  auto response = completion_response(header, {ChoiceResult{"hi", nullptr, engine::FinishReason::kLength, nullptr}},
+                                      Usage{1, 2, 0}, nlohmann::json{{"transfer_id", "x"}});
+  EXPECT_EQ(response["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(response["kv_transfer_params"]["transfer_id"], "x");
+  EXPECT_EQ(response["usage"]["total_tokens"], 3);
+  auto chat = chat_chunk(header, 0, {{"content", "x"}}, nullptr, "stop", "</s>");
+  EXPECT_EQ(chat["object"], "chat.completion.chunk");
+  EXPECT_EQ(chat["choices"][0]["stop_reason"], "</s>");
+}
+
+TEST(ResponseShaping, SseEventsAreFramedAndSurviveInvalidUtf8) {
+  EXPECT_EQ(sse_event({{"a", 1}}), "data: {\"a\":1}\n\n");
+  std::string event = sse_event({{"text", std::string("\xff")}});
+  EXPECT_EQ(event.rfind("data: ", 0), 0u);
+  EXPECT_EQ(event.substr(event.size() - 2), "\n\n");
+}
+
+}  // namespace
+}  // namespace pd::server

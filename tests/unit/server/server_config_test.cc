@@ -1,0 +1,88 @@
+#include "server/server_config.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace pd::server {
+namespace {
+
+CliOutcome parse(std::vector<const char*> args) {
+  args.insert(args.begin(), "pdserve");
+  return parse_server_cli(static_cast<int>(args.size()), args.data());
+}
+
+TEST(ServerCli, DefaultsMatchVllmServe) {
+  auto outcome = parse({});
+  ASSERT_TRUE(outcome.config);
+  EXPECT_EQ(outcome.config->host, "127.0.0.1");
+  EXPECT_EQ(outcome.config->model, "builtin:tiny");
+  EXPECT_EQ(outcome.config->primary_model_name(), "builtin:tiny");
+  EXPECT_FALSE(outcome.config->max_model_len);
+  EXPECT_TRUE(validate_server_config(*outcome.config).ok());
+}
+
+TEST(ServerCli, ReadsVllmFlags) {
+  auto outcome = parse({"--model", "/m", "--port", "0", "--max-model-len", "512", "--max-num-seqs", "8",
+                        "--served-model-name", "a", "b", "--api-key", "k", "--seed", "7", "--block-size", "32"});
+  ASSERT_TRUE(outcome.config);
+  const auto& c = *outcome.config;
+  EXPECT_EQ(c.port, 0);
+  EXPECT_EQ(c.max_model_len, 512);
+  EXPECT_EQ(c.max_num_seqs, 8);
+  EXPECT_EQ(c.primary_model_name(), "a");
+  EXPECT_TRUE(c.serves_model("b"));
+  EXPECT_FALSE(c.serves_model("/m"));
+  EXPECT_EQ(c.api_key, "k");
+  EXPECT_EQ(c.seed, 7u);
+  EXPECT_EQ(c.block_size, 32);
+}
+
+TEST(ServerCli, UnknownFlagIsAnErrorAndHelpExitsZero) {
+  auto bad = parse({"--no-such-flag"});
+  EXPECT_FALSE(bad.config);
+  EXPECT_NE(bad.exit_code, 0);
+  auto help = parse({"--help"});
+  EXPECT_FALSE(help.config);
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.message.find("--max-model-len"), std::string::npos);
+}
+
+TEST(ServerConfigValidation, TensorParallelOtherThanOneIsRefused) {
+  auto outcome = parse({"--tensor-parallel-size", "2"});
+  ASSERT_TRUE(outcome.config);
+  auto status = validate_server_config(*outcome.config);
+  EXPECT_EQ(status.code(), ErrorCode::kUnimplemented);
+  EXPECT_NE(status.message().find("tensor-parallel-size 2"), std::string::npos);
+}
+
+TEST(ServerConfigValidation, KvTransferConfigMustBeAJsonObject) {
+  auto bad = parse({"--kv-transfer-config", "{not json"});
+  ASSERT_TRUE(bad.config);
+  EXPECT_EQ(validate_server_config(*bad.config).code(), ErrorCode::kInvalidArgument);
+
+  auto good = parse({"--kv-transfer-config", R"({"kv_connector":"PdConnector","kv_role":"kv_producer"})"});
+  ASSERT_TRUE(good.config);
+  ASSERT_TRUE(validate_server_config(*good.config).ok());
+  EXPECT_EQ(good.config->kv_transfer.kv_role, "kv_producer");
+  EXPECT_EQ(good.config->kv_transfer.config["kv_connector"], "PdConnector");
+}
+
+TEST(ServerConfigValidation, ContradictoryKvRolesAreRefused) {
+  auto outcome = parse({"--kv-role", "kv_consumer", "--kv-transfer-config", R"({"kv_role":"kv_producer"})"});
+  ASSERT_TRUE(outcome.config);
+  EXPECT_FALSE(validate_server_config(*outcome.config).ok());
+}
+
+TEST(ServerConfigValidation, RangesAreChecked) {
+  for (std::vector<const char*> args : std::vector<std::vector<const char*>>{
+           {"--port", "70000"}, {"--max-num-seqs", "0"}, {"--gpu-memory-utilization", "1.5"},
+           {"--load-format", "pickle"}, {"--device", "tpu"}, {"--max-model-len", "1"}, {"--io-threads", "0"}}) {
+    auto outcome = parse(args);
+    ASSERT_TRUE(outcome.config) << args[0];
+    EXPECT_FALSE(validate_server_config(*outcome.config).ok()) << args[0];
+  }
+}
+
+}  // namespace
+}  // namespace pd::server
