@@ -9,7 +9,7 @@ DEBIAN_PACKAGES=(
   libucx-dev ucx-utils
   libboost-dev libboost-system-dev
   nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev
-  libpcre2-dev libxxhash-dev libsodium-dev
+  libpcre2-dev libxxhash-dev libsodium-dev libicu-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-14 libclang-rt-14-dev clang-format
   iproute2 curl python3 python3-pip python3-venv
