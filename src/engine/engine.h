@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "engine/kv_connector.h"
 #include "engine/model_runner.h"
 #include "engine/request.h"
 
@@ -25,9 +26,9 @@ struct EngineConfig {
   int32_t max_model_len = 4096;           // --max-model-len (prompt + output)
   bool enable_prefix_caching = true;
   bool enable_chunked_prefill = true;
-  uint64_t seed = 0;                      // --seed: base for requests without their own seed
-  std::vector<int32_t> eos_token_ids;     // from the model's config / tokenizer
-  size_t max_waiting_requests = 4096;     // beyond this add_request returns kResourceExhausted (HTTP 503)
+  uint64_t seed = 0;                   // --seed: base for requests without their own seed
+  std::vector<int32_t> eos_token_ids;  // from the model's config / tokenizer
+  size_t max_waiting_requests = 4096;  // beyond this add_request returns kResourceExhausted (HTTP 503)
 };
 
 // A consistent snapshot, cheap to take from any thread.
@@ -35,13 +36,15 @@ struct EngineStats {
   int32_t num_running = 0;
   int32_t num_waiting = 0;
   int32_t num_blocks_total = 0;
-  int32_t num_blocks_free = 0;      // free, including cached-but-unreferenced blocks
-  int32_t num_blocks_in_use = 0;    // referenced by a live request (or held for a transfer)
-  int64_t num_prompt_tokens = 0;    // cumulative
+  int32_t num_blocks_free = 0;    // free, including cached-but-unreferenced blocks
+  int32_t num_blocks_in_use = 0;  // referenced by a live request (or held for a transfer)
+  int64_t num_prompt_tokens = 0;  // cumulative
   int64_t num_generation_tokens = 0;
   int64_t num_preemptions = 0;
   int64_t num_prefix_cache_hit_tokens = 0;
   int64_t num_steps = 0;
+  int64_t num_step_errors = 0;            // runner failures (each failed its step's requests)
+  int32_t num_waiting_for_remote_kv = 0;  // included in num_waiting
 };
 
 class Engine {
@@ -50,6 +53,12 @@ class Engine {
   // text deltas need it (add_request rejects stop strings without one).
   static Result<std::unique_ptr<Engine>> create(EngineConfig config, std::unique_ptr<ModelRunner> runner,
                                                 std::shared_ptr<const tokenizer::Tokenizer> tokenizer);
+  // With a P/D connector (kv_connector.h); null behaves exactly like the
+  // overload above. The engine owns it and destroys it before the runner, so
+  // a connector may keep a raw pointer to the runner (e.g. for kv_layer_base).
+  static Result<std::unique_ptr<Engine>> create(EngineConfig config, std::unique_ptr<ModelRunner> runner,
+                                                std::shared_ptr<const tokenizer::Tokenizer> tokenizer,
+                                                std::unique_ptr<KvConnector> connector);
   virtual ~Engine() = default;
 
   // Thread-safe. Validates (ids in vocab, length vs max_model_len, sampling

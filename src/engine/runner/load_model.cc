@@ -64,7 +64,6 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
     if (options.load_format == "safetensors")
       return invalid_argument("model '{}' has no safetensors; use load_format auto or dummy", options.model);
     config = model::builtin_tiny_config();
-    weights = model::dummy_weights(config, options.seed);
     const std::filesystem::path assets = find_assets_dir();
     const std::filesystem::path tok = assets.empty() ? std::filesystem::path() : assets / "tokenizers" / "qwen3";
     if (!tok.empty() && has_tokenizer_files(tok)) {
@@ -78,14 +77,8 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
     const std::filesystem::path dir(options.model);
     if (!is_dir(dir)) return not_found("model '{}' is neither '{}' nor a directory", options.model, kBuiltinTiny);
     PD_ASSIGN_OR_RETURN(config, model::load_model_config(dir));
-    const bool use_dummy = options.load_format == "dummy";
-    if (!use_dummy && !model::SafetensorsCheckpoint::dir_has_weights(dir))
+    if (options.load_format != "dummy" && !model::SafetensorsCheckpoint::dir_has_weights(dir))
       return not_found("{}: no *.safetensors weights (use load_format dummy for random weights)", dir.string());
-    if (use_dummy) {
-      weights = model::dummy_weights(config, options.seed);
-    } else {
-      PD_ASSIGN_OR_RETURN(weights, model::load_safetensors_weights(config, dir));
-    }
     if (has_tokenizer_files(dir)) loaded.tokenizer_dir = dir;
   }
 
@@ -110,6 +103,13 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
       return invalid_argument("kv_cache_bytes {} is smaller than one block across all layers ({} bytes)", bytes,
                               per_block_all_layers);
     num_blocks = static_cast<int32_t>(std::min<int64_t>(blocks, INT32_MAX));
+  }
+
+  // Weights last: every cheap check above fails before the expensive part.
+  if (options.model == kBuiltinTiny || options.load_format == "dummy") {
+    weights = model::dummy_weights(config, options.seed);
+  } else {
+    PD_ASSIGN_OR_RETURN(weights, model::load_safetensors_weights(config, std::filesystem::path(options.model)));
   }
 
   loaded.architecture = config.architecture;

@@ -1,0 +1,523 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <variant>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "engine/output_processor.h"
+#include "engine/sampler.h"
+#include "engine/scheduler.h"
+#include "tokenizer/tokenizer.h"
+
+namespace pd::engine {
+namespace {
+
+// Longest idle wait: bounds how stale a missed wakeup can make the loop.
+constexpr int64_t kIdleWaitMs = 500;
+
+struct AddMessage {
+  std::unique_ptr<Request> request;
+  OutputCallback callback;
+};
+struct AbortMessage {
+  std::string request_id;
+};
+using Message = std::variant<AddMessage, AbortMessage>;
+
+struct EngineMetrics {
+  metrics::Gauge& running;
+  metrics::Gauge& waiting;
+  metrics::Gauge& blocks_used;
+  metrics::Gauge& blocks_free;
+  metrics::Counter& prompt_tokens;
+  metrics::Counter& generation_tokens;
+  metrics::Histogram& ttft;
+  metrics::Histogram& itl;
+  metrics::Counter& preemptions;
+  metrics::Counter& prefix_hit_tokens;
+
+  static EngineMetrics create() {
+    auto& r = metrics::Registry::global();
+    return EngineMetrics{
+        r.gauge("pd_num_requests_running", "Requests in the running set"),
+        r.gauge("pd_num_requests_waiting", "Requests waiting to be scheduled (including waiting for remote KV)"),
+        r.gauge("pd_kv_blocks_used", "KV blocks referenced by requests or held for transfers"),
+        r.gauge("pd_kv_blocks_free", "KV blocks on the free list (including cached, unreferenced ones)"),
+        r.counter("pd_prompt_tokens_total", "Prompt tokens of admitted requests"),
+        r.counter("pd_generation_tokens_total", "Generated tokens"),
+        r.histogram("pd_time_to_first_token_seconds", "Arrival to first generated token"),
+        r.histogram("pd_inter_token_latency_seconds", "Time between consecutive generated tokens"),
+        r.counter("pd_preemptions_total", "Recompute preemptions"),
+        r.counter("pd_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache"),
+    };
+  }
+};
+
+class EngineImpl final : public Engine {
+ public:
+  EngineImpl(EngineConfig config, std::unique_ptr<ModelRunner> runner,
+             std::shared_ptr<const tokenizer::Tokenizer> tokenizer, std::unique_ptr<KvConnector> connector,
+             SchedulerConfig scheduler_config)
+      : config_(std::move(config)),
+        runner_(std::move(runner)),
+        tokenizer_(std::move(tokenizer)),
+        connector_(std::move(connector)),
+        kv_spec_(runner_->kv_cache_spec()),
+        vocab_size_(runner_->vocab_size()),
+        scheduler_(std::move(scheduler_config), connector_.get()),
+        metrics_(EngineMetrics::create()) {
+    stats_.num_blocks_total = kv_spec_.num_blocks;
+    stats_.num_blocks_free = kv_spec_.num_blocks;
+    if (connector_ != nullptr) connector_->bind_engine_wakeup([this] { wake(); });
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~EngineImpl() override {
+    shutdown();
+    // The connector may point at the runner: it goes first.
+    connector_.reset();
+  }
+
+  Status add_request(GenerateRequest request, OutputCallback on_output) override {
+    PD_RETURN_IF_ERROR(validate(request));
+    const int32_t prompt_len = static_cast<int32_t>(request.prompt_token_ids.size());
+    const int32_t max_output = std::min(request.sampling.max_tokens, config_.max_model_len - prompt_len);
+    const int32_t blocks_needed = (prompt_len + max_output + kv_spec_.block_size - 1) / kv_spec_.block_size;
+    if (blocks_needed > kv_spec_.num_blocks) {
+      return invalid_argument("request {} needs up to {} KV blocks ({} prompt + {} output tokens); the cache has {}",
+                              request.request_id, blocks_needed, prompt_len, max_output, kv_spec_.num_blocks);
+    }
+    std::lock_guard lock(mutex_);
+    if (stopping_) return unavailable("engine is shut down");
+    const size_t num_waiting = num_inbox_adds_ + num_scheduler_waiting_;
+    if (num_waiting >= config_.max_waiting_requests) {
+      return resource_exhausted("{} requests already waiting (max_waiting_requests {})", num_waiting,
+                                config_.max_waiting_requests);
+    }
+    if (!ids_in_use_.insert(request.request_id).second) {
+      return invalid_argument("request id '{}' is already in use", request.request_id);
+    }
+    const uint64_t seq = next_arrival_seq_++;
+    const uint64_t rng_base = request.sampling.seed.has_value()
+                                  ? *request.sampling.seed
+                                  : derive_rng_seed(config_.seed, static_cast<int32_t>(seq));
+    const int64_t arrival = request.arrival_ns != 0 ? request.arrival_ns : now_ns();
+    auto r = std::make_unique<Request>(std::move(request.request_id), seq, std::move(request.prompt_token_ids),
+                                       std::move(request.sampling), std::move(request.kv_transfer_params), arrival,
+                                       rng_base, max_output);
+    ++num_inbox_adds_;
+    inbox_.emplace_back(AddMessage{std::move(r), std::move(on_output)});
+    cv_.notify_one();
+    return Status::Ok();
+  }
+
+  void abort(const std::string& request_id) override {
+    std::lock_guard lock(mutex_);
+    if (stopping_) return;
+    inbox_.emplace_back(AbortMessage{request_id});
+    cv_.notify_one();
+  }
+
+  EngineStats stats() const override {
+    std::lock_guard lock(stats_mutex_);
+    return stats_;
+  }
+  const EngineConfig& config() const override { return config_; }
+  const KvCacheSpec& kv_cache_spec() const override { return kv_spec_; }
+
+  void shutdown() override {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+      cv_.notify_one();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  struct LiveIo {
+    OutputCallback callback;
+    RequestOutputState output;
+  };
+
+  Status validate(const GenerateRequest& request) const {
+    if (request.request_id.empty()) return invalid_argument("request_id must not be empty");
+    if (request.prompt_token_ids.empty()) return invalid_argument("request {}: empty prompt", request.request_id);
+    const auto prompt_len = static_cast<int64_t>(request.prompt_token_ids.size());
+    if (prompt_len >= config_.max_model_len) {
+      return invalid_argument("request {}: prompt has {} tokens; max_model_len {} leaves no room for output",
+                              request.request_id, prompt_len, config_.max_model_len);
+    }
+    for (size_t i = 0; i < request.prompt_token_ids.size(); ++i) {
+      const int32_t id = request.prompt_token_ids[i];
+      if (id < 0 || id >= vocab_size_) {
+        return invalid_argument("request {}: prompt token {} at position {} outside the vocabulary [0, {})",
+                                request.request_id, id, i, vocab_size_);
+      }
+    }
+    PD_RETURN_IF_ERROR(request.sampling.validate(vocab_size_).with_context("request " + request.request_id));
+    if (!request.sampling.stop.empty() && tokenizer_ == nullptr) {
+      return invalid_argument("request {}: stop strings need a tokenizer; this engine has none", request.request_id);
+    }
+    return Status::Ok();
+  }
+
+  void wake() {
+    std::lock_guard lock(mutex_);
+    woken_ = true;
+    cv_.notify_one();
+  }
+
+  // Delivers one output; a throwing callback is a caller bug that must not kill the engine.
+  void emit(OutputCallback& callback, RequestOutput output) {
+    try {
+      callback(std::move(output));
+    } catch (const std::exception& e) {
+      PD_LOG_ERROR("output callback threw: {}", e.what());
+    } catch (...) {
+      PD_LOG_ERROR("output callback threw a non-std exception");
+    }
+  }
+
+  RequestOutput base_output(const Request& r) const {
+    RequestOutput out;
+    out.request_id = r.request_id();
+    out.num_prompt_tokens = r.num_prompt_tokens();
+    out.num_output_tokens = r.num_output_tokens();
+    out.num_cached_tokens = r.num_cached_tokens;
+    return out;
+  }
+
+  // Emits the final output of a request the scheduler has finished.
+  void finalize(FinishedRequest finished, std::string text_delta, std::string error) {
+    const Request& r = *finished.request;
+    auto it = io_.find(r.request_id());
+    if (it == io_.end()) return;
+    RequestOutput out = base_output(r);
+    out.finished = true;
+    out.finish_reason = r.finish_reason;
+    out.text_delta = std::move(text_delta);
+    out.error = std::move(error);
+    out.kv_transfer_params = std::move(finished.decision.kv_transfer_params);
+    OutputCallback callback = std::move(it->second.callback);
+    io_.erase(it);
+    release_id_if_unused(r.request_id());
+    emit(callback, std::move(out));
+  }
+
+  void release_id_if_unused(const std::string& id) {
+    if (scheduler_.is_id_in_use(id)) return;
+    std::lock_guard lock(mutex_);
+    ids_in_use_.erase(id);
+  }
+
+  // Finishes a live request for a reason other than a sampled token.
+  void finish_live(Request& r, RequestState state, FinishReason reason, std::string error) {
+    std::string text;
+    auto it = io_.find(r.request_id());
+    if (it != io_.end() && state != RequestState::kFinishedError) text = it->second.output.flush();
+    FinishedRequest f = scheduler_.finish_request(r, state, reason);
+    finalize(std::move(f), std::move(text), std::move(error));
+  }
+
+  void handle_message(Message& message) {
+    if (auto* add = std::get_if<AddMessage>(&message)) {
+      Request& r = *add->request;
+      const std::string id = r.request_id();
+      io_.emplace(id, LiveIo{std::move(add->callback),
+                             RequestOutputState(tokenizer_, r, config_.eos_token_ids, config_.max_model_len)});
+      metrics_.prompt_tokens.inc(r.num_prompt_tokens());
+      num_prompt_tokens_ += r.num_prompt_tokens();
+      Status s = scheduler_.add_request(std::move(add->request));
+      if (!s.ok()) {
+        // Cannot happen while ids_in_use_ mirrors the scheduler; answered, not crashed.
+        auto it = io_.find(id);
+        RequestOutput out;
+        out.request_id = id;
+        out.finished = true;
+        out.finish_reason = FinishReason::kError;
+        out.error = s.message();
+        OutputCallback callback = std::move(it->second.callback);
+        io_.erase(it);
+        emit(callback, std::move(out));
+      }
+      return;
+    }
+    const auto& abort_msg = std::get<AbortMessage>(message);
+    if (Request* r = scheduler_.find(abort_msg.request_id)) {
+      finish_live(*r, RequestState::kFinishedAborted, FinishReason::kAbort, "");
+    }
+  }
+
+  void fail_all_live(RequestState state, FinishReason reason, const std::string& error) {
+    for (Request* r : scheduler_.live_requests()) finish_live(*r, state, reason, error);
+  }
+
+  void poll_connector(std::unordered_set<std::string>* moved_back) {
+    if (connector_ == nullptr) return;
+    ConnectorEvents events = connector_->poll();
+    std::unordered_set<std::string> moved = scheduler_.apply_load_errors(events.load_errors);
+    scheduler_.apply_connector_events(events);
+    for (const auto& id : events.finished_sending) release_id_if_unused(id);
+    for (const auto& id : events.finished_recving) release_id_if_unused(id);
+    if (moved_back != nullptr) *moved_back = std::move(moved);
+  }
+
+  void run() {
+    while (true) {
+      std::deque<Message> batch;
+      bool stop = false;
+      {
+        std::unique_lock lock(mutex_);
+        batch.swap(inbox_);
+        num_inbox_adds_ = 0;
+        stop = stopping_;
+        woken_ = false;
+      }
+      for (Message& m : batch) handle_message(m);
+      batch.clear();
+      if (stop) {
+        fail_all_live(RequestState::kFinishedAborted, FinishReason::kAbort, "");
+        break;
+      }
+      poll_connector(nullptr);
+      for (FinishedRequest& f : scheduler_.expire_remote_kv_waits(now_ns())) {
+        std::string error = f.error;
+        finalize(std::move(f), "", std::move(error));
+      }
+
+      std::vector<FinishedRequest> failed;
+      StepPlan plan = scheduler_.schedule(&failed);
+      for (FinishedRequest& f : failed) {
+        std::string error = f.error;
+        finalize(std::move(f), "", std::move(error));
+      }
+      if (plan.empty()) {
+        publish_stats();
+        wait_idle();
+        continue;
+      }
+      execute_step(plan);
+      publish_stats();
+    }
+    publish_stats();
+  }
+
+  void wait_idle() {
+    std::unique_lock lock(mutex_);
+    auto deadline = SteadyClock::now() + std::chrono::milliseconds(kIdleWaitMs);
+    if (auto remote = scheduler_.next_remote_kv_deadline_ns()) {
+      const auto at = SteadyClock::time_point(std::chrono::nanoseconds(*remote));
+      deadline = std::min(deadline, at);
+    }
+    cv_.wait_until(lock, deadline, [this] { return !inbox_.empty() || stopping_ || woken_; });
+  }
+
+  void execute_step(const StepPlan& plan) {
+    StepInput input = scheduler_.build_step_input(plan);
+    if (connector_ != nullptr) input.layer_hooks = connector_->build_step_hooks(input, plan);
+    Result<StepOutput> result = runner_->execute(input);
+    int32_t num_samples = 0;
+    for (const SeqStep& s : input.seqs) num_samples += s.sample;
+    Status status = result.status();
+    if (status.ok() && static_cast<int32_t>(result->sampled.size()) != num_samples) {
+      status = internal_error("runner returned {} sampled tokens for {} sampling sequences", result->sampled.size(),
+                              num_samples);
+    }
+    if (connector_ != nullptr) connector_->after_step(plan, status);
+    ++num_steps_;
+    if (!status.ok()) {
+      ++num_step_errors_;
+      PD_LOG_ERROR("model step failed; failing its {} requests: {}", plan.seqs.size(), status.to_string());
+      for (const ScheduledSeq& s : plan.seqs) {
+        finish_live(*s.request, RequestState::kFinishedError, FinishReason::kError,
+                    "model execution failed: " + status.message());
+      }
+      return;
+    }
+    std::unordered_set<std::string> moved_back;
+    poll_connector(&moved_back);
+    scheduler_.complete_step(plan, moved_back);
+
+    const int64_t now = now_ns();
+    size_t sample_index = 0;
+    for (const ScheduledSeq& s : plan.seqs) {
+      if (!s.sample) continue;
+      SampledToken& token = result->sampled[sample_index++];
+      Request& r = *s.request;
+      if (moved_back.contains(r.request_id())) continue;  // sampled on KV that failed to load
+      process_token(r, token, now);
+    }
+  }
+
+  void process_token(Request& r, SampledToken& token, int64_t now) {
+    auto it = io_.find(r.request_id());
+    if (token.token_id < 0 || token.token_id >= vocab_size_) {
+      finish_live(r, RequestState::kFinishedError, FinishReason::kError,
+                  fmt::format("runner sampled token {} outside the vocabulary [0, {})", token.token_id, vocab_size_));
+      return;
+    }
+    scheduler_.append_token(r, token.token_id);
+    metrics_.generation_tokens.inc();
+    ++num_generation_tokens_;
+    if (r.first_token_ns == 0) {
+      r.first_token_ns = now;
+      metrics_.ttft.observe(static_cast<double>(now - r.arrival_ns()) * 1e-9);
+    } else {
+      metrics_.itl.observe(static_cast<double>(now - r.last_token_ns) * 1e-9);
+    }
+    r.last_token_ns = now;
+
+    TokenVerdict verdict = it->second.output.on_token(r, token.token_id);
+    RequestOutput out = base_output(r);
+    out.new_token_ids.push_back(token.token_id);
+    out.text_delta = std::move(verdict.text_delta);
+    if (r.sampling().logprobs >= 0) {
+      TokenLogprob lp{token.token_id, token.logprob, {}};
+      lp.top.reserve(token.top_logprobs.size());
+      for (const auto& [id, value] : token.top_logprobs) lp.top.push_back(TopLogprob{id, value});
+      out.logprobs.push_back(std::move(lp));
+    }
+    if (!verdict.finished) {
+      emit(it->second.callback, std::move(out));
+      return;
+    }
+    FinishedRequest f = scheduler_.finish_request(r, verdict.final_state, verdict.reason);
+    out.finished = true;
+    out.finish_reason = verdict.reason;
+    out.stop_string = std::move(verdict.stop_string);
+    out.stop_token_id = verdict.stop_token_id;
+    out.kv_transfer_params = std::move(f.decision.kv_transfer_params);
+    OutputCallback callback = std::move(it->second.callback);
+    io_.erase(it);
+    release_id_if_unused(f.request->request_id());
+    emit(callback, std::move(out));
+  }
+
+  void publish_stats() {
+    const BlockPool& pool = scheduler_.block_pool();
+    const SchedulerCounters& c = scheduler_.counters();
+    EngineStats s;
+    s.num_running = scheduler_.num_running();
+    s.num_waiting = scheduler_.num_waiting();
+    s.num_waiting_for_remote_kv = scheduler_.num_remote_waiting();
+    s.num_blocks_total = pool.num_blocks();
+    s.num_blocks_free = pool.num_free_blocks();
+    s.num_blocks_in_use = pool.num_used_blocks();
+    s.num_prompt_tokens = num_prompt_tokens_;
+    s.num_generation_tokens = num_generation_tokens_;
+    s.num_preemptions = c.num_preemptions;
+    s.num_prefix_cache_hit_tokens = c.num_prefix_cache_hit_tokens;
+    s.num_steps = num_steps_;
+    s.num_step_errors = num_step_errors_;
+    metrics_.running.set(s.num_running);
+    metrics_.waiting.set(s.num_waiting);
+    metrics_.blocks_used.set(s.num_blocks_in_use);
+    metrics_.blocks_free.set(s.num_blocks_free);
+    if (c.num_preemptions > published_preemptions_) {
+      metrics_.preemptions.inc(static_cast<double>(c.num_preemptions - published_preemptions_));
+      published_preemptions_ = c.num_preemptions;
+    }
+    if (c.num_prefix_cache_hit_tokens > published_hit_tokens_) {
+      metrics_.prefix_hit_tokens.inc(static_cast<double>(c.num_prefix_cache_hit_tokens - published_hit_tokens_));
+      published_hit_tokens_ = c.num_prefix_cache_hit_tokens;
+    }
+    {
+      std::lock_guard lock(mutex_);
+      num_scheduler_waiting_ = static_cast<size_t>(s.num_waiting);
+    }
+    std::lock_guard lock(stats_mutex_);
+    stats_ = s;
+  }
+
+  const EngineConfig config_;
+  std::unique_ptr<ModelRunner> runner_;
+  std::shared_ptr<const tokenizer::Tokenizer> tokenizer_;
+  std::unique_ptr<KvConnector> connector_;
+  const KvCacheSpec kv_spec_;
+  const int32_t vocab_size_;
+
+  // Engine thread only.
+  Scheduler scheduler_;
+  std::unordered_map<std::string, LiveIo> io_;
+  int64_t num_prompt_tokens_ = 0;
+  int64_t num_generation_tokens_ = 0;
+  int64_t num_steps_ = 0;
+  int64_t num_step_errors_ = 0;
+  int64_t published_preemptions_ = 0;
+  int64_t published_hit_tokens_ = 0;
+  EngineMetrics metrics_;
+
+  // Shared with caller threads, under mutex_.
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Message> inbox_;
+  bool stopping_ = false;
+  bool woken_ = false;
+  uint64_t next_arrival_seq_ = 0;
+  // Admission bound (max_waiting_requests): adds not yet drained plus the
+  // scheduler's waiting count as of the engine thread's last iteration.
+  size_t num_inbox_adds_ = 0;
+  size_t num_scheduler_waiting_ = 0;
+  // Ids of live requests and of block holds: a new request may not reuse them.
+  std::unordered_set<std::string> ids_in_use_;
+
+  mutable std::mutex stats_mutex_;
+  EngineStats stats_;
+
+  std::thread thread_;  // last: starts after everything above is built
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, std::unique_ptr<ModelRunner> runner,
+                                               std::shared_ptr<const tokenizer::Tokenizer> tokenizer) {
+  return create(std::move(config), std::move(runner), std::move(tokenizer), nullptr);
+}
+
+Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, std::unique_ptr<ModelRunner> runner,
+                                               std::shared_ptr<const tokenizer::Tokenizer> tokenizer,
+                                               std::unique_ptr<KvConnector> connector) {
+  if (runner == nullptr) return invalid_argument("engine needs a model runner");
+  const KvCacheSpec& spec = runner->kv_cache_spec();
+  if (spec.block_size <= 0 || spec.num_blocks <= 0) {
+    return invalid_argument("KV cache spec needs block_size > 0 and num_blocks > 0, got {} and {}", spec.block_size,
+                            spec.num_blocks);
+  }
+  if (runner->vocab_size() <= 0) return invalid_argument("runner reports vocab size {}", runner->vocab_size());
+  if (config.max_num_seqs < 1) return invalid_argument("max_num_seqs must be >= 1, got {}", config.max_num_seqs);
+  if (config.max_model_len < 2) return invalid_argument("max_model_len must be >= 2, got {}", config.max_model_len);
+  if (config.max_num_batched_tokens < 1) {
+    return invalid_argument("max_num_batched_tokens must be >= 1, got {}", config.max_num_batched_tokens);
+  }
+  if (!config.enable_chunked_prefill && config.max_num_batched_tokens < config.max_model_len) {
+    return invalid_argument(
+        "without chunked prefill max_num_batched_tokens ({}) must be >= max_model_len ({}) or long prompts never run",
+        config.max_num_batched_tokens, config.max_model_len);
+  }
+  if (config.eos_token_ids.empty() && tokenizer != nullptr && tokenizer->eos_token_id().has_value()) {
+    config.eos_token_ids.push_back(*tokenizer->eos_token_id());
+  }
+  SchedulerConfig sc;
+  sc.max_num_seqs = config.max_num_seqs;
+  sc.max_num_batched_tokens = config.max_num_batched_tokens;
+  sc.max_model_len = config.max_model_len;
+  sc.block_size = spec.block_size;
+  sc.num_blocks = spec.num_blocks;
+  sc.enable_prefix_caching = config.enable_prefix_caching;
+  sc.enable_chunked_prefill = config.enable_chunked_prefill;
+  sc.eos_token_ids = config.eos_token_ids;
+  return std::unique_ptr<Engine>(std::make_unique<EngineImpl>(
+      std::move(config), std::move(runner), std::move(tokenizer), std::move(connector), std::move(sc)));
+}
+
+}  // namespace pd::engine

@@ -1,0 +1,530 @@
+#include "engine/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+
+#include "common/clock.h"
+#include "common/metrics.h"
+#include "paged_kv_test_runner.h"
+#include "tokenizer/tokenizer.h"
+
+namespace pd::engine {
+namespace {
+
+using testing::PagedKvTestRunner;
+using testing::reference_greedy;
+
+constexpr int32_t kVocab = 300;
+constexpr int64_t kWaitMs = 20'000;
+
+// Collects every request's outputs and checks the stream protocol: in order,
+// exactly one final output, nothing after it.
+class Collector {
+ public:
+  OutputCallback callback() {
+    return [this](RequestOutput out) {
+      std::lock_guard lock(mutex_);
+      auto& stream = outputs_[out.request_id];
+      if (!stream.empty() && stream.back().finished) violations_ += "output after finish for " + out.request_id + "\n";
+      if (!stream.empty() && out.num_output_tokens < stream.back().num_output_tokens) {
+        violations_ += "output count went back for " + out.request_id + "\n";
+      }
+      const bool fin = out.finished;
+      stream.push_back(std::move(out));
+      if (fin) ++num_finished_;
+      cv_.notify_all();
+    };
+  }
+  bool wait_finished(size_t n, int64_t timeout_ms = kWaitMs) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_until(lock, Deadline::after_ms(timeout_ms).when(), [&] { return num_finished_ >= n; });
+  }
+  // Waits until the request has at least n output tokens (or finished).
+  bool wait_tokens(const std::string& id, int32_t n) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_until(lock, Deadline::after_ms(kWaitMs).when(), [&] {
+      auto it = outputs_.find(id);
+      return it != outputs_.end() && !it->second.empty() &&
+             (it->second.back().num_output_tokens >= n || it->second.back().finished);
+    });
+  }
+  std::vector<int32_t> tokens(const std::string& id) {
+    std::lock_guard lock(mutex_);
+    std::vector<int32_t> all;
+    for (const auto& o : outputs_[id]) all.insert(all.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+    return all;
+  }
+  std::string text(const std::string& id) {
+    std::lock_guard lock(mutex_);
+    std::string all;
+    for (const auto& o : outputs_[id]) all += o.text_delta;
+    return all;
+  }
+  std::vector<RequestOutput> stream(const std::string& id) {
+    std::lock_guard lock(mutex_);
+    return outputs_[id];
+  }
+  RequestOutput last(const std::string& id) {
+    std::lock_guard lock(mutex_);
+    return outputs_.at(id).back();
+  }
+  std::string violations() {
+    std::lock_guard lock(mutex_);
+    return violations_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::map<std::string, std::vector<RequestOutput>> outputs_;
+  size_t num_finished_ = 0;
+  std::string violations_;
+};
+
+EngineConfig small_engine_config() {
+  EngineConfig c;
+  c.max_num_seqs = 8;
+  c.max_num_batched_tokens = 64;
+  c.max_model_len = 256;
+  return c;
+}
+
+struct EngineUnderTest {
+  PagedKvTestRunner* runner = nullptr;
+  std::unique_ptr<Engine> engine;
+};
+
+EngineUnderTest make_engine(EngineConfig config, int32_t num_blocks, int32_t block_size = 4,
+                            std::shared_ptr<const tokenizer::Tokenizer> tok = nullptr,
+                            PagedKvTestRunner::LogitsFn logits_fn = nullptr) {
+  auto runner = std::make_unique<PagedKvTestRunner>(num_blocks, block_size, kVocab, std::move(logits_fn));
+  EngineUnderTest e;
+  e.runner = runner.get();
+  auto created = Engine::create(std::move(config), std::move(runner), std::move(tok));
+  EXPECT_TRUE(created.ok()) << created.status().to_string();
+  if (created.ok()) e.engine = std::move(created).value();
+  return e;
+}
+
+GenerateRequest make_request(const std::string& id, std::vector<int32_t> prompt, int32_t max_tokens) {
+  GenerateRequest r;
+  r.request_id = id;
+  r.prompt_token_ids = std::move(prompt);
+  r.sampling.temperature = 0.0f;
+  r.sampling.max_tokens = max_tokens;
+  return r;
+}
+
+std::vector<int32_t> tokens_from(int32_t n, int32_t start) {
+  std::vector<int32_t> t;
+  for (int32_t i = 0; i < n; ++i) t.push_back((start + i) % kVocab);
+  return t;
+}
+
+// ---------------------------------------------------------------------------
+
+TEST(Engine, ConcurrentRequestsWithSharedPrefixesAndPreemptionMatchTheReference) {
+  // 40 blocks of 4 tokens for 24 requests of up to ~60 tokens: preemption is
+  // certain; prompts share three prefixes: prefix hits are certain.
+  auto e = make_engine(small_engine_config(), 40);
+  Collector c;
+  std::mt19937 rng(7);
+  std::map<std::string, std::pair<std::vector<int32_t>, int32_t>> specs;
+  const std::vector<std::vector<int32_t>> prefixes = {tokens_from(17, 1), tokens_from(24, 100), tokens_from(9, 200)};
+  for (int i = 0; i < 24; ++i) {
+    std::vector<int32_t> prompt = prefixes[static_cast<size_t>(i % 3)];
+    for (uint32_t k = rng() % 6; k > 0; --k) prompt.push_back(static_cast<int32_t>(rng() % kVocab));
+    const int32_t max_tokens = 8 + static_cast<int32_t>(rng() % 24);
+    const std::string id = "req-" + std::to_string(i);
+    specs[id] = {prompt, max_tokens};
+    ASSERT_TRUE(e.engine->add_request(make_request(id, prompt, max_tokens), c.callback()).ok());
+  }
+  ASSERT_TRUE(c.wait_finished(specs.size()));
+  for (const auto& [id, spec] : specs) {
+    EXPECT_EQ(c.tokens(id), reference_greedy(spec.first, spec.second, kVocab)) << id;
+    const RequestOutput last = c.last(id);
+    EXPECT_TRUE(last.finished);
+    EXPECT_EQ(last.finish_reason, FinishReason::kLength);
+    EXPECT_EQ(last.num_output_tokens, spec.second);
+    EXPECT_EQ(last.num_prompt_tokens, static_cast<int32_t>(spec.first.size()));
+  }
+  EXPECT_EQ(c.violations(), "");
+  e.engine->shutdown();
+  const EngineStats s = e.engine->stats();
+  EXPECT_GT(s.num_preemptions, 0);
+  EXPECT_GT(s.num_prefix_cache_hit_tokens, 0);
+  EXPECT_EQ(s.num_blocks_free, 40);
+  EXPECT_EQ(s.num_blocks_in_use, 0);
+  EXPECT_EQ(s.num_running, 0);
+  EXPECT_EQ(s.num_waiting, 0);
+  EXPECT_EQ(e.runner->num_kv_mismatches(), 0);
+}
+
+TEST(Engine, PrefixCacheHitReusesKvAndGivesTheSameOutput) {
+  auto e = make_engine(small_engine_config(), 64);
+  Collector c;
+  const std::vector<int32_t> prompt = tokens_from(21, 5);
+  ASSERT_TRUE(e.engine->add_request(make_request("first", prompt, 6), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(1));
+  ASSERT_TRUE(e.engine->add_request(make_request("second", prompt, 6), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(2));
+  EXPECT_EQ(c.tokens("first"), reference_greedy(prompt, 6, kVocab));
+  EXPECT_EQ(c.tokens("second"), c.tokens("first"));
+  EXPECT_EQ(c.last("second").num_cached_tokens, 20) << "5 full blocks of 4 from the cache, the last token computed";
+  EXPECT_EQ(c.last("first").num_cached_tokens, 0);
+}
+
+TEST(Engine, SeededSamplingIsReproducibleAcrossBatchingAndPreemption) {
+  auto run = [](int32_t num_blocks, int32_t budget) {
+    EngineConfig config = small_engine_config();
+    config.max_num_batched_tokens = budget;
+    auto e = make_engine(config, num_blocks);
+    Collector c;
+    for (int i = 0; i < 6; ++i) {
+      GenerateRequest r = make_request("s" + std::to_string(i), tokens_from(15 + i, 30 * i), 30);
+      r.sampling.temperature = 0.9f;
+      r.sampling.top_p = 0.95f;
+      r.sampling.seed = 1000 + static_cast<uint64_t>(i);
+      EXPECT_TRUE(e.engine->add_request(std::move(r), c.callback()).ok());
+    }
+    EXPECT_TRUE(c.wait_finished(6));
+    std::vector<std::vector<int32_t>> all;
+    for (int i = 0; i < 6; ++i) all.push_back(c.tokens("s" + std::to_string(i)));
+    e.engine->shutdown();
+    return std::make_pair(all, e.engine->stats().num_preemptions);
+  };
+  const auto [roomy, roomy_preemptions] = run(256, 256);
+  const auto [tight, tight_preemptions] = run(30, 16);
+  EXPECT_EQ(roomy_preemptions, 0);
+  EXPECT_GT(tight_preemptions, 0);
+  EXPECT_EQ(roomy, tight);
+}
+
+TEST(Engine, AbortMidGenerationEndsTheStreamWithAbortAndFreesItsBlocks) {
+  auto e = make_engine(small_engine_config(), 64);
+  Collector c;
+  ASSERT_TRUE(e.engine->add_request(make_request("long", tokens_from(10, 3), 200), c.callback()).ok());
+  ASSERT_TRUE(c.wait_tokens("long", 3));
+  e.engine->abort("long");
+  ASSERT_TRUE(c.wait_finished(1));
+  const RequestOutput last = c.last("long");
+  EXPECT_EQ(last.finish_reason, FinishReason::kAbort);
+  EXPECT_LT(last.num_output_tokens, 200);
+  EXPECT_EQ(c.violations(), "");
+  // Tokens before the abort are still the right ones.
+  const std::vector<int32_t> got = c.tokens("long");
+  const std::vector<int32_t> want = reference_greedy(tokens_from(10, 3), static_cast<int32_t>(got.size()), kVocab);
+  EXPECT_EQ(got, want);
+  // Aborting again, or an unknown id, is harmless; the id is reusable.
+  e.engine->abort("long");
+  e.engine->abort("never-existed");
+  ASSERT_TRUE(e.engine->add_request(make_request("long", tokens_from(10, 3), 2), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(2));
+  e.engine->shutdown();
+  EXPECT_EQ(e.engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(Engine, AbortOfAWaitingRequestFinishesIt) {
+  auto e = make_engine(small_engine_config(), 64);
+  Collector c;
+  e.runner->hold_steps();
+  ASSERT_TRUE(e.engine->add_request(make_request("a", tokens_from(8, 1), 50), c.callback()).ok());
+  EngineConfig config = small_engine_config();
+  (void)config;
+  ASSERT_TRUE(e.engine->add_request(make_request("b", tokens_from(8, 50), 50), c.callback()).ok());
+  e.engine->abort("b");
+  e.runner->release();
+  e.engine->abort("a");
+  ASSERT_TRUE(c.wait_finished(2));
+  EXPECT_EQ(c.last("a").finish_reason, FinishReason::kAbort);
+  EXPECT_EQ(c.last("b").finish_reason, FinishReason::kAbort);
+  EXPECT_EQ(c.violations(), "");
+}
+
+TEST(Engine, ShutdownAbortsEveryLiveRequestAndJoins) {
+  auto e = make_engine(small_engine_config(), 64);
+  Collector c;
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(
+        e.engine->add_request(make_request("r" + std::to_string(i), tokens_from(6, i), 250 - 8), c.callback()).ok());
+  }
+  ASSERT_TRUE(c.wait_tokens("r0", 1));
+  e.engine->shutdown();
+  ASSERT_TRUE(c.wait_finished(4, 0));
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(c.last("r" + std::to_string(i)).finished);
+  EXPECT_EQ(e.engine->stats().num_blocks_in_use, 0);
+  e.engine->shutdown();  // idempotent
+  EXPECT_EQ(e.engine->add_request(make_request("late", tokens_from(4, 1), 2), c.callback()).code(),
+            ErrorCode::kUnavailable);
+}
+
+TEST(Engine, RunnerErrorFailsThatStepsRequestsAndTheEngineKeepsServing) {
+  auto e = make_engine(small_engine_config(), 64);
+  Collector c;
+  e.runner->fail_step(0);
+  ASSERT_TRUE(e.engine->add_request(make_request("doomed", tokens_from(5, 1), 4), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(1));
+  EXPECT_EQ(c.last("doomed").finish_reason, FinishReason::kError);
+  EXPECT_NE(c.last("doomed").error.find("injected failure"), std::string::npos);
+  ASSERT_TRUE(e.engine->add_request(make_request("fine", tokens_from(5, 1), 4), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(2));
+  EXPECT_EQ(c.tokens("fine"), reference_greedy(tokens_from(5, 1), 4, kVocab));
+  e.engine->shutdown();
+  EXPECT_EQ(e.engine->stats().num_step_errors, 1);
+  EXPECT_EQ(e.engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(Engine, InvalidRequestsAreRejectedAndNeverCallBack) {
+  auto e = make_engine(small_engine_config(), 64);
+  bool called = false;
+  OutputCallback cb = [&called](RequestOutput) { called = true; };
+  EXPECT_EQ(e.engine->add_request(make_request("", {1}, 1), cb).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(e.engine->add_request(make_request("x", {}, 1), cb).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(e.engine->add_request(make_request("x", {1, kVocab}, 1), cb).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(e.engine->add_request(make_request("x", {-1}, 1), cb).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(e.engine->add_request(make_request("x", tokens_from(256, 0), 1), cb).code(), ErrorCode::kInvalidArgument);
+  GenerateRequest bad_sampling = make_request("x", {1}, 1);
+  bad_sampling.sampling.top_p = 0.0f;
+  EXPECT_EQ(e.engine->add_request(bad_sampling, cb).code(), ErrorCode::kInvalidArgument);
+  GenerateRequest stop_without_tokenizer = make_request("x", {1}, 1);
+  stop_without_tokenizer.sampling.stop = {"x"};
+  EXPECT_EQ(e.engine->add_request(stop_without_tokenizer, cb).code(), ErrorCode::kInvalidArgument);
+  // Never fits: 64 blocks of 4 tokens = 256 tokens is the whole cache, but max_model_len 256 needs 64: ok;
+  // a 10-block cache cannot hold a request that may grow to 200 tokens.
+  auto tiny = make_engine(small_engine_config(), 10);
+  EXPECT_EQ(tiny.engine->add_request(make_request("x", {1}, 200), cb).code(), ErrorCode::kInvalidArgument);
+  e.runner->hold_steps();
+  ASSERT_TRUE(e.engine->add_request(make_request("dup", {1, 2}, 100), cb).ok());
+  EXPECT_EQ(e.engine->add_request(make_request("dup", {1, 2}, 1), cb).code(), ErrorCode::kInvalidArgument);
+  e.runner->release();
+  e.engine->shutdown();
+  EXPECT_TRUE(called) << "the accepted request got its final output";
+}
+
+TEST(Engine, WaitingQueueIsBounded) {
+  EngineConfig config = small_engine_config();
+  config.max_waiting_requests = 3;
+  auto e = make_engine(config, 64);
+  Collector c;
+  e.runner->hold_steps();
+  int accepted = 0;
+  Status last;
+  for (int i = 0; i < 12; ++i) {
+    last = e.engine->add_request(make_request("q" + std::to_string(i), tokens_from(4, i), 2), c.callback());
+    accepted += last.ok();
+  }
+  EXPECT_EQ(last.code(), ErrorCode::kResourceExhausted);
+  EXPECT_LE(accepted, 3 + config.max_num_seqs);
+  e.runner->release();
+  ASSERT_TRUE(c.wait_finished(static_cast<size_t>(accepted)));
+}
+
+TEST(Engine, MaxModelLenFinishesWithLength) {
+  EngineConfig config = small_engine_config();
+  config.max_model_len = 12;
+  auto e = make_engine(config, 64);
+  Collector c;
+  ASSERT_TRUE(e.engine->add_request(make_request("a", tokens_from(9, 1), 100), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(1));
+  EXPECT_EQ(c.last("a").finish_reason, FinishReason::kLength);
+  EXPECT_EQ(c.tokens("a").size(), 3u);
+}
+
+TEST(Engine, LogprobsAccompanyEveryToken) {
+  auto e = make_engine(small_engine_config(), 64);
+  Collector c;
+  GenerateRequest r = make_request("lp", tokens_from(7, 1), 4);
+  r.sampling.logprobs = 3;
+  ASSERT_TRUE(e.engine->add_request(r, c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(1));
+  for (const RequestOutput& o : c.stream("lp")) {
+    ASSERT_EQ(o.logprobs.size(), o.new_token_ids.size());
+    for (size_t i = 0; i < o.logprobs.size(); ++i) {
+      EXPECT_EQ(o.logprobs[i].token_id, o.new_token_ids[i]);
+      ASSERT_EQ(o.logprobs[i].top.size(), 3u);
+      EXPECT_EQ(o.logprobs[i].top[0].token_id, o.new_token_ids[i]) << "greedy picks the most likely token";
+      EXPECT_FLOAT_EQ(o.logprobs[i].top[0].logprob, o.logprobs[i].logprob);
+    }
+  }
+}
+
+TEST(Engine, MetricsAreExported) {
+  auto e = make_engine(small_engine_config(), 64);
+  Collector c;
+  ASSERT_TRUE(e.engine->add_request(make_request("m", tokens_from(7, 1), 3), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(1));
+  e.engine->shutdown();
+  const std::string text = metrics::Registry::global().render_prometheus();
+  for (const char* name :
+       {"pd_num_requests_running", "pd_num_requests_waiting", "pd_kv_blocks_used", "pd_kv_blocks_free",
+        "pd_prompt_tokens_total", "pd_generation_tokens_total", "pd_time_to_first_token_seconds_bucket",
+        "pd_inter_token_latency_seconds_bucket", "pd_preemptions_total", "pd_prefix_cache_hit_tokens_total"}) {
+    EXPECT_NE(text.find(name), std::string::npos) << name;
+  }
+}
+
+// --- text, stop strings, EOS: a byte-level tokenizer (token id = byte) ------
+
+// GPT-2's byte-to-unicode table, so vocab.json can map every byte to its id.
+std::string byte_level_char(int b) {
+  int code = b;
+  if (!((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255))) {
+    int n = 0;
+    for (int x = 0; x < b; ++x) {
+      if (!((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174 && x <= 255))) ++n;
+    }
+    code = 256 + n;
+  }
+  std::string s;
+  if (code < 0x80) {
+    s += static_cast<char>(code);
+  } else {
+    s += static_cast<char>(0xC0 | (code >> 6));
+    s += static_cast<char>(0x80 | (code & 0x3F));
+  }
+  return s;
+}
+
+constexpr int32_t kEos = 256;
+
+std::shared_ptr<const tokenizer::Tokenizer> byte_tokenizer() {
+  static std::shared_ptr<const tokenizer::Tokenizer> tok = [] {
+    const auto dir = std::filesystem::temp_directory_path() / ("pd_engine_test_tok_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir);
+    nlohmann::json vocab = nlohmann::json::object();
+    for (int b = 0; b < 256; ++b) vocab[byte_level_char(b)] = b;
+    std::ofstream(dir / "vocab.json") << vocab.dump();
+    std::ofstream(dir / "merges.txt") << "#version: 0.2\n";
+    nlohmann::json config = {{"eos_token", "<|end|>"},
+                             {"added_tokens_decoder", {{"256", {{"content", "<|end|>"}, {"special", true}}}}}};
+    std::ofstream(dir / "tokenizer_config.json") << config.dump();
+    auto loaded = tokenizer::Tokenizer::load(dir);
+    std::filesystem::remove_all(dir);
+    EXPECT_TRUE(loaded.ok()) << loaded.status().to_string();
+    return loaded.ok() ? std::shared_ptr<const tokenizer::Tokenizer>(loaded.value()) : nullptr;
+  }();
+  return tok;
+}
+
+// A "model" that spells `script` after the prompt (then repeats its last
+// byte), still reading the context back from the paged cache.
+PagedKvTestRunner::LogitsFn spell(std::string script, int32_t prompt_len) {
+  return [script, prompt_len](std::span<const int32_t> context, int32_t vocab) {
+    std::vector<float> logits(static_cast<size_t>(vocab), 0.0f);
+    const size_t i = std::min(context.size() - static_cast<size_t>(prompt_len), script.size() - 1);
+    const int32_t want = script[i] == '$' ? kEos : static_cast<unsigned char>(script[i]);
+    logits[static_cast<size_t>(want)] = 10.0f;
+    return logits;
+  };
+}
+
+struct TextRun {
+  std::vector<RequestOutput> stream;
+  std::string text;
+  RequestOutput last;
+};
+
+TextRun run_text(const std::string& script, SamplingParams sampling) {
+  const std::vector<int32_t> prompt = {'>', ' '};
+  auto e = make_engine(small_engine_config(), 64, 4, byte_tokenizer(), spell(script, 2));
+  Collector c;
+  GenerateRequest r = make_request("t", prompt, sampling.max_tokens);
+  r.sampling = std::move(sampling);
+  EXPECT_TRUE(e.engine->add_request(std::move(r), c.callback()).ok());
+  EXPECT_TRUE(c.wait_finished(1));
+  EXPECT_EQ(c.violations(), "");
+  return TextRun{c.stream("t"), c.text("t"), c.last("t")};
+}
+
+SamplingParams greedy(int32_t max_tokens) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = max_tokens;
+  return p;
+}
+
+TEST(EngineText, TextDeltasConcatenateToTheDecodedOutput) {
+  TextRun run = run_text("Hello, world", greedy(12));
+  EXPECT_EQ(run.text, "Hello, world");
+  EXPECT_EQ(run.last.finish_reason, FinishReason::kLength);
+}
+
+TEST(EngineText, StopStringTruncatesTheOutput) {
+  SamplingParams p = greedy(30);
+  p.stop = {"lo W"};
+  TextRun run = run_text("Hello World and more", p);
+  EXPECT_EQ(run.text, "Hel");
+  EXPECT_EQ(run.last.finish_reason, FinishReason::kStop);
+  EXPECT_EQ(run.last.stop_string, std::optional<std::string>("lo W"));
+}
+
+TEST(EngineText, StopStringIncludedWhenAskedFor) {
+  SamplingParams p = greedy(30);
+  p.stop = {"lo W"};
+  p.include_stop_str_in_output = true;
+  TextRun run = run_text("Hello World and more", p);
+  EXPECT_EQ(run.text, "Hello W");
+}
+
+TEST(EngineText, PossibleStopPrefixIsHeldBackUntilResolved) {
+  SamplingParams p = greedy(12);
+  p.stop = {"World"};
+  TextRun run = run_text("Hello Wonder", p);
+  EXPECT_EQ(run.text, "Hello Wonder");
+  EXPECT_EQ(run.last.finish_reason, FinishReason::kLength);
+  // When "W" and "Wo" were generated they could start "World": not emitted yet.
+  std::string so_far;
+  for (const RequestOutput& o : run.stream) {
+    so_far += o.text_delta;
+    if (o.num_output_tokens == 7 || o.num_output_tokens == 8) {
+      EXPECT_EQ(so_far, "Hello ");
+    }
+  }
+}
+
+TEST(EngineText, EosStopsAndItsTextIsNotShown) {
+  TextRun run = run_text("ab$cd", greedy(10));
+  EXPECT_EQ(run.text, "ab");
+  EXPECT_EQ(run.last.finish_reason, FinishReason::kStop);
+  EXPECT_EQ(run.last.num_output_tokens, 3);
+  EXPECT_FALSE(run.last.stop_token_id.has_value());
+}
+
+TEST(EngineText, IgnoreEosRunsToMaxTokens) {
+  SamplingParams p = greedy(5);
+  p.ignore_eos = true;
+  TextRun run = run_text("ab$cd", p);
+  EXPECT_EQ(run.last.finish_reason, FinishReason::kLength);
+  EXPECT_EQ(run.last.num_output_tokens, 5);
+}
+
+TEST(EngineText, MinTokensSuppressesEos) {
+  SamplingParams p = greedy(6);
+  p.min_tokens = 4;
+  TextRun run = run_text("ab$$$$$$", p);
+  std::vector<int32_t> tokens;
+  for (const auto& o : run.stream) tokens.insert(tokens.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+  ASSERT_GE(tokens.size(), 5u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NE(tokens[i], kEos) << "position " << i;
+  EXPECT_EQ(tokens[4], kEos);
+  EXPECT_EQ(run.last.finish_reason, FinishReason::kStop);
+}
+
+TEST(EngineText, StopTokenIdEndsTheRequestAndIsReported) {
+  SamplingParams p = greedy(10);
+  p.stop_token_ids = {'x'};
+  TextRun run = run_text("abxcd", p);
+  EXPECT_EQ(run.text, "ab");
+  EXPECT_EQ(run.last.finish_reason, FinishReason::kStop);
+  EXPECT_EQ(run.last.stop_token_id, std::optional<int32_t>('x'));
+}
+
+}  // namespace
+}  // namespace pd::engine
