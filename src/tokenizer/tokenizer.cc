@@ -27,9 +27,11 @@ Result<std::string> read_file(const fs::path& path) {
   return buffer.str();
 }
 
-Result<ojson> read_json(const fs::path& path) {
+// Vocab-sized files use plain json: ordered_json inserts by linear search (quadratic on 150k keys).
+template <typename Json = ojson>
+Result<Json> read_json(const fs::path& path) {
   PD_ASSIGN_OR_RETURN(std::string text, read_file(path));
-  ojson parsed = ojson::parse(text, nullptr, /*allow_exceptions=*/false);
+  Json parsed = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (parsed.is_discarded()) return data_loss("{} is not valid JSON", path.string());
   return parsed;
 }
@@ -43,9 +45,20 @@ std::optional<std::string> token_content(const ojson& field) {
   return std::nullopt;
 }
 
-bool json_bool(const ojson& obj, const char* key, bool fallback) {
+// obj[key], or null when obj is not an object or lacks key (const operator[] would be undefined).
+template <typename Json>
+const Json& field(const Json& obj, const char* key) {
+  static const Json kNull;
+  if (!obj.is_object()) return kNull;
   auto it = obj.find(key);
-  return it != obj.end() && it->is_boolean() ? it->get<bool>() : fallback;
+  return it == obj.end() ? kNull : *it;
+}
+
+template <typename Json>
+bool json_bool(const Json& obj, const char* key, bool fallback) {
+  if (!obj.is_object()) return fallback;
+  auto it = obj.find(key);
+  return it != obj.end() && it->is_boolean() ? it->template get<bool>() : fallback;
 }
 
 bool is_space_byte(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
@@ -66,20 +79,27 @@ class TokenizerLoader {
   static Result<std::shared_ptr<Tokenizer>> load(const fs::path& dir);
 
  private:
-  static Status load_tokenizer_json(Tokenizer& tok, const ojson& root, bool& has_post_processor);
+  static Status load_tokenizer_json(Tokenizer& tok, const nlohmann::json& root, bool& has_post_processor);
   static Status load_vocab_merges(Tokenizer& tok, const fs::path& dir, const ojson& config);
-  static Status build_pre_tokenizer(Tokenizer& tok, const ojson& pre, const std::string& where);
+  static Status build_pre_tokenizer(Tokenizer& tok, const nlohmann::json& pre, const std::string& where);
 };
 
 Tokenizer::Tokenizer() = default;
 Tokenizer::~Tokenizer() = default;
 
-Result<std::shared_ptr<Tokenizer>> Tokenizer::load(const fs::path& dir) { return TokenizerLoader::load(dir); }
+Result<std::shared_ptr<Tokenizer>> Tokenizer::load(const fs::path& dir) {
+  // Malformed files (wrong JSON types) surface as json exceptions; they end here as a Status.
+  try {
+    return TokenizerLoader::load(dir);
+  } catch (const std::exception& e) {
+    return data_loss("{}: malformed tokenizer files: {}", dir.string(), e.what());
+  }
+}
 
-Status TokenizerLoader::build_pre_tokenizer(Tokenizer& tok, const ojson& pre, const std::string& where) {
-  std::vector<const ojson*> steps;
+Status TokenizerLoader::build_pre_tokenizer(Tokenizer& tok, const nlohmann::json& pre, const std::string& where) {
+  std::vector<const nlohmann::json*> steps;
   if (pre.is_object() && pre.value("type", "") == "Sequence") {
-    for (const auto& step : pre["pretokenizers"]) steps.push_back(&step);
+    for (const auto& step : field(pre, "pretokenizers")) steps.push_back(&step);
   } else if (pre.is_object()) {
     steps.push_back(&pre);
   } else {
@@ -88,14 +108,14 @@ Status TokenizerLoader::build_pre_tokenizer(Tokenizer& tok, const ojson& pre, co
   std::optional<std::string> split_pattern;
   bool saw_byte_level = false;
   bool add_prefix_space = false;
-  for (const ojson* step : steps) {
+  for (const nlohmann::json* step : steps) {
     const std::string type = step->value("type", "");
     if (type == "Split") {
       if (split_pattern) return unimplemented("{}: more than one Split pre-tokenizer", where);
       if (step->value("behavior", "") != "Isolated" || json_bool(*step, "invert", false)) {
         return unimplemented("{}: Split pre-tokenizer behaviour other than Isolated", where);
       }
-      const ojson& pattern = (*step)["pattern"];
+      const nlohmann::json& pattern = field((*step), "pattern");
       if (pattern.contains("Regex")) {
         split_pattern = pattern["Regex"].get<std::string>();
       } else {
@@ -117,8 +137,8 @@ Status TokenizerLoader::build_pre_tokenizer(Tokenizer& tok, const ojson& pre, co
   return Status::Ok();
 }
 
-Status TokenizerLoader::load_tokenizer_json(Tokenizer& tok, const ojson& root, bool& has_post_processor) {
-  const ojson& model = root["model"];
+Status TokenizerLoader::load_tokenizer_json(Tokenizer& tok, const nlohmann::json& root, bool& has_post_processor) {
+  const nlohmann::json& model = field(root, "model");
   if (!model.is_object() || model.value("type", "BPE") != "BPE") return unimplemented("tokenizer.json: model type is not BPE");
   if (json_bool(model, "byte_fallback", false)) return unimplemented("tokenizer.json: BPE byte_fallback");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
@@ -127,13 +147,13 @@ Status TokenizerLoader::load_tokenizer_json(Tokenizer& tok, const ojson& root, b
     }
   }
   std::vector<std::pair<std::string, int32_t>> vocab;
-  for (const auto& [token, id] : model["vocab"].items()) {
+  for (const auto& [token, id] : field(model, "vocab").items()) {
     auto bytes = unicode_to_bytes(token);
     if (!bytes) return data_loss("tokenizer.json: vocab token '{}' is not byte-level text", token);
     vocab.emplace_back(std::move(*bytes), id.get<int32_t>());
   }
   std::vector<std::pair<std::string, std::string>> merges;
-  for (const auto& merge : model["merges"]) {
+  for (const auto& merge : field(model, "merges")) {
     std::string left, right;
     if (merge.is_string()) {
       const std::string line = merge.get<std::string>();
@@ -154,25 +174,25 @@ Status TokenizerLoader::load_tokenizer_json(Tokenizer& tok, const ojson& root, b
   }
   PD_ASSIGN_OR_RETURN(tok.bpe_, BpeModel::build(std::move(vocab), merges, json_bool(model, "ignore_merges", false)));
 
-  const ojson& normalizer = root["normalizer"];
+  const nlohmann::json& normalizer = field(root, "normalizer");
   if (normalizer.is_object()) {
     const std::string type = normalizer.value("type", "");
     if (type == "NFC") {
       tok.nfc_ = true;
-    } else if (type == "Sequence" && normalizer["normalizers"].empty()) {
-    } else if (type == "Sequence" && normalizer["normalizers"].size() == 1 &&
-               normalizer["normalizers"][0].value("type", "") == "NFC") {
+    } else if (type == "Sequence" && field(normalizer, "normalizers").empty()) {
+    } else if (type == "Sequence" && field(normalizer, "normalizers").size() == 1 &&
+               field(normalizer, "normalizers")[0].value("type", "") == "NFC") {
       tok.nfc_ = true;
     } else {
       return unimplemented("tokenizer.json: normalizer '{}'", type);
     }
   }
-  PD_RETURN_IF_ERROR(build_pre_tokenizer(tok, root["pre_tokenizer"], "tokenizer.json"));
-  const ojson& decoder = root["decoder"];
+  PD_RETURN_IF_ERROR(build_pre_tokenizer(tok, field(root, "pre_tokenizer"), "tokenizer.json"));
+  const nlohmann::json& decoder = field(root, "decoder");
   if (decoder.is_object() && decoder.value("type", "") != "ByteLevel") {
     return unimplemented("tokenizer.json: decoder '{}'", decoder.value("type", ""));
   }
-  for (const auto& added : root["added_tokens"]) {
+  for (const auto& added : field(root, "added_tokens")) {
     AddedToken token;
     token.content = added.value("content", "");
     token.id = added.value("id", -1);
@@ -183,26 +203,26 @@ Status TokenizerLoader::load_tokenizer_json(Tokenizer& tok, const ojson& root, b
     tok.added_tokens_.push_back(std::move(token));
   }
   // Post-processor: the special tokens TemplateProcessing wraps a single sequence with.
-  std::vector<const ojson*> processors;
-  const ojson& post = root["post_processor"];
+  std::vector<const nlohmann::json*> processors;
+  const nlohmann::json& post = field(root, "post_processor");
   if (post.is_object() && post.value("type", "") == "Sequence") {
-    for (const auto& p : post["processors"]) processors.push_back(&p);
+    for (const auto& p : field(post, "processors")) processors.push_back(&p);
   } else if (post.is_object()) {
     processors.push_back(&post);
   }
   has_post_processor = !processors.empty();
-  for (const ojson* p : processors) {
+  for (const nlohmann::json* p : processors) {
     const std::string type = p->value("type", "");
     if (type == "ByteLevel") continue;
     if (type != "TemplateProcessing") return unimplemented("tokenizer.json: post-processor '{}'", type);
     bool after_sequence = false;
-    for (const auto& piece : (*p)["single"]) {
+    for (const auto& piece : field((*p), "single")) {
       if (piece.contains("Sequence")) {
         after_sequence = true;
         continue;
       }
-      const std::string name = piece["SpecialToken"]["id"].get<std::string>();
-      const ojson& ids = (*p)["special_tokens"][name]["ids"];
+      const std::string name = field(field(piece, "SpecialToken"), "id").get<std::string>();
+      const nlohmann::json& ids = field(field(field((*p), "special_tokens"), name.c_str()), "ids");
       for (const auto& id : ids) (after_sequence ? tok.suffix_ids_ : tok.prefix_ids_).push_back(id.get<int32_t>());
     }
   }
@@ -210,7 +230,7 @@ Status TokenizerLoader::load_tokenizer_json(Tokenizer& tok, const ojson& root, b
 }
 
 Status TokenizerLoader::load_vocab_merges(Tokenizer& tok, const fs::path& dir, const ojson& config) {
-  PD_ASSIGN_OR_RETURN(ojson vocab_json, read_json(dir / "vocab.json"));
+  PD_ASSIGN_OR_RETURN(nlohmann::json vocab_json, read_json<nlohmann::json>(dir / "vocab.json"));
   std::vector<std::pair<std::string, int32_t>> vocab;
   vocab.reserve(vocab_json.size());
   for (const auto& [token, id] : vocab_json.items()) {
@@ -263,7 +283,7 @@ Result<std::shared_ptr<Tokenizer>> TokenizerLoader::load(const fs::path& dir) {
   }
   bool has_post_processor = false;
   if (fs::exists(dir / "tokenizer.json", ec)) {
-    PD_ASSIGN_OR_RETURN(ojson root, read_json(dir / "tokenizer.json"));
+    PD_ASSIGN_OR_RETURN(nlohmann::json root, read_json<nlohmann::json>(dir / "tokenizer.json"));
     PD_RETURN_IF_ERROR(load_tokenizer_json(*tok, root, has_post_processor).with_context(dir.string()));
   } else if (fs::exists(dir / "vocab.json", ec) && fs::exists(dir / "merges.txt", ec)) {
     PD_RETURN_IF_ERROR(load_vocab_merges(*tok, dir, config).with_context(dir.string()));
@@ -281,8 +301,8 @@ Result<std::shared_ptr<Tokenizer>> TokenizerLoader::load(const fs::path& dir) {
     }
     tok->added_tokens_.push_back(std::move(token));
   };
-  if (config.contains("added_tokens_decoder") && config["added_tokens_decoder"].is_object()) {
-    for (const auto& [id_text, added] : config["added_tokens_decoder"].items()) {
+  if (config.contains("added_tokens_decoder") && field(config, "added_tokens_decoder").is_object()) {
+    for (const auto& [id_text, added] : field(config, "added_tokens_decoder").items()) {
       AddedToken token;
       token.id = std::atoi(id_text.c_str());
       token.content = added.value("content", "");
