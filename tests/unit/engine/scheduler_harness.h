@@ -20,6 +20,21 @@ inline int32_t next_token_of(const std::vector<int32_t>& tokens) {
   return static_cast<int32_t>(h % 997);
 }
 
+// A plan's content copied out: the plan's Request pointers dangle once the
+// harness finishes those requests.
+struct SeqView {
+  std::string id;
+  int32_t num_computed_tokens = 0;
+  int32_t num_new_tokens = 0;
+  bool sample = false;
+  bool newly_admitted = false;
+};
+struct PlanView {
+  std::vector<SeqView> seqs;
+  int32_t num_batched_tokens = 0;
+  std::vector<std::string> preempted_request_ids;
+};
+
 class SchedulerHarness {
  public:
   explicit SchedulerHarness(SchedulerConfig config, KvConnector* connector = nullptr)
@@ -38,9 +53,14 @@ class SchedulerHarness {
   }
 
   // One step: plan, "execute", append sampled tokens, finish at max_tokens.
-  StepPlan step() {
+  PlanView step() {
     std::vector<FinishedRequest> failed;
     StepPlan plan = scheduler.schedule(&failed);
+    PlanView view{{}, plan.num_batched_tokens, plan.preempted_request_ids};
+    for (const ScheduledSeq& s : plan.seqs) {
+      view.seqs.push_back(
+          {s.request->request_id(), s.num_computed_tokens, s.num_new_tokens, s.sample, s.newly_admitted});
+    }
     for (auto& f : failed) finished[f.request->request_id()] = f.request->output_token_ids().size();
     last_input = scheduler.build_step_input(plan);
     scheduler.complete_step(plan, {});
@@ -52,7 +72,7 @@ class SchedulerHarness {
     }
     for (Request* r : done) finish(*r, RequestState::kFinishedLength);
     check_accounting();
-    return plan;
+    return view;
   }
 
   void finish(Request& r, RequestState state) {

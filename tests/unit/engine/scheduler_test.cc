@@ -11,8 +11,10 @@ namespace pd::engine {
 namespace {
 
 using testing::iota_tokens;
+using testing::PlanView;
 using testing::reference_outputs;
 using testing::SchedulerHarness;
+using testing::SeqView;
 
 SchedulerConfig small_config(int32_t num_blocks = 64, int32_t budget = 256) {
   SchedulerConfig c;
@@ -24,9 +26,9 @@ SchedulerConfig small_config(int32_t num_blocks = 64, int32_t budget = 256) {
   return c;
 }
 
-const ScheduledSeq* find_seq(const StepPlan& plan, const std::string& id) {
-  for (const ScheduledSeq& s : plan.seqs) {
-    if (s.request->request_id() == id) return &s;
+const SeqView* find_seq(const PlanView& plan, const std::string& id) {
+  for (const SeqView& s : plan.seqs) {
+    if (s.id == id) return &s;
   }
   return nullptr;
 }
@@ -36,8 +38,8 @@ TEST(Scheduler, FullPromptPrefixHitStillComputesTheLastToken) {
   h.add("a", iota_tokens(33), 1);
   h.run_until_idle();
   h.add("b", iota_tokens(33), 1);
-  StepPlan plan = h.step();
-  const ScheduledSeq* b = find_seq(plan, "b");
+  PlanView plan = h.step();
+  const SeqView* b = find_seq(plan, "b");
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(b->num_computed_tokens, 32);
   EXPECT_EQ(b->num_new_tokens, 1);
@@ -50,8 +52,8 @@ TEST(Scheduler, BlockAlignedFullPromptHitRecomputesItsLastBlock) {
   h.add("a", iota_tokens(32), 1);
   h.run_until_idle();
   h.add("b", iota_tokens(32), 1);
-  StepPlan plan = h.step();
-  const ScheduledSeq* b = find_seq(plan, "b");
+  PlanView plan = h.step();
+  const SeqView* b = find_seq(plan, "b");
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(b->num_computed_tokens, 16) << "the block holding the last token is not taken from the cache";
   EXPECT_EQ(b->num_new_tokens, 16);
@@ -63,7 +65,7 @@ TEST(Scheduler, IdenticalPromptsInOneBatchNeverHitBlocksNotYetComputed) {
   SchedulerHarness h(small_config());
   h.add("a", iota_tokens(40), 3);
   h.add("b", iota_tokens(40), 3);
-  StepPlan first = h.step();
+  PlanView first = h.step();
   ASSERT_EQ(first.seqs.size(), 2u);
   EXPECT_EQ(first.seqs[0].num_computed_tokens, 0);
   EXPECT_EQ(first.seqs[1].num_computed_tokens, 0) << "b must not read a's blocks before they are written";
@@ -74,19 +76,19 @@ TEST(Scheduler, IdenticalPromptsInOneBatchNeverHitBlocksNotYetComputed) {
   EXPECT_EQ(h.outputs("b"), h.outputs("a"));
   // Only one copy of each full block became cacheable; a newcomer hits it.
   h.add("c", iota_tokens(40), 1);
-  StepPlan later = h.step();
+  PlanView later = h.step();
   EXPECT_EQ(find_seq(later, "c")->num_computed_tokens, 32);
 }
 
 TEST(Scheduler, RequestsInTheSameBatchShareBlocksComputedInEarlierSteps) {
   SchedulerHarness h(small_config(64, 48));
   h.add("a", iota_tokens(100), 2);
-  StepPlan s1 = h.step();  // a: tokens [0, 48)
+  PlanView s1 = h.step();  // a: tokens [0, 48)
   EXPECT_EQ(find_seq(s1, "a")->num_new_tokens, 48);
   h.add("b", iota_tokens(100), 2);
-  StepPlan s2 = h.step();  // a continues first, b admitted with the 3 blocks a finished
+  PlanView s2 = h.step();  // a continues first, b admitted with the 3 blocks a finished
   ASSERT_NE(find_seq(s2, "a"), nullptr);
-  const ScheduledSeq* b = find_seq(s2, "b");
+  const SeqView* b = find_seq(s2, "b");
   if (b == nullptr) {
     // a consumed the whole budget: b comes next step and still hits.
     s2 = h.step();
@@ -103,21 +105,21 @@ TEST(Scheduler, RequestsInTheSameBatchShareBlocksComputedInEarlierSteps) {
 TEST(Scheduler, TokenBudgetSplitsPrefillIntoChunksAndServesRunningFirst) {
   SchedulerHarness h(small_config(64, 32));
   h.add("a", iota_tokens(80), 4);
-  StepPlan s1 = h.step();
+  PlanView s1 = h.step();
   EXPECT_EQ(s1.num_batched_tokens, 32);
   EXPECT_FALSE(s1.seqs[0].sample);
   h.add("b", iota_tokens(20, 500), 4);
-  StepPlan s2 = h.step();
+  PlanView s2 = h.step();
   ASSERT_EQ(s2.seqs.size(), 1u) << "the running chunked prefill takes the whole budget first";
-  EXPECT_EQ(s2.seqs[0].request->request_id(), "a");
-  StepPlan s3 = h.step();  // a's last 16 tokens, then b's first 16
+  EXPECT_EQ(s2.seqs[0].id, "a");
+  PlanView s3 = h.step();  // a's last 16 tokens, then b's first 16
   ASSERT_EQ(s3.seqs.size(), 2u);
   EXPECT_EQ(s3.seqs[0].num_new_tokens, 16);
   EXPECT_TRUE(s3.seqs[0].sample);
   EXPECT_EQ(s3.seqs[1].num_new_tokens, 16);
   EXPECT_FALSE(s3.seqs[1].sample);
   for (int i = 0; i < 20; ++i) {
-    StepPlan p = h.step();
+    PlanView p = h.step();
     EXPECT_LE(p.num_batched_tokens, 32);
   }
   h.run_until_idle();
@@ -131,10 +133,10 @@ TEST(Scheduler, WithoutChunkedPrefillAPromptWaitsForRoomForAllOfIt) {
   SchedulerHarness h(c);
   h.add("a", iota_tokens(30), 3);
   h.add("b", iota_tokens(30, 100), 3);
-  StepPlan s1 = h.step();
+  PlanView s1 = h.step();
   ASSERT_EQ(s1.seqs.size(), 1u);
   EXPECT_EQ(s1.seqs[0].num_new_tokens, 30);
-  StepPlan s2 = h.step();  // a decodes (1 token), b's 30 fit into the remaining 39
+  PlanView s2 = h.step();  // a decodes (1 token), b's 30 fit into the remaining 39
   ASSERT_EQ(s2.seqs.size(), 2u);
   EXPECT_EQ(s2.seqs[1].num_new_tokens, 30);
 }
@@ -144,7 +146,7 @@ TEST(Scheduler, MaxNumSeqsCapsTheRunningSet) {
   c.max_num_seqs = 2;
   SchedulerHarness h(c);
   for (int i = 0; i < 4; ++i) h.add("r" + std::to_string(i), iota_tokens(5, 10 * i), 3);
-  StepPlan s1 = h.step();
+  PlanView s1 = h.step();
   EXPECT_EQ(s1.seqs.size(), 2u);
   EXPECT_EQ(h.scheduler.num_running(), 2);
   EXPECT_EQ(h.scheduler.num_waiting(), 2);
@@ -161,7 +163,7 @@ TEST(Scheduler, PreemptionTakesTheTailAndItsRecomputeGivesTheSameOutput) {
   int64_t preemptions = 0;
   std::string first_preempted;
   for (int i = 0; i < 200 && h.scheduler.has_unfinished(); ++i) {
-    StepPlan p = h.step();
+    PlanView p = h.step();
     if (!p.preempted_request_ids.empty() && first_preempted.empty()) first_preempted = p.preempted_request_ids[0];
     preemptions += static_cast<int64_t>(p.preempted_request_ids.size());
   }
@@ -178,14 +180,14 @@ TEST(Scheduler, PreemptionAfterAPrefixHitKeepsTheSharedBlocksAndHitsAgain) {
   h.run_until_idle();                    // blocks for tokens [0, 32) cached
   h.add("a", iota_tokens(40, 700), 40);  // 3 blocks, grows to 5
   h.add("b", iota_tokens(33), 30);       // hits 2 blocks, grows to 4
-  StepPlan s1 = h.step();
+  PlanView s1 = h.step();
   EXPECT_EQ(find_seq(s1, "b")->num_computed_tokens, 32);
   bool b_preempted = false;
   bool b_hit_again = false;
   for (int i = 0; i < 200 && h.scheduler.has_unfinished(); ++i) {
-    StepPlan p = h.step();
+    PlanView p = h.step();
     for (const auto& id : p.preempted_request_ids) b_preempted |= id == "b";
-    const ScheduledSeq* b = find_seq(p, "b");
+    const SeqView* b = find_seq(p, "b");
     if (b_preempted && b != nullptr && b->newly_admitted) b_hit_again = b->num_computed_tokens >= 32;
   }
   EXPECT_TRUE(b_preempted);

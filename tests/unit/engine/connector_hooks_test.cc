@@ -1,0 +1,282 @@
+// The scheduler's side of the P/D connector contract (kv_connector.h), driven
+// by a scripted connector: each test is one of DESIGN.md §6's failure modes.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "engine/kv_connector.h"
+#include "scheduler_harness.h"
+
+namespace pd::engine {
+namespace {
+
+using testing::iota_tokens;
+using testing::reference_outputs;
+using testing::SchedulerHarness;
+
+// Answers from a script and records every call.
+class ScriptedConnector : public KvConnector {
+ public:
+  ExternalMatch match;  // answer to get_num_new_matched_tokens
+  bool fail_match = false;
+  bool delay_free_on_finish = false;
+  bool hold_on_preempt = false;
+  RemoteKvTimeoutAction timeout_action = RemoteKvTimeoutAction::kFail;
+  nlohmann::json finish_params = {{"transfer_id", "t-1"}};
+
+  int num_match_calls = 0;
+  int num_alloc_calls = 0;
+  std::vector<int32_t> alloc_block_ids;
+  int32_t alloc_external_tokens = 0;
+  std::vector<std::string> finished_ids;
+  std::vector<std::vector<int32_t>> finished_blocks;
+  std::vector<std::string> preempted_ids;
+  std::vector<std::string> timed_out_ids;
+
+  void bind_engine_wakeup(std::function<void()>) override {}
+  Result<ExternalMatch> get_num_new_matched_tokens(const Request&, int32_t) override {
+    ++num_match_calls;
+    if (fail_match) return invalid_argument("kv_transfer_params: missing transfer_id");
+    return match;
+  }
+  void update_state_after_alloc(const Request&, std::span<const int32_t> block_ids, int32_t num_external) override {
+    ++num_alloc_calls;
+    alloc_block_ids.assign(block_ids.begin(), block_ids.end());
+    alloc_external_tokens = num_external;
+  }
+  LayerKvHooks* build_step_hooks(const StepInput&, const StepPlan&) override { return nullptr; }
+  void after_step(const StepPlan&, const Status&) override {}
+  ConnectorEvents poll() override { return {}; }
+  bool request_preempted(const Request& r, std::span<const int32_t>) override {
+    preempted_ids.push_back(r.request_id());
+    return hold_on_preempt;
+  }
+  FinishDecision request_finished(const Request& r, std::span<const int32_t> block_ids) override {
+    finished_ids.push_back(r.request_id());
+    finished_blocks.emplace_back(block_ids.begin(), block_ids.end());
+    return FinishDecision{delay_free_on_finish, finish_params};
+  }
+  RemoteKvTimeoutAction on_remote_kv_timeout(const Request& r) override {
+    timed_out_ids.push_back(r.request_id());
+    return timeout_action;
+  }
+};
+
+SchedulerConfig config(int32_t num_blocks = 32) {
+  SchedulerConfig c;
+  c.block_size = 16;
+  c.num_blocks = num_blocks;
+  c.max_num_batched_tokens = 256;
+  c.max_num_seqs = 8;
+  c.max_model_len = 1024;
+  return c;
+}
+
+const nlohmann::json kParams = {{"transfer_id", "t-1"}, {"do_remote_prefill", true}};
+
+void deliver(SchedulerHarness& h, ConnectorEvents events) {
+  h.scheduler.apply_load_errors(events.load_errors);
+  h.scheduler.apply_connector_events(events);
+}
+
+TEST(ConnectorHooks, RequestWithoutTransferParamsNeverAsksForExternalKv) {
+  ScriptedConnector conn;
+  conn.match = {40, true, 1000};
+  SchedulerHarness h(config(), &conn);
+  h.add("plain", iota_tokens(50), 3);
+  h.run_until_idle();
+  EXPECT_EQ(conn.num_match_calls, 0);
+  EXPECT_EQ(conn.num_alloc_calls, 0);
+  EXPECT_EQ(h.outputs("plain"), reference_outputs(iota_tokens(50), 3));
+  EXPECT_EQ(conn.finished_ids, std::vector<std::string>{"plain"}) << "request_finished is called for every request";
+}
+
+TEST(ConnectorHooks, AsyncLoadWaitsForRemoteKvThenComputesOnlyTheRest) {
+  ScriptedConnector conn;
+  conn.match = {48, true, 60'000};
+  SchedulerHarness h(config(), &conn);
+  Request* r = h.add("pd", iota_tokens(50), 2, kParams);
+  auto plan = h.step();
+  EXPECT_TRUE(plan.seqs.empty());
+  EXPECT_EQ(r->state(), RequestState::kWaitingForRemoteKv);
+  EXPECT_EQ(conn.alloc_external_tokens, 48);
+  EXPECT_EQ(conn.alloc_block_ids.size(), 3u) << "blocks for the 48 external tokens";
+  EXPECT_EQ(h.scheduler.num_waiting(), 1);
+  h.step();  // nothing arrives: still waiting
+  EXPECT_EQ(r->state(), RequestState::kWaitingForRemoteKv);
+  deliver(h, ConnectorEvents{{"pd"}, {}, {}});
+  plan = h.step();
+  ASSERT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].num_computed_tokens, 48);
+  EXPECT_EQ(plan.seqs[0].num_new_tokens, 2);
+  h.run_until_idle();
+  EXPECT_EQ(h.outputs("pd"), reference_outputs(iota_tokens(50), 2));
+  EXPECT_EQ(conn.num_match_calls, 1);
+}
+
+TEST(ConnectorHooks, ExternalMatchOfTheWholePromptStillComputesTheLastToken) {
+  ScriptedConnector conn;
+  conn.match = {64, false, 0};
+  SchedulerHarness h(config(), &conn);
+  h.add("pd", iota_tokens(64), 1, kParams);
+  auto plan = h.step();
+  ASSERT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].num_computed_tokens, 63);
+  EXPECT_EQ(plan.seqs[0].num_new_tokens, 1);
+  EXPECT_EQ(conn.alloc_external_tokens, 63);
+}
+
+TEST(ConnectorHooks, PreemptedRequestRecomputesLocallyInsteadOfWaitingAgain) {
+  ScriptedConnector conn;
+  conn.match = {32, true, 60'000};
+  SchedulerHarness h(config(5), &conn);
+  h.add("pd", iota_tokens(40), 30, kParams);  // grows to 70 tokens = 5 blocks
+  h.step();
+  deliver(h, ConnectorEvents{{"pd"}, {}, {}});
+  h.add("other", iota_tokens(20, 500), 20);  // competes for the 5 blocks
+  bool preempted = false;
+  for (int i = 0; i < 200 && h.scheduler.has_unfinished(); ++i) {
+    auto p = h.step();
+    for (const auto& id : p.preempted_request_ids) preempted |= id == "pd" || id == "other";
+    ASSERT_EQ(h.scheduler.num_remote_waiting(), 0) << "a re-admitted request never waits for KV again";
+  }
+  EXPECT_TRUE(preempted);
+  EXPECT_EQ(conn.num_match_calls, 1);
+  EXPECT_EQ(h.outputs("pd"), reference_outputs(iota_tokens(40), 30));
+  EXPECT_EQ(h.outputs("other"), reference_outputs(iota_tokens(20, 500), 20));
+}
+
+TEST(ConnectorHooks, AbortWhileWaitingForRemoteKvFreesItsBlocks) {
+  ScriptedConnector conn;
+  conn.match = {48, true, 60'000};
+  SchedulerHarness h(config(8), &conn);
+  h.add("pd", iota_tokens(50), 2, kParams);
+  h.step();
+  EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 5);
+  h.abort("pd");
+  ASSERT_EQ(conn.finished_ids, std::vector<std::string>{"pd"});
+  EXPECT_EQ(conn.finished_blocks[0].size(), 3u);
+  EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 8);
+  EXPECT_FALSE(h.scheduler.is_id_in_use("pd"));
+}
+
+TEST(ConnectorHooks, AbortedWaiterWhoseWriteMayStillLandKeepsBlocksUntilReported) {
+  ScriptedConnector conn;
+  conn.match = {48, true, 60'000};
+  conn.delay_free_on_finish = true;
+  SchedulerHarness h(config(8), &conn);
+  h.add("pd", iota_tokens(50), 2, kParams);
+  h.step();
+  h.abort("pd");
+  EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 5) << "held: a producer write may still land";
+  EXPECT_TRUE(h.scheduler.is_id_in_use("pd"));
+  deliver(h, ConnectorEvents{{"pd"}, {}, {}});
+  EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 8);
+  EXPECT_FALSE(h.scheduler.is_id_in_use("pd"));
+}
+
+TEST(ConnectorHooks, ProducerHoldsBlocksUntilSendingCompletesEvenWhenItsOnlyTokenEnds) {
+  ScriptedConnector conn;
+  conn.delay_free_on_finish = true;
+  SchedulerHarness h(config(8), &conn);
+  h.add("prefill", iota_tokens(40), 1, nlohmann::json{{"do_remote_decode", true}});
+  h.step();  // computes the prompt, samples the single token, finishes
+  EXPECT_EQ(h.finished.count("prefill"), 1u);
+  EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 5) << "3 blocks still readable by the transfer";
+  EXPECT_EQ(h.scheduler.num_holds(), 1);
+  deliver(h, ConnectorEvents{{}, {"unknown-id"}, {}});
+  EXPECT_EQ(h.scheduler.num_unknown_connector_ids(), 1);
+  EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 5);
+  deliver(h, ConnectorEvents{{}, {"prefill"}, {}});
+  EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 8);
+  EXPECT_EQ(h.scheduler.num_holds(), 0);
+  // The computed prompt blocks stay in the prefix cache after release.
+  h.add("again", iota_tokens(40), 1);
+  auto plan = h.step();
+  EXPECT_EQ(plan.seqs[0].num_computed_tokens, 32);
+}
+
+TEST(ConnectorHooks, LoadErrorRecomputesFromTheFirstFailedBlock) {
+  ScriptedConnector conn;
+  conn.match = {48, true, 60'000};
+  SchedulerHarness h(config(), &conn);
+  Request* r = h.add("pd", iota_tokens(50), 2, kParams);
+  h.step();
+  ASSERT_EQ(conn.alloc_block_ids.size(), 3u);
+  const int32_t bad_block = conn.alloc_block_ids[1];
+  deliver(h, ConnectorEvents{{"pd"}, {}, {LoadError{"pd", {bad_block}}}});
+  EXPECT_EQ(r->num_computed_tokens, 16) << "only the first block arrived intact";
+  auto plan = h.step();
+  ASSERT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].num_computed_tokens, 16);
+  EXPECT_EQ(plan.seqs[0].num_new_tokens, 34);
+  h.run_until_idle();
+  EXPECT_EQ(h.outputs("pd"), reference_outputs(iota_tokens(50), 2));
+}
+
+TEST(ConnectorHooks, SynchronousLoadFailureVoidsTheStepAndRecomputes) {
+  ScriptedConnector conn;
+  conn.match = {32, false, 0};
+  SchedulerHarness h(config(), &conn);
+  Request* r = h.add("pd", iota_tokens(40), 2, kParams);
+  std::vector<FinishedRequest> failed;
+  StepPlan plan = h.scheduler.schedule(&failed);
+  ASSERT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].num_external_tokens, 32);
+  // The runner ran; the connector reports the second block failed to load.
+  auto moved = h.scheduler.apply_load_errors({LoadError{"pd", {r->block_ids[1]}}});
+  EXPECT_TRUE(moved.contains("pd"));
+  h.scheduler.complete_step(plan, moved);
+  EXPECT_EQ(r->num_computed_tokens, 16);
+  h.run_until_idle();
+  EXPECT_EQ(h.outputs("pd"), reference_outputs(iota_tokens(40), 2));
+}
+
+TEST(ConnectorHooks, RemoteKvDeadlineFailsTheRequestWhenThePolicySaysSo) {
+  ScriptedConnector conn;
+  conn.match = {48, true, 0};  // deadline = now
+  SchedulerHarness h(config(8), &conn);
+  h.add("pd", iota_tokens(50), 2, kParams);
+  h.step();
+  auto failed = h.scheduler.expire_remote_kv_waits(INT64_MAX);
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].request->state(), RequestState::kFinishedError);
+  EXPECT_FALSE(failed[0].error.empty());
+  EXPECT_EQ(conn.timed_out_ids, std::vector<std::string>{"pd"});
+  EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 8);
+}
+
+TEST(ConnectorHooks, RemoteKvDeadlineCanFallBackToLocalRecompute) {
+  ScriptedConnector conn;
+  conn.match = {48, true, 0};
+  conn.timeout_action = RemoteKvTimeoutAction::kRecomputeLocally;
+  SchedulerHarness h(config(8), &conn);
+  h.add("pd", iota_tokens(50), 2, kParams);
+  h.step();
+  EXPECT_TRUE(h.scheduler.expire_remote_kv_waits(INT64_MAX).empty());
+  EXPECT_EQ(h.scheduler.num_remote_waiting(), 0);
+  auto plan = h.step();
+  ASSERT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].num_computed_tokens, 0);
+  h.run_until_idle();
+  EXPECT_EQ(h.outputs("pd"), reference_outputs(iota_tokens(50), 2));
+  EXPECT_EQ(conn.num_match_calls, 1);
+}
+
+TEST(ConnectorHooks, MalformedTransferParamsFailOnlyThatRequest) {
+  ScriptedConnector conn;
+  conn.fail_match = true;
+  SchedulerHarness h(config(), &conn);
+  h.add("bad", iota_tokens(20), 2, kParams);
+  h.add("good", iota_tokens(20, 300), 2);
+  std::vector<FinishedRequest> failed;
+  StepPlan plan = h.scheduler.schedule(&failed);
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].request->request_id(), "bad");
+  EXPECT_NE(failed[0].error.find("transfer_id"), std::string::npos);
+  ASSERT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].request->request_id(), "good");
+}
+
+}  // namespace
+}  // namespace pd::engine
