@@ -1,0 +1,269 @@
+#include "router/discovery.h"
+
+#include <zmq.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include "common/curve_auth.h"
+#include "common/log.h"
+#include "common/metrics.h"
+
+namespace pd::router {
+
+namespace {
+
+metrics::Counter& malformed_counter() {
+  static metrics::Counter& counter = metrics::Registry::global().counter(
+      "pd_router_registrations_malformed_total", "Registration messages dropped because they failed validation");
+  return counter;
+}
+
+metrics::Counter& registrations_counter(UpsertOutcome outcome) {
+  const char* name = outcome == UpsertOutcome::kAdded      ? "added"
+                     : outcome == UpsertOutcome::kReplaced ? "replaced"
+                                                           : "refreshed";
+  return metrics::Registry::global().counter("pd_router_registrations_total",
+                                             "Valid registrations and probe answers by outcome", {{"outcome", name}});
+}
+
+Result<tcp::endpoint> resolve(net::io_context& context, const HostPort& address) {
+  tcp::resolver resolver(context);
+  beast::error_code ec;
+  auto results = resolver.resolve(address.host, std::to_string(address.port), ec);
+  if (ec || results.empty()) return unavailable("cannot resolve {}: {}", address.to_string(), ec.message());
+  for (const auto& entry : results) {
+    if (entry.endpoint().address().is_v4()) return entry.endpoint();
+  }
+  return results.begin()->endpoint();
+}
+
+}  // namespace
+
+struct Discovery::ZmqState {
+  zmq::context_t context{1};
+  std::unique_ptr<auth::ZapAuthenticator> authenticator;
+  zmq::socket_t socket{context, zmq::socket_type::router};
+};
+
+Discovery::Discovery(const RouterConfig& config, size_t num_io_threads)
+    : config_(config),
+      num_io_threads_(num_io_threads),
+      registry_(std::chrono::milliseconds(config.instance_ttl_ms)),
+      snapshot_(std::make_shared<const Snapshot>()) {}
+
+Discovery::~Discovery() { stop(); }
+
+Status Discovery::start() {
+  auto add_static = [&](const std::vector<std::string>& urls, InstanceRole role) -> Status {
+    for (const std::string& url : urls) {
+      PD_ASSIGN_OR_RETURN(HostPort address, parse_http_url(url));
+      PD_ASSIGN_OR_RETURN(tcp::endpoint endpoint, resolve(control_, address));
+      static_targets_.push_back(StaticTarget{role, address, endpoint});
+    }
+    return Status::Ok();
+  };
+  PD_RETURN_IF_ERROR(add_static(config_.prefill_urls, InstanceRole::kProducer));
+  PD_RETURN_IF_ERROR(add_static(config_.decode_urls, InstanceRole::kConsumer));
+  PD_RETURN_IF_ERROR(add_static(config_.collocated_urls, InstanceRole::kBoth));
+
+  if (config_.registration_port >= 0) {
+    zmq_ = std::make_unique<ZmqState>();
+    try {
+      if (!config_.control_secret_file.empty()) {
+        PD_ASSIGN_OR_RETURN(std::string secret, auth::read_secret_file(config_.control_secret_file));
+        PD_ASSIGN_OR_RETURN(auth::CurveKeys keys, auth::derive_curve_keys(secret));
+        zmq_->authenticator = std::make_unique<auth::ZapAuthenticator>(zmq_->context, keys);
+        PD_RETURN_IF_ERROR(auth::make_curve_server(zmq_->socket, keys));
+      }
+      zmq_->socket.set(zmq::sockopt::linger, 0);
+      // A peer sending more than this is disconnected by libzmq before we see it.
+      zmq_->socket.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kMaxRegistrationBytes));
+      zmq_->socket.set(zmq::sockopt::rcvhwm, 10000);
+      const std::string port = config_.registration_port == 0 ? "*" : std::to_string(config_.registration_port);
+      zmq_->socket.bind(fmt::format("tcp://{}:{}", config_.registration_host, port));
+      registration_endpoint_ = zmq_->socket.get(zmq::sockopt::last_endpoint);
+      registration_port_ = std::stoi(registration_endpoint_.substr(registration_endpoint_.rfind(':') + 1));
+    } catch (const zmq::error_t& error) {
+      return unavailable("cannot bind the registration socket on {}:{}: {}", config_.registration_host,
+                         config_.registration_port, error.what());
+    }
+  }
+
+  control_work_.emplace(control_.get_executor());
+  net::co_spawn(control_, expiry_loop(), net::detached);
+  for (const StaticTarget& target : static_targets_) net::co_spawn(control_, probe_loop(target), net::detached);
+  control_thread_ = std::thread([this] { control_.run(); });
+  if (zmq_) registration_thread_ = std::thread([this] { registration_loop(); });
+  return Status::Ok();
+}
+
+void Discovery::stop() {
+  if (stopping_.exchange(true)) return;
+  control_work_.reset();
+  control_.stop();
+  if (control_thread_.joinable()) control_thread_.join();
+  if (registration_thread_.joinable()) registration_thread_.join();
+  zmq_.reset();
+}
+
+void Discovery::registration_loop() {
+  zmq::socket_t& socket = zmq_->socket;
+  std::vector<zmq::message_t> frames;
+  while (!stopping_.load()) {
+    zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
+    try {
+      zmq::poll(&item, 1, std::chrono::milliseconds(100));
+    } catch (const zmq::error_t& error) {
+      if (error.num() == ETERM) return;
+      continue;  // EINTR
+    }
+    if (!(item.revents & ZMQ_POLLIN)) continue;
+    // Drain what is queued; each multipart message is [identity, (empty,) payload].
+    for (;;) {
+      frames.clear();
+      try {
+        zmq::message_t frame;
+        if (!socket.recv(frame, zmq::recv_flags::dontwait)) break;
+        frames.push_back(std::move(frame));
+        while (frames.back().more() && frames.size() < 8) {
+          zmq::message_t next;
+          (void)socket.recv(next, zmq::recv_flags::none);
+          frames.push_back(std::move(next));
+        }
+        while (frames.back().more()) {  // more than 8 frames: discard the rest of the message
+          zmq::message_t rest;
+          (void)socket.recv(rest, zmq::recv_flags::none);
+        }
+      } catch (const zmq::error_t& error) {
+        if (error.num() == ETERM) return;
+        break;
+      }
+      const bool shape_ok = frames.size() == 2 || (frames.size() == 3 && frames[1].size() == 0);
+      Result<InstanceInfo> info = shape_ok ? parse_registration(frames.back().data(), frames.back().size())
+                                           : Result<InstanceInfo>(invalid_argument("registration has {} frames",
+                                                                                   frames.size()));
+      if (!info.ok()) {
+        malformed_counter().inc();
+        PD_LOG_WARN("pdrouter: dropped malformed registration: {}", info.status().message());
+        continue;
+      }
+      net::post(control_, [this, record = std::move(info).value()]() mutable { admit(std::move(record), false); });
+    }
+  }
+}
+
+void Discovery::admit(InstanceInfo info, bool from_probe) {
+  const auto now = SteadyClock::now();
+  const UpsertOutcome outcome = registry_.upsert(info, now);
+  registrations_counter(outcome).inc();
+  if (outcome == UpsertOutcome::kRefreshed && backends_.count(info.instance_id) > 0) return;
+  Result<tcp::endpoint> endpoint = resolve(control_, info.http);
+  if (!endpoint.ok()) {
+    PD_LOG_WARN("pdrouter: instance {} dropped: {}", info.instance_id, endpoint.status().message());
+    (void)registry_.erase(info.instance_id);
+    backends_.erase(info.instance_id);
+    publish();
+    return;
+  }
+  PD_LOG_INFO("pdrouter: instance {} {} ({} {} http={} control={} nonce={} model={}{})", info.instance_id,
+              outcome == UpsertOutcome::kAdded ? "added" : "replaced", role_name(info.role), mode_name(info.mode),
+              info.http.to_string(), info.control ? info.control->to_string() : "-", info.boot_nonce, info.model,
+              from_probe ? ", static" : "");
+  auto backend = std::make_shared<Backend>(info, *endpoint, num_io_threads_, config_.max_idle_connections_per_backend);
+  every_backend_.push_back(backend);
+  backends_[info.instance_id] = std::move(backend);
+  publish();
+}
+
+void Discovery::clear_idle_connections() {
+  for (auto& weak : every_backend_) {
+    if (auto backend = weak.lock()) backend->clear_idle();
+  }
+}
+
+void Discovery::publish() {
+  std::erase_if(every_backend_, [](const std::weak_ptr<Backend>& weak) { return weak.expired(); });
+  auto snapshot = std::make_shared<Snapshot>();
+  snapshot->backends.reserve(backends_.size());
+  for (const auto& [id, backend] : backends_) snapshot->backends.push_back(backend);
+  static metrics::Registry& registry = metrics::Registry::global();
+  for (InstanceRole role : {InstanceRole::kProducer, InstanceRole::kConsumer, InstanceRole::kBoth}) {
+    size_t count = 0;
+    for (const auto& backend : snapshot->backends) count += backend->info().role == role;
+    registry.gauge("pd_router_instances", "Live instances by role", {{"role", role_name(role)}})
+        .set(static_cast<double>(count));
+  }
+  snapshot_.store(std::move(snapshot), std::memory_order_release);
+}
+
+awaitable<void> Discovery::expiry_loop() {
+  static metrics::Counter& expiries = metrics::Registry::global().counter(
+      "pd_router_instance_expiries_total", "Instances removed after a silent time-to-live");
+  net::steady_timer timer(control_);
+  // Scan often relative to the TTL so an instance is gone within ttl + one period.
+  const auto period = std::chrono::milliseconds(std::max<int64_t>(50, config_.instance_ttl_ms / 20));
+  for (;;) {
+    timer.expires_after(period);
+    beast::error_code ec;
+    co_await timer.async_wait(with_ec(ec));
+    if (ec) co_return;
+    std::vector<InstanceInfo> expired = registry_.expire(SteadyClock::now());
+    if (expired.empty()) continue;
+    for (const InstanceInfo& info : expired) {
+      PD_LOG_WARN("pdrouter: instance {} ({} at {}) expired: silent for {} ms", info.instance_id, role_name(info.role),
+                  info.http.to_string(), config_.instance_ttl_ms);
+      expiries.inc();
+      if (auto it = backends_.find(info.instance_id); it != backends_.end()) backends_.erase(it);
+    }
+    publish();
+  }
+}
+
+awaitable<Result<InstanceInfo>> Discovery::probe_once(const StaticTarget& target) {
+  const std::string host = target.http.to_string();
+  const int64_t timeout_ms = std::max<int64_t>(200, config_.probe_interval_ms);
+  LegResult info_reply = co_await http_get(target.endpoint, host, "/pd/info", timeout_ms);
+  if (!info_reply.transport.ok()) co_return info_reply.transport;
+  if (info_reply.http_status == 200) {
+    nlohmann::json parsed = nlohmann::json::parse(info_reply.body, nullptr, false);
+    Result<InstanceInfo> info = parse_instance_info_json(parsed);
+    if (!info.ok()) co_return info.status().with_context(fmt::format("/pd/info of {}", host));
+    // The operator's flags name the role and address this router uses.
+    info->role = target.role;
+    info->http = target.http;
+    co_return info;
+  }
+  // No /pd/info (an engine without a connector): admit it with what /v1/models says.
+  LegResult models_reply = co_await http_get(target.endpoint, host, "/v1/models", timeout_ms);
+  if (!models_reply.transport.ok()) co_return models_reply.transport;
+  if (models_reply.http_status != 200) co_return unavailable("{} answered /v1/models with {}", host, models_reply.http_status);
+  InstanceInfo info;
+  info.role = target.role;
+  info.http = target.http;
+  info.instance_id = fmt::format("static-{}", host);
+  info.mode = config_.forced_mode.value_or(TransferMode::kWrite);
+  nlohmann::json models = nlohmann::json::parse(models_reply.body, nullptr, false);
+  if (models.is_object() && models.contains("data") && models["data"].is_array() && !models["data"].empty() &&
+      models["data"][0].is_object() && models["data"][0].contains("id") && models["data"][0]["id"].is_string()) {
+    info.model = models["data"][0]["id"].get<std::string>();
+  }
+  co_return info;
+}
+
+awaitable<void> Discovery::probe_loop(StaticTarget target) {
+  net::steady_timer timer(control_);
+  for (;;) {
+    Result<InstanceInfo> info = co_await probe_once(target);
+    if (info.ok()) {
+      admit(std::move(info).value(), true);
+    } else {
+      PD_LOG_DEBUG("pdrouter: probe of {} failed: {}", target.http.to_string(), info.status().message());
+    }
+    timer.expires_after(std::chrono::milliseconds(config_.probe_interval_ms));
+    beast::error_code ec;
+    co_await timer.async_wait(with_ec(ec));
+    if (ec) co_return;
+  }
+}
+
+}  // namespace pd::router

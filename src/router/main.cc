@@ -1,0 +1,93 @@
+// pdrouter: the PD-aware OpenAI router (DESIGN.md §3.5, pd_contract.md).
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <thread>
+
+#include "common/log.h"
+#include "router/router_server.h"
+
+int main(int argc, char** argv) {
+  pd::router::RouterConfig config;
+  std::string producer_policy = "least_outstanding";
+  std::string consumer_policy = "least_outstanding";
+  std::string mode = "auto";
+  std::string log_level = "info";
+  int port = 8000;
+  config.num_io_threads = static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())));
+
+  CLI::App app{"pdrouter: PD-aware OpenAI router (READ, WRITE and collocated flows)"};
+  app.add_option("--host", config.host, "HTTP listen address")->capture_default_str();
+  app.add_option("--port", port, "HTTP port (0 picks a free one)")->capture_default_str()->check(CLI::Range(0, 65535));
+  app.add_option("--registration-host", config.registration_host, "ZMQ registration listen address")
+      ->capture_default_str();
+  app.add_option("--registration-port", config.registration_port,
+                 "ZMQ registration port (proxy_ping_port); 0 picks one, -1 disables")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 65535));
+  app.add_option("--control-secret-file", config.control_secret_file,
+                 "shared secret: CURVE-authenticate registrations (src/common/curve_auth.h)");
+  app.add_option("--prefill", config.prefill_urls, "static producer URLs (http://host:port)");
+  app.add_option("--decode", config.decode_urls, "static consumer URLs (http://host:port)");
+  app.add_option("--collocated", config.collocated_urls, "static collocated URLs (http://host:port)");
+  app.add_option("--prefill-policy", producer_policy, "round_robin|least_outstanding|power_of_two")
+      ->capture_default_str();
+  app.add_option("--decode-policy", consumer_policy, "round_robin|least_outstanding|power_of_two")
+      ->capture_default_str();
+  app.add_option("--mode", mode, "auto (each consumer's registered mode)|read|write")->capture_default_str();
+  app.add_option("--io-threads", config.num_io_threads, "HTTP io threads")->capture_default_str()->check(CLI::Range(1, 256));
+  app.add_option("--connect-timeout-ms", config.connect_timeout_ms)->capture_default_str();
+  app.add_option("--prefill-timeout-ms", config.prefill_timeout_ms, "deadline of a producer leg")->capture_default_str();
+  app.add_option("--decode-timeout-ms", config.decode_timeout_ms, "deadline of a consumer/collocated leg")
+      ->capture_default_str();
+  app.add_option("--max-prefill-retries", config.max_prefill_retries,
+                 "other producers tried before the collocated fallback")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 16));
+  app.add_option("--instance-ttl-ms", config.instance_ttl_ms, "expiry of a silent instance")->capture_default_str();
+  app.add_option("--probe-interval-ms", config.probe_interval_ms, "GET /pd/info period for static instances")
+      ->capture_default_str();
+  app.add_option("--api-key", config.api_key, "require 'Authorization: Bearer KEY' on /v1/*");
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  pd::log::init(log_level);
+  config.port = static_cast<uint16_t>(port);
+  auto parsed_producer = pd::router::parse_policy(producer_policy);
+  auto parsed_consumer = pd::router::parse_policy(consumer_policy);
+  if (!parsed_producer.ok() || !parsed_consumer.ok()) {
+    std::fprintf(stderr, "pdrouter: %s\n",
+                 (!parsed_producer.ok() ? parsed_producer.status() : parsed_consumer.status()).to_string().c_str());
+    return 2;
+  }
+  config.producer_policy = *parsed_producer;
+  config.consumer_policy = *parsed_consumer;
+  if (mode != "auto") {
+    auto parsed_mode = pd::router::parse_mode(mode);
+    if (!parsed_mode.ok()) {
+      std::fprintf(stderr, "pdrouter: --mode: %s\n", parsed_mode.status().to_string().c_str());
+      return 2;
+    }
+    config.forced_mode = *parsed_mode;
+  }
+  if (config.prefill_urls.empty() && config.decode_urls.empty() && config.collocated_urls.empty() &&
+      config.registration_port < 0) {
+    std::fprintf(stderr, "pdrouter: no discovery: give --prefill/--decode/--collocated URLs or --registration-port\n");
+    return 2;
+  }
+
+  pd::router::RouterServer server(config);
+  if (pd::Status started = server.start(); !started.ok()) {
+    std::fprintf(stderr, "pdrouter: %s\n", started.to_string().c_str());
+    return 1;
+  }
+  if (server.registration_port() >= 0) {
+    std::printf("pdrouter registration on tcp://%s:%d\n", config.registration_host.c_str(), server.registration_port());
+  }
+  std::printf("pdrouter listening on http://%s:%u\n", config.host.c_str(), server.http_port());
+  std::fflush(stdout);
+  server.wait_for_signal();
+  PD_LOG_INFO("pdrouter: shutting down");
+  server.stop();
+  return 0;
+}

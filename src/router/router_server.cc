@@ -1,0 +1,781 @@
+#include "router/router_server.h"
+
+#include <nlohmann/json.hpp>
+
+#include <csignal>
+#include <random>
+#include <unordered_map>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "router/policy.h"
+#include "router/request_rewrite.h"
+#include "router/sse.h"
+
+namespace pd::router {
+
+namespace {
+
+using TimePoint = std::chrono::steady_clock::time_point;
+
+// ---------------------------------------------------------------- metrics
+
+// Labeled metrics are looked up once per io thread and label set, then cached.
+metrics::Counter& cached_counter(const std::string& name, const std::string& help, const metrics::Labels& labels) {
+  thread_local std::unordered_map<std::string, metrics::Counter*> cache;
+  std::string key = name + '{' + metrics::render_labels(labels) + '}';
+  auto it = cache.find(key);
+  if (it != cache.end()) return *it->second;
+  metrics::Counter& counter = metrics::Registry::global().counter(name, help, labels);
+  cache.emplace(std::move(key), &counter);
+  return counter;
+}
+
+metrics::Histogram& cached_histogram(const std::string& name, const std::string& help, const metrics::Labels& labels,
+                                     const std::vector<double>& bounds) {
+  thread_local std::unordered_map<std::string, metrics::Histogram*> cache;
+  std::string key = name + '{' + metrics::render_labels(labels) + '}';
+  auto it = cache.find(key);
+  if (it != cache.end()) return *it->second;
+  metrics::Histogram& histogram = metrics::Registry::global().histogram(name, help, labels, bounds);
+  cache.emplace(std::move(key), &histogram);
+  return histogram;
+}
+
+const std::vector<double>& added_latency_buckets() {
+  static const std::vector<double> buckets = {25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3,
+                                              2e-3,  5e-3,  10e-3,  25e-3,  50e-3,  100e-3, 1.0};
+  return buckets;
+}
+
+void count_fallback(const char* reason) {
+  cached_counter("pd_router_fallbacks_total", "Requests served collocated instead of P/D, by reason",
+                 {{"reason", reason}})
+      .inc();
+}
+
+void count_leg_failure(const char* leg, const char* reason) {
+  cached_counter("pd_router_leg_failures_total", "Backend legs that failed, by leg and reason",
+                 {{"leg", leg}, {"reason", reason}})
+      .inc();
+}
+
+const char* failure_reason(const LegResult& result) {
+  if (result.transport.ok()) return "http_status";
+  switch (result.transport.code()) {
+    case ErrorCode::kDeadlineExceeded: return "deadline";
+    case ErrorCode::kAborted: return "cancelled";
+    case ErrorCode::kInvalidArgument: return "bad_response";
+    default: return "transport";
+  }
+}
+
+// ---------------------------------------------------------------- helpers
+
+uint64_t thread_random() {
+  thread_local std::mt19937_64 engine([] {
+    std::random_device device;
+    return (static_cast<uint64_t>(device()) << 32) ^ device();
+  }());
+  return engine();
+}
+
+std::string mint_transfer_id() { return format_transfer_id(thread_random(), thread_random()); }
+
+std::string error_json(std::string_view message, std::string_view type, int status) {
+  nlohmann::json body = {{"error", {{"message", message}, {"type", type}, {"param", nullptr}, {"code", status}}}};
+  return body.dump();
+}
+
+std::string content_type_or_json(const LegResult& result) {
+  return result.content_type.empty() ? std::string("application/json") : result.content_type;
+}
+
+int status_for_transport(const Status& status) { return status.code() == ErrorCode::kDeadlineExceeded ? 504 : 502; }
+
+// ---------------------------------------------------------------- per-request state
+
+// The state of one client request. Lives on one io thread; legs are owned
+// here (and by a concurrent producer task) and cancelled from here.
+struct Exchange {
+  Exchange(beast::tcp_stream& client_stream, size_t thread) : client(client_stream), thread_index(thread) {}
+
+  beast::tcp_stream& client;
+  size_t thread_index;
+  bool keep_alive = true;
+  bool client_gone = false;
+  bool finished = false;
+  bool header_sent = false;
+  int status = 0;
+  std::string route;
+  int64_t received_ns = 0;
+  int64_t response_start_ns = 0;
+  int64_t backend_wait_ns = 0;
+  std::vector<std::shared_ptr<Leg>> legs;
+
+  std::shared_ptr<Leg> new_leg(const std::shared_ptr<Backend>& backend) {
+    legs.push_back(std::make_shared<Leg>(backend, thread_index));
+    return legs.back();
+  }
+  void cancel_legs() {
+    for (auto& leg : legs) leg->cancel();
+  }
+};
+
+// Watches the client socket while the backends work: EOF or an error means
+// the client went away, and every leg is closed so the engines abort.
+void watch_client(const std::shared_ptr<Exchange>& exchange) {
+  exchange->client.socket().async_wait(tcp::socket::wait_read, [exchange](const beast::error_code& ec) {
+    if (exchange->finished || ec) return;
+    char byte = 0;
+    beast::error_code peek_ec;
+    const size_t num_bytes = exchange->client.socket().receive(net::buffer(&byte, 1), tcp::socket::message_peek, peek_ec);
+    if (peek_ec || num_bytes == 0) {
+      exchange->client_gone = true;
+      cached_counter("pd_router_client_disconnects_total", "Clients that went away before their answer was complete",
+                     {})
+          .inc();
+      exchange->cancel_legs();
+    }
+    // Otherwise the client pipelined its next request: nothing to watch for until this one ends.
+  });
+}
+
+// State shared between a WRITE request and its concurrent producer leg.
+struct ProducerState {
+  bool done = false;
+  bool failed = false;              // failed before the consumer committed; the consumer leg was cancelled
+  bool consumer_committed = false;  // the consumer produced its first event / answer: the KV arrived
+  LegResult result;
+};
+
+enum class FlowOutcome { kAnswered, kConnectFailed };
+
+}  // namespace
+
+// ---------------------------------------------------------------- Impl
+
+struct RouterServer::Impl {
+  Impl(const RouterConfig& config, Discovery& discovery) : config_(config), discovery_(discovery) {}
+
+  const RouterConfig& config_;
+  Discovery& discovery_;
+  std::optional<tcp::acceptor> acceptor_;
+  std::vector<net::io_context*> contexts_;
+  std::atomic<uint64_t> producer_ticket_{0};
+  std::atomic<uint64_t> consumer_ticket_{0};
+  std::atomic<size_t> next_context_{0};
+
+  awaitable<void> accept_loop();
+  awaitable<void> session(tcp::socket socket, size_t thread_index);
+  awaitable<void> handle(std::shared_ptr<Exchange> exchange, http::request<http::string_body>& request);
+
+  // Client responses.
+    // Callers pass named values: g++ 12 mishandles some temporaries inside co_await expressions.
+  awaitable<void> respond(Exchange& ex, int status, std::string content_type, std::string body);
+  awaitable<void> respond_error(Exchange& ex, int status, std::string message, std::string type = "server_error") {
+    std::string body = error_json(message, type, status);
+    co_await respond(ex, status, "application/json", std::move(body));
+  }
+  awaitable<void> relay_stream(Exchange& ex, Leg& leg, LegResult& head, std::string first_bytes, TimePoint deadline);
+
+  // Generation flows.
+  awaitable<void> handle_generation(std::shared_ptr<Exchange> ex, const std::string& target, const std::string& body);
+  awaitable<FlowOutcome> run_single(std::shared_ptr<Exchange> ex, std::shared_ptr<Leg> leg, const std::string& target,
+                                    const std::string& body, bool stream);
+  awaitable<FlowOutcome> run_pd(std::shared_ptr<Exchange> ex, const std::string& target, const ClientRequest& request,
+                                const Snapshot& snapshot, std::vector<Candidate>& candidates, const FlowPlan& plan);
+  awaitable<LegResult> start_consumer(Exchange& ex, Leg& leg, const std::string& target, const std::string& body,
+                                      bool stream, TimePoint deadline, std::string& head_bytes);
+  awaitable<void> answer_from_consumer(Exchange& ex, Leg& leg, LegResult& result, std::string head_bytes,
+                                       TimePoint deadline);
+  awaitable<LegResult> run_full_leg(Exchange* ex, Leg& leg, const std::string& target, const std::string& body,
+                                    TimePoint deadline);
+  static awaitable<void> producer_task(std::shared_ptr<Leg> producer, std::shared_ptr<Leg> consumer,
+                                       std::shared_ptr<ProducerState> state, std::string target, std::string body,
+                                       int64_t connect_timeout_ms, TimePoint deadline);
+
+  std::string health_json(const Snapshot& snapshot, bool& healthy) const;
+  std::string models_json(const Snapshot& snapshot) const;
+};
+
+awaitable<void> RouterServer::Impl::accept_loop() {
+  for (;;) {
+    const size_t index = next_context_.fetch_add(1) % contexts_.size();
+    net::io_context& target = *contexts_[index];
+    beast::error_code ec;
+    tcp::socket socket = co_await acceptor_->async_accept(target, with_ec(ec));
+    if (ec == net::error::operation_aborted || !acceptor_->is_open()) co_return;
+    if (ec) {
+      // EMFILE and friends: back off briefly instead of spinning.
+      PD_LOG_WARN("pdrouter: accept failed: {}", ec.message());
+      net::steady_timer timer(co_await net::this_coro::executor, std::chrono::milliseconds(10));
+      co_await timer.async_wait(with_ec(ec));
+      continue;
+    }
+    net::co_spawn(target, session(std::move(socket), index), net::detached);
+  }
+}
+
+awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_index) {
+  beast::error_code ec;
+  socket.set_option(tcp::no_delay(true), ec);
+  beast::tcp_stream stream(std::move(socket));
+  beast::flat_buffer buffer;
+  try {
+    for (;;) {
+      http::request_parser<http::string_body> parser;
+      parser.body_limit(config_.max_body_bytes);
+      parser.header_limit(64 * 1024);
+      stream.expires_after(std::chrono::milliseconds(config_.client_idle_timeout_ms));
+      co_await http::async_read(stream, buffer, parser, with_ec(ec));
+      if (ec == http::error::end_of_stream || ec == beast::error::timeout || ec == net::error::connection_reset ||
+          ec == net::error::eof) {
+        break;
+      }
+      auto exchange = std::make_shared<Exchange>(stream, thread_index);
+      exchange->received_ns = now_ns();
+      if (ec) {
+        // Malformed or oversized request: answer it, then close (the stream position is unknown).
+        exchange->keep_alive = false;
+        exchange->route = "invalid";
+        const int status = ec == http::error::body_limit ? 413 : 400;
+        co_await respond_error(*exchange, status, fmt::format("malformed HTTP request: {}", ec.message()),
+                               "invalid_request_error");
+        cached_counter("pd_router_requests_total", "Requests by route and status",
+                       {{"route", "invalid"}, {"status", std::to_string(status)}})
+            .inc();
+        break;
+      }
+      stream.expires_never();
+      http::request<http::string_body> request = parser.release();
+      exchange->keep_alive = request.keep_alive();
+      co_await handle(exchange, request);
+      exchange->finished = true;
+      if (!exchange->keep_alive || exchange->client_gone) break;
+    }
+  } catch (const std::exception& error) {
+    PD_LOG_ERROR("pdrouter: session ended by an unexpected error: {}", error.what());
+  }
+  stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+  stream.socket().close(ec);
+}
+
+awaitable<void> RouterServer::Impl::respond(Exchange& ex, int status, std::string content_type, std::string body) {
+  ex.status = status;
+  if (ex.client_gone) co_return;
+  if (ex.response_start_ns == 0) ex.response_start_ns = now_ns();
+  http::response<http::string_body> response{static_cast<http::status>(status), 11};
+  response.set(http::field::content_type, content_type);
+  response.keep_alive(ex.keep_alive);
+  response.body() = std::move(body);
+  response.prepare_payload();
+  ex.client.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
+  beast::error_code ec;
+  co_await http::async_write(ex.client, response, with_ec(ec));
+  ex.client.expires_never();
+  ex.header_sent = true;
+  if (ec) {
+    ex.client_gone = true;
+    ex.keep_alive = false;
+  }
+}
+
+awaitable<void> RouterServer::Impl::relay_stream(Exchange& ex, Leg& leg, LegResult& head, std::string first_bytes,
+                                                 TimePoint deadline) {
+  ex.status = 200;
+  if (ex.response_start_ns == 0) ex.response_start_ns = now_ns();
+  http::response<http::empty_body> response{http::status::ok, 11};
+  response.set(http::field::content_type, head.content_type.empty() ? "text/event-stream" : head.content_type);
+  response.set(http::field::cache_control, "no-cache");
+  response.keep_alive(ex.keep_alive);
+  response.chunked(true);
+  http::response_serializer<http::empty_body> serializer{response};
+  beast::error_code ec;
+  ex.client.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
+  co_await http::async_write_header(ex.client, serializer, with_ec(ec));
+  ex.header_sent = true;
+  std::string piece = std::move(first_bytes);
+  bool backend_failed = false;
+  while (!ec) {
+    if (!piece.empty()) {
+      ex.client.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
+      co_await net::async_write(ex.client, http::make_chunk(net::buffer(piece)), with_ec(ec));
+      if (ec) break;
+    }
+    if (head.complete) {
+      co_await net::async_write(ex.client, http::make_chunk_last(), with_ec(ec));
+      break;
+    }
+    piece.clear();
+    Status read = co_await leg.read_some(head, piece, deadline);
+    if (!read.ok()) {
+      if (!ex.client_gone) {
+        PD_LOG_WARN("pdrouter: stream from {} broke: {}", leg.backend().info().instance_id, read.message());
+        count_leg_failure("decode", read.code() == ErrorCode::kDeadlineExceeded ? "deadline" : "transport");
+      }
+      backend_failed = true;
+      break;
+    }
+  }
+  ex.client.expires_never();
+  if (ec || ex.client_gone) {
+    ex.client_gone = true;
+    ex.keep_alive = false;
+    ex.cancel_legs();
+    co_return;
+  }
+  if (backend_failed) {
+    // Ending the chunked body without its last chunk tells the client the stream is incomplete.
+    ex.keep_alive = false;
+    ex.status = 502;
+    leg.cancel();
+    co_return;
+  }
+  leg.release();
+}
+
+awaitable<LegResult> RouterServer::Impl::start_consumer(Exchange& ex, Leg& leg, const std::string& target,
+                                                        const std::string& body, bool stream, TimePoint deadline,
+                                                        std::string& head_bytes) {
+  const int64_t started_ns = now_ns();
+  LegResult result = co_await leg.start(target, body, config_.connect_timeout_ms, deadline);
+  const bool is_event_stream = result.content_type.find("text/event-stream") != std::string::npos;
+  if (result.transport.ok() && (!stream || result.http_status != 200 || !is_event_stream)) {
+    Status read = co_await leg.read_rest(result, deadline);
+    if (!read.ok()) result.transport = read;
+  } else if (result.transport.ok()) {
+    // Decode status before the client's 200: wait for the first complete event.
+    std::optional<size_t> event_end;
+    while (!(event_end = find_event_end(head_bytes)) && !result.complete) {
+      Status read = co_await leg.read_some(result, head_bytes, deadline);
+      if (!read.ok()) {
+        result.transport = read;
+        break;
+      }
+    }
+    if (result.transport.ok() && event_end) {
+      if (std::optional<int> status = error_event_status(head_bytes.substr(0, *event_end))) {
+        // The engine failed the request inside a 200 stream: answer with a real error status instead.
+        std::string_view event = std::string_view(head_bytes).substr(0, *event_end);
+        size_t start = event.find("data:") + 5;
+        size_t end = event.find('\n', start);
+        result.http_status = *status;
+        result.content_type = "application/json";
+        result.body = std::string(event.substr(start, end - start));
+        head_bytes.clear();
+      }
+    }
+  }
+  ex.backend_wait_ns += now_ns() - started_ns;
+  co_return result;
+}
+
+awaitable<void> RouterServer::Impl::answer_from_consumer(Exchange& ex, Leg& leg, LegResult& result,
+                                                         std::string head_bytes, TimePoint deadline) {
+  if (ex.client_gone) {
+    ex.cancel_legs();
+    co_return;
+  }
+  if (!result.transport.ok()) {
+    count_leg_failure("decode", failure_reason(result));
+    leg.cancel();
+    co_await respond_error(ex, status_for_transport(result.transport),
+                           fmt::format("decode instance {} failed: {}", leg.backend().info().instance_id,
+                                       result.transport.message()));
+    co_return;
+  }
+  if (result.http_status == 200 && !head_bytes.empty()) {
+    co_await relay_stream(ex, leg, result, std::move(head_bytes), deadline);
+    co_return;
+  }
+  if (result.http_status != 200) count_leg_failure("decode", "http_status");
+  if (result.complete) {
+    leg.release();
+  } else {
+    leg.cancel();
+  }
+  std::string content_type = content_type_or_json(result);
+  co_await respond(ex, result.http_status, content_type, std::move(result.body));
+}
+
+awaitable<LegResult> RouterServer::Impl::run_full_leg(Exchange* ex, Leg& leg, const std::string& target,
+                                                      const std::string& body, TimePoint deadline) {
+  const int64_t started_ns = now_ns();
+  LegResult result = co_await leg.start(target, body, config_.connect_timeout_ms, deadline);
+  if (result.transport.ok()) {
+    Status read = co_await leg.read_rest(result, deadline);
+    if (!read.ok()) result.transport = read;
+  }
+  if (ex != nullptr) ex->backend_wait_ns += now_ns() - started_ns;
+  leg.release();
+  co_return result;
+}
+
+awaitable<void> RouterServer::Impl::producer_task(std::shared_ptr<Leg> producer, std::shared_ptr<Leg> consumer,
+                                                  std::shared_ptr<ProducerState> state, std::string target,
+                                                  std::string body, int64_t connect_timeout_ms, TimePoint deadline) {
+  LegResult result = co_await producer->start(target, body, connect_timeout_ms, deadline);
+  if (result.transport.ok()) {
+    Status read = co_await producer->read_rest(result, deadline);
+    if (!read.ok()) result.transport = read;
+  }
+  const bool cancelled_by_us = producer->cancelled();
+  producer->release();
+  state->done = true;
+  state->result = std::move(result);
+  if (!state->result.ok() && !state->consumer_committed && !cancelled_by_us) {
+    // One leg failing cancels the other: the consumer would wait for KV that never comes.
+    state->failed = true;
+    consumer->cancel();
+  }
+}
+
+awaitable<FlowOutcome> RouterServer::Impl::run_single(std::shared_ptr<Exchange> ex, std::shared_ptr<Leg> leg,
+                                                      const std::string& target, const std::string& body,
+                                                      bool stream) {
+  if (Status connected = co_await leg->connect(config_.connect_timeout_ms); !connected.ok()) {
+    if (ex->client_gone) co_return FlowOutcome::kAnswered;
+    PD_LOG_WARN("pdrouter: {}", connected.message());
+    count_leg_failure("decode", "connect");
+    co_return FlowOutcome::kConnectFailed;
+  }
+  const TimePoint deadline = SteadyClock::now() + std::chrono::milliseconds(config_.decode_timeout_ms);
+  std::string head_bytes;
+  LegResult result = co_await start_consumer(*ex, *leg, target, body, stream, deadline, head_bytes);
+  co_await answer_from_consumer(*ex, *leg, result, std::move(head_bytes), deadline);
+  co_return FlowOutcome::kAnswered;
+}
+
+awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, const std::string& target,
+                                                  const ClientRequest& request, const Snapshot& snapshot,
+                                                  std::vector<Candidate>& candidates, const FlowPlan& plan) {
+  const std::shared_ptr<Backend>& consumer = snapshot.backends[*plan.consumer];
+  const TransferMode mode = plan.kind == FlowKind::kPdRead ? TransferMode::kRead : TransferMode::kWrite;
+  // The consumer's connection first: an unreachable consumer is re-planned before any prefill work.
+  std::shared_ptr<Leg> consumer_leg = ex->new_leg(consumer);
+  if (Status connected = co_await consumer_leg->connect(config_.connect_timeout_ms); !connected.ok()) {
+    if (ex->client_gone) co_return FlowOutcome::kAnswered;
+    PD_LOG_WARN("pdrouter: {}", connected.message());
+    count_leg_failure("decode", "connect");
+    co_return FlowOutcome::kConnectFailed;
+  }
+  auto next_producer = [&]() {
+    return pick_producer(candidates, request.model, mode, config_.producer_policy, producer_ticket_.fetch_add(1),
+                         thread_random());
+  };
+  std::optional<size_t> producer_index = plan.producer;
+  const TimePoint decode_deadline = SteadyClock::now() + std::chrono::milliseconds(config_.decode_timeout_ms);
+
+  for (int attempt = 0; producer_index; ++attempt) {
+    const std::shared_ptr<Backend>& producer = snapshot.backends[*producer_index];
+    const std::string transfer_id = mint_transfer_id();
+    const TimePoint prefill_deadline = SteadyClock::now() + std::chrono::milliseconds(config_.prefill_timeout_ms);
+    std::shared_ptr<Leg> producer_leg = ex->new_leg(producer);
+    const std::string producer_body = make_producer_body(request.body, transfer_id, mode).dump();
+    LegResult producer_result;
+    bool producer_failed = false;
+
+    if (mode == TransferMode::kRead) {
+      producer_result = co_await run_full_leg(ex.get(), *producer_leg, target, producer_body, prefill_deadline);
+      if (ex->client_gone) {
+        ex->cancel_legs();
+        co_return FlowOutcome::kAnswered;
+      }
+      if (producer_result.ok()) {
+        nlohmann::json parsed = nlohmann::json::parse(producer_result.body, nullptr, false);
+        Result<nlohmann::json> consumer_body =
+            make_read_consumer_body(request.body, transfer_id, parsed, producer->info().instance_id);
+        if (!consumer_body.ok()) {
+          // The contract: a producer answer that does not carry our transfer fails the request.
+          count_leg_failure("prefill", "bad_kv_transfer_params");
+          consumer_leg->cancel();
+          co_await respond_error(*ex, 502,
+                                 fmt::format("producer {} returned unusable kv_transfer_params: {}",
+                                             producer->info().instance_id, consumer_body.status().message()));
+          co_return FlowOutcome::kAnswered;
+        }
+        std::string head_bytes;
+        const std::string consumer_text = consumer_body->dump();
+        LegResult result = co_await start_consumer(*ex, *consumer_leg, target, consumer_text, request.stream,
+                                                   decode_deadline, head_bytes);
+        co_await answer_from_consumer(*ex, *consumer_leg, result, std::move(head_bytes), decode_deadline);
+        co_return FlowOutcome::kAnswered;
+      }
+      producer_failed = true;
+    } else {
+      auto state = std::make_shared<ProducerState>();
+      const std::string consumer_body = make_write_consumer_body(request.body, transfer_id, producer->info()).dump();
+      net::co_spawn(co_await net::this_coro::executor,
+                    producer_task(producer_leg, consumer_leg, state, target, producer_body,
+                                  config_.connect_timeout_ms, prefill_deadline),
+                    net::detached);
+      std::string head_bytes;
+      LegResult result =
+          co_await start_consumer(*ex, *consumer_leg, target, consumer_body, request.stream, decode_deadline, head_bytes);
+      if (ex->client_gone) {
+        ex->cancel_legs();
+        co_return FlowOutcome::kAnswered;
+      }
+      if (!state->failed) {
+        state->consumer_committed = true;
+        const bool consumer_ok = result.transport.ok() && result.http_status == 200;
+        if (!consumer_ok && !state->done) producer_leg->cancel();
+        co_await answer_from_consumer(*ex, *consumer_leg, result, std::move(head_bytes), decode_deadline);
+        // The consumer has its KV (or failed): a producer still answering is no longer needed.
+        if (!state->done) producer_leg->cancel();
+        co_return FlowOutcome::kAnswered;
+      }
+      producer_failed = true;
+      producer_result = state->result;
+    }
+
+    // The prefill failed. A client error would fail anywhere: pass it on.
+    if (producer_result.is_client_error()) {
+      consumer_leg->cancel();
+      std::string content_type = content_type_or_json(producer_result);
+      co_await respond(*ex, producer_result.http_status, content_type, producer_result.body);
+      co_return FlowOutcome::kAnswered;
+    }
+    if (producer_failed) {
+      count_leg_failure("prefill", failure_reason(producer_result));
+      PD_LOG_WARN("pdrouter: prefill on {} failed (transfer {}): {}", producer->info().instance_id, transfer_id,
+                  producer_result.transport.ok() ? fmt::format("HTTP {}", producer_result.http_status)
+                                                 : producer_result.transport.message());
+    }
+    candidates[*producer_index].excluded = true;
+    producer_index = attempt < config_.max_prefill_retries ? next_producer() : std::nullopt;
+    if (producer_index) {
+      cached_counter("pd_router_retries_total", "Prefill legs retried on another producer", {}).inc();
+    }
+    if (consumer_leg->cancelled() || consumer_leg->released()) {
+      consumer_leg = ex->new_leg(consumer);
+      if (Status connected = co_await consumer_leg->connect(config_.connect_timeout_ms); !connected.ok()) {
+        count_leg_failure("decode", "connect");
+        co_await respond_error(*ex, 502, fmt::format("decode instance unreachable: {}", connected.message()));
+        co_return FlowOutcome::kAnswered;
+      }
+    }
+  }
+
+  // No producer left: the consumer computes the prompt itself, without transfer params. Counted, never silent.
+  count_fallback("prefill_failed");
+  PD_LOG_WARN("pdrouter: falling back to collocated decode on {}", consumer->info().instance_id);
+  std::string head_bytes;
+  const std::string fallback_body = request.body.dump();
+  LegResult result =
+      co_await start_consumer(*ex, *consumer_leg, target, fallback_body, request.stream, decode_deadline, head_bytes);
+  co_await answer_from_consumer(*ex, *consumer_leg, result, std::move(head_bytes), decode_deadline);
+  co_return FlowOutcome::kAnswered;
+}
+
+awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> ex, const std::string& target,
+                                                      const std::string& body) {
+  Result<ClientRequest> parsed = parse_client_request(body);
+  if (!parsed.ok()) {
+    co_await respond_error(*ex, 400, parsed.status().message(), "invalid_request_error");
+    co_return;
+  }
+  const ClientRequest& request = *parsed;
+  if (request.dropped_kv_transfer_params) {
+    cached_counter("pd_router_client_kv_transfer_params_dropped_total",
+                   "Client requests whose own kv_transfer_params were removed", {})
+        .inc();
+  }
+  std::shared_ptr<const Snapshot> snapshot = discovery_.snapshot();
+  std::vector<Candidate> candidates;
+  candidates.reserve(snapshot->backends.size());
+  for (const auto& backend : snapshot->backends) {
+    candidates.push_back(
+        Candidate{backend->info().role, backend->info().mode, backend->info().model, backend->outstanding()});
+  }
+  watch_client(ex);
+  for (size_t attempt = 0; attempt <= candidates.size(); ++attempt) {
+    for (size_t i = 0; i < candidates.size(); ++i) candidates[i].outstanding = snapshot->backends[i]->outstanding();
+    PlanRequest plan_request;
+    plan_request.model = request.model;
+    plan_request.producer_policy = config_.producer_policy;
+    plan_request.consumer_policy = config_.consumer_policy;
+    plan_request.producer_ticket = producer_ticket_.fetch_add(1, std::memory_order_relaxed);
+    plan_request.consumer_ticket = consumer_ticket_.fetch_add(1, std::memory_order_relaxed);
+    plan_request.random = thread_random();
+    plan_request.forced_mode = config_.forced_mode;
+    const FlowPlan plan = plan_flow(candidates, plan_request);
+    if (plan.kind == FlowKind::kNone) {
+      if (plan.model_unknown) {
+        co_await respond(*ex, 404, "application/json",
+                         error_json(fmt::format("The model `{}` does not exist.", request.model),
+                                    "NotFoundError", 404));
+      } else {
+        std::string message = "no reachable instance";
+        if (candidates.empty()) message = "no instances discovered";
+        co_await respond_error(*ex, 503, std::move(message));
+      }
+      co_return;
+    }
+    FlowOutcome outcome;
+    if (plan.kind == FlowKind::kCollocated) {
+      if (plan.fallback == FallbackReason::kNoProducer) count_fallback("no_producer");
+      if (plan.fallback == FallbackReason::kNoConsumer) count_fallback("no_consumer");
+      // Pass-through keeps the client's bytes unless something had to be removed.
+      std::string leg_body;
+      if (request.dropped_kv_transfer_params) {
+        leg_body = request.body.dump();
+      } else {
+        leg_body = body;
+      }
+      std::shared_ptr<Leg> leg = ex->new_leg(snapshot->backends[*plan.consumer]);
+      outcome = co_await run_single(ex, leg, target, leg_body, request.stream);
+    } else {
+      outcome = co_await run_pd(ex, target, request, *snapshot, candidates, plan);
+    }
+    if (outcome == FlowOutcome::kAnswered) co_return;
+    candidates[*plan.consumer].excluded = true;  // unreachable: try the next one
+  }
+  co_await respond_error(*ex, 503, "no reachable instance");
+}
+
+std::string RouterServer::Impl::health_json(const Snapshot& snapshot, bool& healthy) const {
+  nlohmann::json instances = nlohmann::json::array();
+  for (const auto& backend : snapshot.backends) {
+    const InstanceInfo& info = backend->info();
+    instances.push_back({{"instance_id", info.instance_id},
+                         {"role", role_name(info.role)},
+                         {"mode", mode_name(info.mode)},
+                         {"http", info.http.to_string()},
+                         {"control", info.control ? info.control->to_string() : ""},
+                         {"boot_nonce", info.boot_nonce},
+                         {"model", info.model},
+                         {"outstanding", backend->outstanding()}});
+  }
+  healthy = !snapshot.backends.empty();
+  return nlohmann::json{{"status", healthy ? "ok" : "no_instances"}, {"instances", instances}}.dump();
+}
+
+std::string RouterServer::Impl::models_json(const Snapshot& snapshot) const {
+  std::vector<std::string> models;
+  for (const auto& backend : snapshot.backends) {
+    const std::string& model = backend->info().model;
+    if (!model.empty() && std::find(models.begin(), models.end(), model) == models.end()) models.push_back(model);
+  }
+  nlohmann::json data = nlohmann::json::array();
+  for (const std::string& model : models) {
+    data.push_back({{"id", model}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "pdserve"}});
+  }
+  return nlohmann::json{{"object", "list"}, {"data", data}}.dump();
+}
+
+awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::request<http::string_body>& request) {
+  std::string target(request.target());
+  if (size_t query = target.find('?'); query != std::string::npos) target.resize(query);
+  const bool is_post = request.method() == http::verb::post;
+  const bool is_get = request.method() == http::verb::get;
+  const bool is_generation = target == "/v1/completions" || target == "/v1/chat/completions";
+  ex->route = is_generation || target == "/v1/models" || target == "/health" || target == "/metrics" ? target : "other";
+
+  if (!config_.api_key.empty() && target.rfind("/v1/", 0) == 0) {
+    const auto authorization = request[http::field::authorization];
+    if (authorization != "Bearer " + config_.api_key) {
+      co_await respond(*ex, 401, "application/json", error_json("invalid or missing API key", "AuthenticationError", 401));
+    }
+  }
+  if (ex->status == 0) {
+    if (is_generation && is_post) {
+      co_await handle_generation(ex, target, request.body());
+    } else if (target == "/v1/models" && is_get) {
+      co_await respond(*ex, 200, "application/json", models_json(*discovery_.snapshot()));
+    } else if (target == "/health" && is_get) {
+      bool healthy = false;
+      std::string body = health_json(*discovery_.snapshot(), healthy);
+      co_await respond(*ex, healthy ? 200 : 503, "application/json", std::move(body));
+    } else if (target == "/metrics" && is_get) {
+      co_await respond(*ex, 200, "text/plain; version=0.0.4", metrics::Registry::global().render_prometheus());
+    } else if (is_generation || target == "/v1/models" || target == "/health" || target == "/metrics") {
+      co_await respond(*ex, 405, "application/json",
+                       error_json(fmt::format("method {} not allowed on {}", std::string(request.method_string()), target),
+                                  "invalid_request_error", 405));
+    } else {
+      co_await respond(*ex, 404, "application/json",
+                       error_json(fmt::format("no route {}", target), "invalid_request_error", 404));
+    }
+  }
+  ex->finished = true;
+  beast::error_code ec;
+  ex->client.socket().cancel(ec);  // ends the disconnect watch
+  if (ex->client_gone) ex->cancel_legs();
+
+  const int64_t done_ns = now_ns();
+  const std::string status = ex->client_gone && !ex->header_sent ? "499" : std::to_string(ex->status);
+  cached_counter("pd_router_requests_total", "Requests by route and status", {{"route", ex->route}, {"status", status}})
+      .inc();
+  if (is_generation) {
+    cached_histogram("pd_router_request_duration_seconds", "End-to-end request time at the router",
+                     {{"route", ex->route}}, metrics::latency_buckets_seconds())
+        .observe(static_cast<double>(done_ns - ex->received_ns) * 1e-9);
+    if (ex->response_start_ns != 0) {
+      const int64_t added_ns = ex->response_start_ns - ex->received_ns - ex->backend_wait_ns;
+      cached_histogram("pd_router_added_latency_seconds",
+                       "Router time before the first response byte, excluding time waiting on backends",
+                       {{"route", ex->route}}, added_latency_buckets())
+          .observe(static_cast<double>(std::max<int64_t>(0, added_ns)) * 1e-9);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- RouterServer
+
+RouterServer::RouterServer(RouterConfig config)
+    : config_(std::move(config)), discovery_(config_, static_cast<size_t>(std::max(1, config_.num_io_threads))) {}
+
+RouterServer::~RouterServer() { stop(); }
+
+Status RouterServer::start() {
+  const int num_threads = std::max(1, config_.num_io_threads);
+  for (int i = 0; i < num_threads; ++i) io_contexts_.push_back(std::make_unique<net::io_context>(1));
+  impl_ = std::make_unique<Impl>(config_, discovery_);
+  for (auto& context : io_contexts_) impl_->contexts_.push_back(context.get());
+
+  beast::error_code ec;
+  const net::ip::address address = net::ip::make_address(config_.host, ec);
+  if (ec) return invalid_argument("--host '{}' is not an IP address", config_.host);
+  tcp::acceptor& acceptor = impl_->acceptor_.emplace(*io_contexts_[0]);
+  const tcp::endpoint endpoint(address, config_.port);
+  acceptor.open(endpoint.protocol(), ec);
+  if (!ec) acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) acceptor.bind(endpoint, ec);
+  if (!ec) acceptor.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) return unavailable("cannot listen on {}:{}: {}", config_.host, config_.port, ec.message());
+  http_port_ = acceptor.local_endpoint().port();
+
+  PD_RETURN_IF_ERROR(discovery_.start());
+  net::co_spawn(*io_contexts_[0], impl_->accept_loop(), net::detached);
+  for (auto& context : io_contexts_) {
+    io_threads_.emplace_back([&context] {
+      auto work = net::make_work_guard(*context);
+      context->run();
+    });
+  }
+  return Status::Ok();
+}
+
+void RouterServer::stop() {
+  if (stopped_ || !impl_) return;
+  stopped_ = true;
+  for (auto& context : io_contexts_) context->stop();
+  for (auto& thread : io_threads_) thread.join();
+  discovery_.stop();
+  discovery_.clear_idle_connections();
+  impl_->acceptor_.reset();
+  // Pending sessions (and the legs they own) are destroyed with their io_context.
+  io_contexts_.clear();
+}
+
+void RouterServer::wait_for_signal() {
+  net::io_context signals_context;
+  net::signal_set signals(signals_context, SIGINT, SIGTERM);
+  signals.async_wait([](const beast::error_code&, int) {});
+  signals_context.run();
+}
+
+}  // namespace pd::router

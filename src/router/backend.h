@@ -1,0 +1,124 @@
+// A discovered instance as the request path uses it (Backend), the immutable
+// set of them the control thread publishes (Snapshot), and one HTTP exchange
+// with a backend (Leg) over a per-io-thread pool of keep-alive connections.
+//
+// Threads: a Backend is created by the control thread and then shared
+// read-only, except `outstanding` (atomic) and `idle_[t]`, which only io
+// thread t touches. A Leg lives on one io thread.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/metrics.h"
+#include "common/status.h"
+#include "router/asio.h"
+#include "router/instance_info.h"
+
+namespace pd::router {
+
+class Backend {
+ public:
+  Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_threads, size_t max_idle_per_thread);
+  ~Backend();
+
+  const InstanceInfo& info() const { return info_; }
+  const tcp::endpoint& endpoint() const { return endpoint_; }
+  const std::string& host_header() const { return host_header_; }
+  int64_t outstanding() const { return outstanding_.load(std::memory_order_relaxed); }
+  void add_outstanding(int64_t delta);
+
+  // Pool of idle keep-alive connections of io thread `thread_index`; only that thread calls these.
+  std::unique_ptr<beast::tcp_stream> take_idle(size_t thread_index);
+  void put_idle(size_t thread_index, std::unique_ptr<beast::tcp_stream> stream);
+  // At shutdown, after the io threads stopped: pooled sockets must die before their io_contexts.
+  void clear_idle();
+
+ private:
+  InstanceInfo info_;
+  tcp::endpoint endpoint_;
+  std::string host_header_;
+  size_t max_idle_per_thread_;
+  std::atomic<int64_t> outstanding_{0};
+  metrics::Gauge& outstanding_gauge_;
+  std::vector<std::vector<std::unique_ptr<beast::tcp_stream>>> idle_;
+};
+
+struct Snapshot {
+  std::vector<std::shared_ptr<Backend>> backends;  // sorted by instance_id
+};
+
+// The outcome of one leg as far as it has been read.
+struct LegResult {
+  Status transport;     // connect/write/read failure or deadline; ok when an HTTP response arrived
+  int http_status = 0;  // valid when transport is ok
+  std::string content_type;
+  std::string body;  // the whole body (full legs) or what was read so far (streams)
+  bool complete = false;
+
+  bool ok() const { return transport.ok() && http_status == 200; }
+  // A 4xx that another instance would answer the same way (not 408 / 429).
+  bool is_client_error() const {
+    return transport.ok() && http_status >= 400 && http_status < 500 && http_status != 408 && http_status != 429;
+  }
+};
+
+// One request to one backend. Counts as outstanding on the backend from
+// construction to destruction, so a stream counts for its whole life.
+class Leg {
+ public:
+  Leg(std::shared_ptr<Backend> backend, size_t thread_index);
+  ~Leg();
+  Leg(const Leg&) = delete;
+  Leg& operator=(const Leg&) = delete;
+
+  Backend& backend() { return *backend_; }
+  const std::shared_ptr<Backend>& backend_ptr() const { return backend_; }
+
+  // Takes a pooled connection or connects (bounded by connect_timeout_ms).
+  awaitable<Status> connect(int64_t connect_timeout_ms);
+  // Sends POST `target` and reads the response header, all before `deadline`.
+  // A pooled connection the server closed meanwhile is replaced by a fresh one once.
+  awaitable<LegResult> start(const std::string& target, const std::string& body, int64_t connect_timeout_ms,
+                             std::chrono::steady_clock::time_point deadline);
+  // Appends the next piece of the body to `out`; sets `result.complete` at the end.
+  awaitable<Status> read_some(LegResult& result, std::string& out, std::chrono::steady_clock::time_point deadline);
+  // Reads the rest of the body into result.body.
+  awaitable<Status> read_rest(LegResult& result, std::chrono::steady_clock::time_point deadline);
+
+  // Closes the connection: the engine sees the disconnect and aborts the request.
+  void cancel();
+  bool cancelled() const { return cancelled_; }
+  // Ends the leg: a connection that finished a keep-alive response goes back
+  // to the pool, any other is closed; the backend's outstanding count drops.
+  // Idempotent; the destructor calls it.
+  void release();
+  bool released() const { return released_; }
+
+ private:
+  awaitable<LegResult> send_and_read_header(const std::string& target, const std::string& body,
+                                            std::chrono::steady_clock::time_point deadline);
+
+  std::shared_ptr<Backend> backend_;
+  size_t thread_index_;
+  std::unique_ptr<beast::tcp_stream> stream_;
+  bool reused_ = false;
+  bool cancelled_ = false;
+  bool complete_ = false;
+  bool released_ = false;
+  beast::flat_buffer buffer_;
+  std::optional<http::response_parser<http::buffer_body>> parser_;
+  std::vector<char> piece_;
+};
+
+// A plain GET with a deadline, for discovery probes (no pooling).
+awaitable<LegResult> http_get(const tcp::endpoint& endpoint, const std::string& host_header, const std::string& target,
+                              int64_t timeout_ms);
+
+// Maps an Asio/Beast error to a Status (deadline -> kDeadlineExceeded, else kUnavailable).
+Status status_from_error(const beast::error_code& ec, std::string_view what);
+
+}  // namespace pd::router

@@ -1,0 +1,44 @@
+// pdrouter configuration (filled from the command line in main.cc).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "router/instance_info.h"
+#include "router/policy.h"
+
+namespace pd::router {
+
+struct RouterConfig {
+  std::string host = "127.0.0.1";
+  uint16_t port = 8000;
+  // ZMQ registration listener (proxy_ip:proxy_ping_port of the instances); port -1 disables it, 0 picks one.
+  std::string registration_host = "127.0.0.1";
+  int registration_port = -1;
+  std::string control_secret_file;  // CURVE on the registration socket when set
+
+  std::vector<std::string> prefill_urls;
+  std::vector<std::string> decode_urls;
+  std::vector<std::string> collocated_urls;
+
+  PolicyKind producer_policy = PolicyKind::kLeastOutstanding;
+  PolicyKind consumer_policy = PolicyKind::kLeastOutstanding;
+  std::optional<TransferMode> forced_mode;  // nullopt: each consumer's registered mode
+
+  int num_io_threads = 2;
+  int64_t connect_timeout_ms = 2000;
+  int64_t prefill_timeout_ms = 60000;   // whole producer leg
+  int64_t decode_timeout_ms = 600000;   // whole consumer / collocated leg, stream included
+  int64_t client_idle_timeout_ms = 120000;
+  int64_t client_write_timeout_ms = 60000;
+  int max_prefill_retries = 1;          // other producers tried before falling back to collocated decode
+  int64_t instance_ttl_ms = 5000;
+  int64_t probe_interval_ms = 1000;     // static instances: GET /pd/info period
+  size_t max_body_bytes = 64 * 1024 * 1024;
+  size_t max_idle_connections_per_backend = 1024;  // per io thread
+  std::string api_key;                  // clients must send "Authorization: Bearer <key>" on /v1/*
+};
+
+}  // namespace pd::router

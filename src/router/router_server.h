@@ -1,0 +1,49 @@
+// pdrouter's HTTP front end and the request flows (collocated, P/D READ, P/D WRITE).
+//
+// Threads: `num_io_threads` io threads, each running its own io_context. A
+// client connection and every leg it causes run on one io thread, so the
+// state of one request (struct Exchange in router_server.cc) needs no locks;
+// cancelling a leg is closing its socket from the same thread.
+#pragma once
+
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "router/asio.h"
+#include "router/config.h"
+#include "router/discovery.h"
+
+namespace pd::router {
+
+class RouterServer {
+ public:
+  explicit RouterServer(RouterConfig config);
+  ~RouterServer();
+  RouterServer(const RouterServer&) = delete;
+  RouterServer& operator=(const RouterServer&) = delete;
+
+  // Binds the HTTP listener and the registration socket, starts all threads.
+  Status start();
+  // Stops accepting, stops every thread and joins them.
+  void stop();
+  // Blocks until SIGINT/SIGTERM.
+  void wait_for_signal();
+
+  uint16_t http_port() const { return http_port_; }
+  int registration_port() const { return discovery_.registration_port(); }
+
+  struct Impl;
+
+ private:
+  RouterConfig config_;
+  Discovery discovery_;
+  std::vector<std::unique_ptr<net::io_context>> io_contexts_;
+  std::vector<std::thread> io_threads_;
+  std::unique_ptr<Impl> impl_;
+  uint16_t http_port_ = 0;
+  bool stopped_ = false;
+};
+
+}  // namespace pd::router
