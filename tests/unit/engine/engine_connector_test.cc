@@ -1,0 +1,273 @@
+// The engine loop with a P/D connector: a test connector that really moves KV
+// (it writes the prompt's KV into the consumer's blocks, laid out as
+// model_runner.h says), wakes the engine from another thread, and holds
+// blocks. Outputs are checked against the reference computed on the plain
+// sequence, so KV that never arrived, or arrived in the wrong blocks, fails.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+
+#include "common/clock.h"
+#include "engine/engine.h"
+#include "paged_kv_test_runner.h"
+
+namespace pd::engine {
+namespace {
+
+using testing::PagedKvTestRunner;
+using testing::reference_greedy;
+
+constexpr int32_t kVocab = 300;
+constexpr int32_t kBlockSize = 4;
+
+class LoopbackConnector : public KvConnector {
+ public:
+  explicit LoopbackConnector(PagedKvTestRunner* runner) : runner_(runner) {}
+
+  // Test-thread side.
+  ExternalMatch match;
+  bool delay_free = false;
+  RemoteKvTimeoutAction timeout_action = RemoteKvTimeoutAction::kFail;
+
+  // Writes the external tokens' KV into the blocks the engine allocated, then
+  // reports the load complete and wakes the engine.
+  void deliver(const std::string& id) {
+    std::lock_guard lock(mutex_);
+    const Pending& p = pending_.at(id);
+    const KvCacheSpec& spec = runner_->kv_cache_spec();
+    for (int32_t layer = 0; layer < spec.num_layers; ++layer) {
+      auto* base = static_cast<float*>(runner_->kv_layer_base(layer));
+      for (int32_t pos = p.first_pos; pos < p.first_pos + p.num_tokens; ++pos) {
+        const size_t per_token = static_cast<size_t>(spec.num_kv_heads * spec.head_dim);
+        const size_t block_floats = 2 * static_cast<size_t>(spec.block_size) * per_token;
+        float* k = base + static_cast<size_t>(p.block_ids[static_cast<size_t>(pos / spec.block_size)]) * block_floats +
+                   static_cast<size_t>(pos % spec.block_size) * per_token;
+        float* v = k + static_cast<size_t>(spec.block_size) * per_token;
+        k[0] = static_cast<float>(p.tokens[static_cast<size_t>(pos)]);
+        k[1] = static_cast<float>(pos);
+        v[0] = k[0] + static_cast<float>(layer);
+        v[1] = k[1];
+      }
+    }
+    events_.finished_recving.push_back(id);
+    if (wakeup_) wakeup_();
+  }
+  void report_sent(const std::string& id) {
+    std::lock_guard lock(mutex_);
+    events_.finished_sending.push_back(id);
+    polls_at_report_ = num_polls_;
+    if (wakeup_) wakeup_();
+  }
+  bool wait_allocated(const std::string& id) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_until(lock, Deadline::after_ms(20'000).when(), [&] { return pending_.contains(id); });
+  }
+  // Waits until the engine has polled (and so applied) the reported events.
+  bool wait_drained() {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_until(lock, Deadline::after_ms(20'000).when(), [&] { return num_polls_ > polls_at_report_; });
+  }
+  std::vector<std::string> finished_ids() {
+    std::lock_guard lock(mutex_);
+    return finished_;
+  }
+
+  // Engine-thread side.
+  void bind_engine_wakeup(std::function<void()> wakeup) override { wakeup_ = std::move(wakeup); }
+  Result<ExternalMatch> get_num_new_matched_tokens(const Request&, int32_t) override {
+    std::lock_guard lock(mutex_);
+    return match;
+  }
+  void update_state_after_alloc(const Request& r, std::span<const int32_t> block_ids, int32_t num_external) override {
+    std::lock_guard lock(mutex_);
+    pending_[r.request_id()] =
+        Pending{r.num_computed_tokens, num_external, {block_ids.begin(), block_ids.end()}, r.token_ids()};
+    cv_.notify_all();
+  }
+  LayerKvHooks* build_step_hooks(const StepInput&, const StepPlan&) override { return nullptr; }
+  void after_step(const StepPlan&, const Status&) override {}
+  ConnectorEvents poll() override {
+    std::lock_guard lock(mutex_);
+    ConnectorEvents out = std::move(events_);
+    events_ = {};
+    ++num_polls_;
+    cv_.notify_all();
+    return out;
+  }
+  bool request_preempted(const Request&, std::span<const int32_t>) override { return false; }
+  FinishDecision request_finished(const Request& r, std::span<const int32_t>) override {
+    std::lock_guard lock(mutex_);
+    finished_.push_back(r.request_id());
+    return FinishDecision{delay_free, nlohmann::json{{"transfer_id", "x-" + r.request_id()}}};
+  }
+  RemoteKvTimeoutAction on_remote_kv_timeout(const Request&) override {
+    std::lock_guard lock(mutex_);
+    return timeout_action;
+  }
+
+ private:
+  struct Pending {
+    int32_t first_pos = 0;
+    int32_t num_tokens = 0;
+    std::vector<int32_t> block_ids;
+    std::vector<int32_t> tokens;
+  };
+  PagedKvTestRunner* runner_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::function<void()> wakeup_;
+  std::map<std::string, Pending> pending_;
+  ConnectorEvents events_;
+  int64_t num_polls_ = 0;
+  int64_t polls_at_report_ = 0;
+  std::vector<std::string> finished_;
+};
+
+struct Rig {
+  PagedKvTestRunner* runner = nullptr;
+  LoopbackConnector* connector = nullptr;
+  std::unique_ptr<Engine> engine;
+};
+
+Rig make_rig(int32_t num_blocks, ExternalMatch match, bool delay_free = false,
+             RemoteKvTimeoutAction action = RemoteKvTimeoutAction::kFail) {
+  Rig rig;
+  auto runner = std::make_unique<PagedKvTestRunner>(num_blocks, kBlockSize, kVocab);
+  rig.runner = runner.get();
+  auto connector = std::make_unique<LoopbackConnector>(runner.get());
+  connector->match = match;
+  connector->delay_free = delay_free;
+  connector->timeout_action = action;
+  rig.connector = connector.get();
+  EngineConfig config;
+  config.max_num_batched_tokens = 64;
+  config.max_model_len = 128;
+  auto created = Engine::create(config, std::move(runner), nullptr, std::move(connector));
+  EXPECT_TRUE(created.ok()) << created.status().to_string();
+  rig.engine = std::move(created).value();
+  return rig;
+}
+
+class Outputs {
+ public:
+  OutputCallback callback() {
+    return [this](RequestOutput out) {
+      std::lock_guard lock(mutex_);
+      auto& s = streams_[out.request_id];
+      s.push_back(std::move(out));
+      cv_.notify_all();
+    };
+  }
+  bool wait_finished(const std::string& id) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_until(lock, Deadline::after_ms(20'000).when(), [&] {
+      auto it = streams_.find(id);
+      return it != streams_.end() && !it->second.empty() && it->second.back().finished;
+    });
+  }
+  std::vector<int32_t> tokens(const std::string& id) {
+    std::lock_guard lock(mutex_);
+    std::vector<int32_t> all;
+    for (const auto& o : streams_[id]) all.insert(all.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+    return all;
+  }
+  RequestOutput last(const std::string& id) {
+    std::lock_guard lock(mutex_);
+    return streams_.at(id).back();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::map<std::string, std::vector<RequestOutput>> streams_;
+};
+
+std::vector<int32_t> prompt_of(int32_t n) {
+  std::vector<int32_t> t;
+  for (int32_t i = 0; i < n; ++i) t.push_back((7 * i + 3) % kVocab);
+  return t;
+}
+
+GenerateRequest pd_request(const std::string& id, int32_t prompt_len, int32_t max_tokens, bool with_params = true) {
+  GenerateRequest r;
+  r.request_id = id;
+  r.prompt_token_ids = prompt_of(prompt_len);
+  r.sampling.temperature = 0.0f;
+  r.sampling.max_tokens = max_tokens;
+  if (with_params) r.kv_transfer_params = nlohmann::json{{"transfer_id", "t"}};
+  return r;
+}
+
+TEST(EngineConnector, ConsumerDecodesOnKvWrittenByTheConnector) {
+  Rig rig = make_rig(64, ExternalMatch{24, true, 60'000});
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  rig.connector->deliver("c");
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_EQ(out.tokens("c"), reference_greedy(prompt_of(26), 5, kVocab));
+  EXPECT_EQ(out.last("c").num_cached_tokens, 24);
+  EXPECT_EQ(rig.runner->num_kv_mismatches(), 0);
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(EngineConnector, RemoteKvDeadlineFailsTheWaitingRequestWithoutHanging) {
+  Rig rig = make_rig(64, ExternalMatch{24, true, 30});
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_EQ(out.last("c").finish_reason, FinishReason::kError);
+  EXPECT_NE(out.last("c").error.find("remote KV"), std::string::npos);
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(EngineConnector, RemoteKvDeadlineWithRecomputePolicyStillGivesTheRightOutput) {
+  Rig rig = make_rig(64, ExternalMatch{24, true, 30}, false, RemoteKvTimeoutAction::kRecomputeLocally);
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_EQ(out.tokens("c"), reference_greedy(prompt_of(26), 5, kVocab));
+}
+
+TEST(EngineConnector, AbortWhileWaitingForRemoteKvReturnsAllBlocks) {
+  Rig rig = make_rig(64, ExternalMatch{24, true, 60'000});
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  rig.engine->abort("c");
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_EQ(out.last("c").finish_reason, FinishReason::kAbort);
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+  EXPECT_EQ(rig.engine->stats().num_blocks_free, 64);
+}
+
+TEST(EngineConnector, ProducerKeepsBlocksAndIdUntilSendingIsReported) {
+  Rig rig = make_rig(64, ExternalMatch{0, false, 0}, /*delay_free=*/true);
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("p", 20, 1), out.callback()).ok());
+  ASSERT_TRUE(out.wait_finished("p"));
+  EXPECT_EQ(out.last("p").kv_transfer_params, std::optional<nlohmann::json>(nlohmann::json{{"transfer_id", "x-p"}}));
+  // Held: the id cannot be reused while a transfer may read its blocks.
+  EXPECT_EQ(rig.engine->add_request(pd_request("p", 20, 1), out.callback()).code(), ErrorCode::kInvalidArgument);
+  rig.connector->report_sent("p");
+  ASSERT_TRUE(rig.connector->wait_drained());
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(EngineConnector, PlainRequestsIgnoreTheConnectorsOffer) {
+  Rig rig = make_rig(64, ExternalMatch{24, true, 60'000});
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("plain", 26, 4, /*with_params=*/false), out.callback()).ok());
+  ASSERT_TRUE(out.wait_finished("plain"));
+  EXPECT_EQ(out.tokens("plain"), reference_greedy(prompt_of(26), 4, kVocab));
+  EXPECT_EQ(out.last("plain").num_cached_tokens, 0);
+}
+
+}  // namespace
+}  // namespace pd::engine
