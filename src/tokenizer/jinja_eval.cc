@@ -15,7 +15,8 @@ namespace pd::tokenizer::jinja {
 namespace {
 
 constexpr size_t kMaxOutputBytes = 64u << 20;
-constexpr uint64_t kMaxSteps = 20'000'000;
+// Real chat templates take well under 100k steps even for long conversations.
+constexpr uint64_t kMaxSteps = 2'000'000;
 constexpr int kMaxCallDepth = 100;
 constexpr int64_t kMaxRange = 100000;  // jinja2's sandbox MAX_RANGE
 

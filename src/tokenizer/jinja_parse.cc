@@ -386,7 +386,9 @@ class Parser {
       const Token& t = peek();
       if (t.type == Tok::kEof) {
         if (!ends.empty()) {
-          syntax_error(t.line, t.col, fmt::format("unexpected end of template, expected '{}'", *ends.begin()));
+          std::string expected;
+          for (const auto& e : ends) expected += (expected.empty() ? "'" : ", '") + e + "'";
+          syntax_error(t.line, t.col, fmt::format("unexpected end of template, expected one of {}", expected));
         }
         return body;
       }
