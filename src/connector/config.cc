@@ -170,6 +170,29 @@ bool peer_allowed(const std::vector<std::string>& allowed_peers, std::string_vie
   return false;
 }
 
+Result<KvTransferConfig> kv_transfer_config_from_flags(std::string_view config_json, std::string_view kv_role_flag) {
+  std::string role(kv_role_flag);
+  if (role == "producer" || role == "consumer" || role == "both") role = "kv_" + role;
+  json root = json::object();
+  if (!config_json.empty()) {
+    try {
+      root = json::parse(config_json);
+    } catch (const json::exception& e) {
+      return invalid_argument("--kv-transfer-config is not valid JSON: {}", e.what());
+    }
+    if (!root.is_object()) return invalid_argument("--kv-transfer-config: expected a JSON object");
+  }
+  if (!root.contains("kv_connector")) root["kv_connector"] = "PdConnector";
+  if (!role.empty()) {
+    if (root.contains("kv_role") && root["kv_role"] != role) {
+      return invalid_argument("--kv-role {} contradicts kv_role {} in --kv-transfer-config", role,
+                              root["kv_role"].dump());
+    }
+    root["kv_role"] = role;
+  }
+  return parse_kv_transfer_config(root.dump());
+}
+
 Result<KvTransferConfig> parse_kv_transfer_config(std::string_view json_text) {
   json root;
   try {

@@ -61,6 +61,11 @@ struct KvTransferConfig {
 // what was expected and what was given.
 Result<KvTransferConfig> parse_kv_transfer_config(std::string_view json_text);
 
+// The server's two flags combined: --kv-transfer-config text (may be empty) and
+// --kv-role (may be empty; "kv_producer" or the short "producer" spelling). A
+// role flag alone means {"kv_connector":"PdConnector","kv_role":...} with defaults.
+Result<KvTransferConfig> kv_transfer_config_from_flags(std::string_view config_json, std::string_view kv_role_flag);
+
 // Peer policy: is "host:port" (a remote_control from a request) allowed by
 // allowed_peers? Host must be a literal IPv4 address (names are refused, so a
 // request can never make us resolve a name it chose).

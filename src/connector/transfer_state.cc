@@ -158,11 +158,18 @@ bool ProducerTransfers::request_finished(const std::string& transfer_id, const s
   if (!kv_complete || it->second.phase != Phase::kKvReady) {
     fail(transfer_id, it->second, "request finished before its KV was computed");
     it = transfers_.find(transfer_id);
-    if (it == transfers_.end()) return false;  // nothing in flight: the blocks are free now
-    it->second.holding = true;                 // writes in flight: released when they end
-    return true;
+    if (it == transfers_.end()) return false;
   }
   Transfer& t = it->second;
+  if (t.failed || t.done_sent) {
+    if (t.num_in_flight > 0) {
+      t.holding = true;  // released when the last in-flight write ends
+      return true;
+    }
+    remember_closed(transfer_id);
+    transfers_.erase(it);
+    return false;
+  }
   t.holding = true;
   t.deadline_ms = now_ms + (t.read_mode ? timeouts_.transfer_timeout_ms : timeouts_.defer_timeout_ms);
   maybe_finish(transfer_id);
@@ -194,7 +201,7 @@ void ProducerTransfers::maybe_finish(const std::string& transfer_id) {
   if (t.num_in_flight > 0) return;  // the one release path waits for in-flight writes
   if (t.failed) {
     // "done" (ok or not) promises no more writes, which is why it waits for in-flight ones.
-    if (t.dest && !t.done_sent && !t.consumer_aborted) {
+    if (t.dest && !t.done_sent && !t.peer_gone) {
       send(t.dest->peer, MessageType::kDone, transfer_id, t.failure, /*ok=*/false, t.num_prompt_tokens);
       t.done_sent = true;
     }
@@ -272,6 +279,8 @@ void ProducerTransfers::on_release(const PeerRef& from, const ControlMessage& ms
 void ProducerTransfers::on_abort(const PeerRef& from, const ControlMessage& msg) {
   auto early = early_blocks_.find(msg.transfer_id);
   if (early != early_blocks_.end() && early->second.from == from) {
+    // Acknowledged, so the consumer can release the blocks it holds for us at once.
+    send(from, MessageType::kAbort, msg.transfer_id, "aborted before the producer saw the request");
     early_blocks_.erase(early);
     remember_closed(msg.transfer_id);
     return;
@@ -289,7 +298,6 @@ void ProducerTransfers::on_abort(const PeerRef& from, const ControlMessage& msg)
       remember_closed(msg.transfer_id);
       transfers_.erase(it);
     } else {
-      t.consumer_aborted = true;
       fail(msg.transfer_id, t, "consumer aborted");
     }
     return;
@@ -298,7 +306,8 @@ void ProducerTransfers::on_abort(const PeerRef& from, const ControlMessage& msg)
     ++actions_.num_refused;
     return;
   }
-  t.consumer_aborted = true;
+  // The done{ok:false} that follows (after in-flight writes) is the consumer's
+  // acknowledgement that no more writes will land in its blocks.
   fail(msg.transfer_id, t, "consumer aborted: " + msg.text);
 }
 
@@ -314,7 +323,7 @@ void ProducerTransfers::on_peer_gone(const std::string& instance_id, uint64_t bo
   for (const auto& id : doomed) {
     auto it = transfers_.find(id);
     if (it == transfers_.end()) continue;
-    it->second.consumer_aborted = true;  // nobody to tell
+    it->second.peer_gone = true;  // nobody to tell
     fail(id, it->second, "consumer instance restarted or gone");
   }
 }

@@ -129,7 +129,7 @@ class ProducerTransfers {
     int32_t num_in_flight = 0;
     bool failed = false;
     std::string failure;
-    bool consumer_aborted = false;  // nothing to tell the consumer
+    bool peer_gone = false;  // the consumer incarnation is dead: nothing to tell it
     bool done_sent = false;
     bool holding = false;   // request finished, blocks kept for us
     bool finished = false;  // request_finished seen

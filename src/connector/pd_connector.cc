@@ -1,0 +1,725 @@
+#include "connector/pd_connector.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+
+#include "common/clock.h"
+#include "common/curve_auth.h"
+#include "common/log.h"
+#include "engine/engine_request.h"
+
+namespace pd::connector {
+namespace {
+
+int64_t now_ms() { return now_ns() / 1'000'000; }
+
+// Under on_failure=fail a failed load finishes the request with an error, when
+// the engine offers ConnectorEvents::failed_requests; otherwise it recomputes.
+template <typename Events>
+bool push_failed_request(Events& events, std::string request_id, std::string message) {
+  if constexpr (requires { events.failed_requests.push_back({std::move(request_id), std::move(message)}); }) {
+    events.failed_requests.push_back({std::move(request_id), std::move(message)});
+    return true;
+  } else {
+    return false;
+  }
+}
+
+const char* dtype_name(engine::KvDtype dtype) {
+  switch (dtype) {
+    case engine::KvDtype::kFloat32: return "float32";
+    case engine::KvDtype::kBFloat16: return "bfloat16";
+    case engine::KvDtype::kFloat16: return "float16";
+  }
+  return "?";
+}
+
+std::string default_instance_id(KvRole role) {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return fmt::format("{}-{}-{}", kv_role_short_name(role), host, getpid());
+}
+
+// Test hook (DESIGN §3.1 fault backend): PD_CONNECTOR_XFER_FAULT=fail|drop|delay:<ms>[:<num_batches>]
+// arms xfer's fault injector at start-up, so integration tests can make real
+// transfers fail or stall in a real process.
+std::optional<xfer::FaultSpec> fault_from_env() {
+  const char* text = std::getenv("PD_CONNECTOR_XFER_FAULT");
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  std::string spec(text);
+  xfer::FaultSpec fault;
+  auto take = [&spec]() {
+    auto colon = spec.find(':');
+    std::string head = spec.substr(0, colon);
+    spec = colon == std::string::npos ? "" : spec.substr(colon + 1);
+    return head;
+  };
+  const std::string mode = take();
+  if (mode == "fail") fault.mode = xfer::FaultMode::kFail;
+  else if (mode == "drop") fault.mode = xfer::FaultMode::kDrop;
+  else if (mode == "delay") {
+    fault.mode = xfer::FaultMode::kDelay;
+    fault.delay_ms = std::atoll(take().c_str());
+  } else {
+    return std::nullopt;
+  }
+  if (!spec.empty()) fault.num_batches = std::atoll(take().c_str());
+  return fault;
+}
+
+}  // namespace
+
+// Worker-side hooks for one step: posts each layer's writes for the transfers
+// whose prompt completes in this step, right after that layer's attention.
+class PdConnector::StepHooks final : public engine::LayerKvHooks {
+ public:
+  explicit StepHooks(PdConnector* owner) : owner_(owner) {}
+  void wait_for_layer_load(int32_t) override {}  // loads complete before a request is scheduled
+  void save_layer(int32_t layer) override {
+    for (const auto& id : owner_->final_step_transfers_) owner_->producer_->on_layer_saved(id, layer);
+    owner_->run_actions();
+  }
+
+ private:
+  PdConnector* owner_;
+};
+
+PdConnector::PdConnector(PdConnectorOptions options, engine::ModelRunner* runner)
+    : options_(std::move(options)), config_(options_.config), runner_(runner), spec_(runner->kv_cache_spec()) {}
+
+Result<std::unique_ptr<PdConnector>> PdConnector::create(PdConnectorOptions options, engine::ModelRunner* runner) {
+  if (runner == nullptr) return invalid_argument("PdConnector needs a model runner");
+  std::unique_ptr<PdConnector> connector(new PdConnector(std::move(options), runner));
+  PD_RETURN_IF_ERROR(connector->init());
+  return connector;
+}
+
+Status PdConnector::init() {
+  auto& reg = metrics::Registry::global();
+  const std::string& role = kv_role_short_name(config_.role);
+  (void)role;
+  metrics_.started_producer = &reg.counter("pd_connector_transfers_started_total", "KV transfers started", {{"side", "producer"}});
+  metrics_.started_consumer = &reg.counter("pd_connector_transfers_started_total", "KV transfers started", {{"side", "consumer"}});
+  metrics_.done_producer = &reg.counter("pd_connector_transfers_done_total", "KV transfers completed", {{"side", "producer"}});
+  metrics_.done_consumer = &reg.counter("pd_connector_transfers_done_total", "KV transfers completed", {{"side", "consumer"}});
+  metrics_.failed_producer = &reg.counter("pd_connector_transfers_failed_total", "KV transfers failed", {{"side", "producer"}});
+  metrics_.failed_consumer = &reg.counter("pd_connector_transfers_failed_total", "KV transfers failed", {{"side", "consumer"}});
+  metrics_.bytes_written = &reg.counter("pd_connector_bytes_total", "KV bytes moved by this instance", {{"direction", "write"}});
+  metrics_.bytes_read = &reg.counter("pd_connector_bytes_total", "KV bytes moved by this instance", {{"direction", "read"}});
+  metrics_.transfer_seconds = &reg.histogram("pd_connector_transfer_seconds",
+                                             "Consumer-side time from admission to KV arrival");
+  metrics_.blocks_held = &reg.gauge("pd_connector_blocks_held", "Producer blocks held for transfers");
+  metrics_.load_errors = &reg.counter("pd_connector_load_errors_total", "Remote KV loads that failed");
+  metrics_.recomputes = &reg.counter("pd_connector_recomputes_total", "Requests that recompute KV locally after a failed or timed-out load");
+  metrics_.timeouts = &reg.counter("pd_connector_timeouts_total", "Connector timeouts (defer, transfer, handshake, recv)");
+  metrics_.refused = &reg.counter("pd_connector_control_messages_refused_total",
+                                  "Well-formed control messages refused (forged, unknown transfer, wrong peer, bad ids)");
+  metrics_.handshakes_refused = &reg.counter("pd_connector_handshakes_refused_total", "Handshakes refused (layout mismatch, bad descriptors)");
+
+  record_.instance_id = options_.instance_id.empty() ? default_instance_id(config_.role) : options_.instance_id;
+  if (record_.instance_id.size() > kMaxInstanceIdBytes) {
+    return invalid_argument("instance id longer than {} bytes", kMaxInstanceIdBytes);
+  }
+
+  xfer::EngineConfig xcfg;
+  xcfg.name = record_.instance_id;
+  xcfg.listen_host = config_.kv_ip;
+  xcfg.batch_timeout_ms = config_.transfer_timeout_ms;
+  switch (config_.backend) {
+    case TransferBackend::kUcx: xcfg.backends = {"ucx"}; break;
+    case TransferBackend::kCuda: xcfg.backends = {"cuda"}; break;
+    case TransferBackend::kAuto:
+      xcfg.backends = runner_->kv_on_device() ? std::vector<std::string>{"cuda", "ucx"} : std::vector<std::string>{"ucx"};
+      break;
+  }
+  const auto fault = fault_from_env();
+  xcfg.enable_fault_injection = fault.has_value();
+  PD_ASSIGN_OR_RETURN(xfer_, xfer::Engine::create(xcfg));
+  if (fault && xfer_->fault_injector() != nullptr) {
+    xfer_->fault_injector()->set_fault(*fault);
+    PD_LOG_WARN("connector: xfer fault injection armed from PD_CONNECTOR_XFER_FAULT");
+  }
+  record_.boot_nonce = xfer_->boot_nonce();
+  const xfer::MemKind kind = runner_->kv_on_device() ? xfer::MemKind::kCuda : xfer::MemKind::kHost;
+  for (int32_t layer = 0; layer < spec_.num_layers; ++layer) {
+    void* base = runner_->kv_layer_base(layer);
+    if (base == nullptr) return failed_precondition("runner has no KV region for layer {}", layer);
+    PD_ASSIGN_OR_RETURN(xfer::MemDesc desc, xfer_->register_memory(base, spec_.bytes_per_layer(), kind,
+                                                                   runner_->kv_on_device() ? 0 : -1));
+    local_layers_.push_back(std::move(desc));
+  }
+  engine_desc_bytes_ = xfer::encode(xfer_->describe());
+
+  producer_ = std::make_unique<ProducerTransfers>(
+      spec_.num_layers, spec_.block_size, ProducerTimeouts{config_.defer_timeout_ms, config_.transfer_timeout_ms});
+  consumer_ = std::make_unique<ConsumerTransfers>(
+      spec_.num_layers, spec_.block_size, ConsumerTimeouts{config_.handshake_timeout_ms, config_.transfer_timeout_ms});
+  hooks_ = std::make_unique<StepHooks>(this);
+
+  std::optional<auth::CurveKeys> curve;
+  if (!config_.control_secret_file.empty()) {
+    PD_ASSIGN_OR_RETURN(std::string secret, auth::read_secret_file(config_.control_secret_file));
+    PD_ASSIGN_OR_RETURN(auth::CurveKeys keys, auth::derive_curve_keys(secret));
+    curve = keys;
+  }
+  ControlPlaneConfig ccfg;
+  ccfg.bind_host = config_.kv_ip;
+  ccfg.port = config_.handshake_port;
+  ccfg.handshake_timeout_ms = config_.handshake_timeout_ms;
+  ccfg.curve = curve;
+  ccfg.instance_label = record_.instance_id;
+  PD_ASSIGN_OR_RETURN(control_, ControlPlane::start(ccfg, [this](InboundMessage m) { push_inbox(std::move(m)); }));
+
+  record_.role = kv_role_short_name(config_.role);
+  record_.http = options_.http_address;
+  record_.control = control_->address();
+  record_.mode = config_.read_mode ? "read" : "write";
+  record_.model = options_.served_model_name;
+  record_.tp_size = 1;
+  record_.dp_size = 1;
+  curve_ = curve;
+  completion_thread_ = std::thread([this] { completion_loop(); });
+  PD_LOG_INFO("connector: {} {} mode, instance {} nonce {}, control {}", record_.role, record_.mode,
+              record_.instance_id, record_.boot_nonce, record_.control);
+  return Status::Ok();
+}
+
+PdConnector::~PdConnector() {
+  heartbeat_.reset();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  pending_cv_.notify_all();
+  if (completion_thread_.joinable()) completion_thread_.join();
+  control_.reset();
+  // Batches still in flight finish (or fail) by their own deadlines inside xfer.
+  for (auto& [key, peer] : producer_side_peers_) peer.sessions.clear();
+  for (auto& [key, peer] : consumer_side_peers_) peer.sessions.clear();
+  if (xfer_) {
+    for (const auto& desc : local_layers_) {
+      Status s = xfer_->deregister(desc.region_id);
+      if (!s.ok()) PD_LOG_WARN("connector: {}", s.to_string());
+    }
+  }
+  xfer_.reset();
+}
+
+Status PdConnector::start_registration(const std::string& http_address) {
+  RegistrationRecord record;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!http_address.empty()) record_.http = http_address;
+    record = record_;
+  }
+  if (!config_.registers_with_router() || heartbeat_) return Status::Ok();
+  PD_ASSIGN_OR_RETURN(heartbeat_, RegistrationHeartbeat::start(
+                                      record, fmt::format("{}:{}", config_.proxy_ip, config_.proxy_ping_port),
+                                      options_.registration_interval_ms, curve_));
+  return Status::Ok();
+}
+
+nlohmann::json PdConnector::info_json() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return nlohmann::json{{"role", record_.role},           {"http", record_.http},
+                        {"control", record_.control},     {"instance_id", record_.instance_id},
+                        {"boot_nonce", record_.boot_nonce}, {"tp_size", record_.tp_size},
+                        {"dp_size", record_.dp_size},     {"mode", record_.mode},
+                        {"model", record_.model}};
+}
+
+Status PdConnector::validate_request(const engine::GenerateRequest& request) const {
+  if (!request.kv_transfer_params) return Status::Ok();
+  auto parsed = parse_transfer_params(*request.kv_transfer_params, config_,
+                                      static_cast<int32_t>(request.prompt_token_ids.size()), spec_.block_size);
+  if (!parsed.ok()) return parsed.status();
+  if (parsed->side == TransferSide::kProducer && request.prompt_token_ids.empty()) {
+    return invalid_argument("kv_transfer_params: empty prompt");
+  }
+  return Status::Ok();
+}
+
+KvFingerprint PdConnector::fingerprint() const {
+  return KvFingerprint{spec_.num_layers, spec_.num_kv_heads, spec_.head_dim, dtype_name(spec_.dtype),
+                       spec_.block_size, 1};
+}
+
+ControlMessage PdConnector::meta_message(MessageType type) const {
+  ControlMessage m;
+  m.type = type;
+  m.instance_id = record_.instance_id;
+  m.boot_nonce = record_.boot_nonce;
+  m.engine_desc = engine_desc_bytes_;
+  for (const auto& desc : local_layers_) m.layer_descs.push_back(xfer::encode(desc));
+  m.fingerprint = fingerprint();
+  m.num_blocks = spec_.num_blocks;
+  return m;
+}
+
+void PdConnector::bind_engine_wakeup(std::function<void()> wakeup) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  wakeup_ = std::move(wakeup);
+}
+
+void PdConnector::wake() {
+  std::function<void()> wakeup;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    wakeup = wakeup_;
+  }
+  if (wakeup) wakeup();
+}
+
+void PdConnector::push_inbox(InboxItem item) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inbox_.push_back(std::move(item));
+  }
+  wake();
+}
+
+void PdConnector::completion_loop() {
+  while (true) {
+    PendingBatch batch;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      pending_cv_.wait(lock, [this] { return stopping_ || !pending_batches_.empty(); });
+      if (stopping_) return;
+      batch = std::move(pending_batches_.front());
+      pending_batches_.pop_front();
+    }
+    // Bounded wait: xfer fails every batch at its own deadline, so this loop
+    // always makes progress; the short slice keeps shutdown prompt.
+    Status status = xfer_->wait(batch.id, Deadline::after_ms(100));
+    if (status.code() == ErrorCode::kDeadlineExceeded) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      pending_batches_.push_back(std::move(batch));
+      continue;
+    }
+    xfer_->release(batch.id);
+    batch.completion.ok = status.ok();
+    batch.completion.message = status.ok() ? "" : status.message();
+    push_inbox(std::move(batch.completion));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Scheduler side
+
+Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engine::Request& request,
+                                                                      int32_t num_local_computed_tokens) {
+  engine::ExternalMatch match;
+  if (!request.kv_transfer_params()) return match;
+  PD_ASSIGN_OR_RETURN(TransferParams params, parse_transfer_params(*request.kv_transfer_params(), config_,
+                                                                   request.num_prompt_tokens(), spec_.block_size));
+  const int64_t now = now_ms();
+  if (params.side == TransferSide::kProducer) {
+    PD_RETURN_IF_ERROR(producer_->start(params.transfer_id, request.request_id(), params.read_mode,
+                                        request.num_prompt_tokens(), now));
+    producer_request_transfer_[request.request_id()] = params.transfer_id;
+    metrics_.started_producer->inc();
+    run_actions();
+    return match;
+  }
+  ConsumerTransfers::Params cp;
+  cp.transfer_id = params.transfer_id;
+  cp.read_mode = params.read_mode;
+  cp.remote_instance_id = params.remote_instance_id;
+  cp.remote_control = params.remote_control;
+  cp.remote_boot_nonce = params.remote_boot_nonce;
+  cp.remote_block_ids = params.remote_block_ids;
+  const int32_t num_external =
+      consumer_->admit(request.request_id(), std::move(cp), num_local_computed_tokens, request.num_prompt_tokens(), now);
+  if (num_external < 0) {
+    return failed_precondition("transfer {} or request {} is already active on this consumer", params.transfer_id,
+                               request.request_id());
+  }
+  run_actions();
+  if (num_external == 0) return match;
+  metrics_.started_consumer->inc();
+  consumer_requests_[request.request_id()] = ConsumerRequest{num_local_computed_tokens, now_ns()};
+  match.num_external_tokens = num_external;
+  match.load_async = true;
+  match.timeout_ms = config_.recv_abort_timeout_ms;
+  return match;
+}
+
+void PdConnector::update_state_after_alloc(const engine::Request& request, std::span<const int32_t> block_ids,
+                                           int32_t num_external_tokens) {
+  auto it = consumer_requests_.find(request.request_id());
+  if (it == consumer_requests_.end()) return;
+  consumer_->allocated(request.request_id(), std::vector<int32_t>(block_ids.begin(), block_ids.end()),
+                       it->second.num_local_computed_tokens, num_external_tokens, now_ms());
+  run_actions();
+}
+
+engine::LayerKvHooks* PdConnector::build_step_hooks(const engine::StepInput& input, const engine::StepPlan& plan) {
+  final_step_transfers_.clear();
+  for (const engine::ScheduledSeq& s : plan.seqs) {
+    if (s.request == nullptr) continue;
+    auto it = producer_request_transfer_.find(s.request->request_id());
+    if (it == producer_request_transfer_.end()) continue;
+    if (s.num_computed_tokens + s.num_new_tokens < s.request->num_prompt_tokens()) continue;
+    if (s.num_computed_tokens >= s.request->num_prompt_tokens()) continue;  // decoding past the prompt
+    producer_->begin_final_step(it->second, s.request->block_ids);
+    final_step_transfers_.push_back(it->second);
+  }
+  return final_step_transfers_.empty() ? nullptr : hooks_.get();
+}
+
+void PdConnector::after_step(const engine::StepPlan& plan, const Status& status) {
+  for (const auto& id : final_step_transfers_) producer_->on_forward_done(id, status.ok());
+  final_step_transfers_.clear();
+  run_actions();
+}
+
+bool PdConnector::request_preempted(const engine::Request& request, std::span<const int32_t> block_ids) {
+  // A producer's writes only start in the step that completes its prompt, and
+  // that step also finishes it, so a preempted producer request holds nothing.
+  const bool hold = consumer_->request_preempted(request.request_id(), now_ms());
+  consumer_requests_.erase(request.request_id());
+  run_actions();
+  return hold;
+}
+
+engine::FinishDecision PdConnector::request_finished(const engine::Request& request,
+                                                     std::span<const int32_t> block_ids) {
+  engine::FinishDecision decision;
+  const std::string& id = request.request_id();
+  auto p = producer_request_transfer_.find(id);
+  if (p != producer_request_transfer_.end()) {
+    const std::string transfer_id = p->second;
+    producer_request_transfer_.erase(p);
+    const bool kv_complete = request.num_computed_tokens >= request.num_prompt_tokens();
+    const bool read_mode = request.kv_transfer_params() && request.kv_transfer_params()->value("mode", "") == "read";
+    std::vector<int32_t> blocks(block_ids.begin(), block_ids.end());
+    decision.delay_free_blocks = producer_->request_finished(transfer_id, blocks, kv_complete, now_ms());
+    if (kv_complete) {
+      nlohmann::json params{{"transfer_id", transfer_id},
+                            {"remote_instance_id", record_.instance_id},
+                            {"remote_control", record_.control},
+                            {"remote_boot_nonce", record_.boot_nonce},
+                            {"mode", read_mode || config_.read_mode ? "read" : "write"},
+                            {"num_tokens", request.num_prompt_tokens()}};
+      if (decision.delay_free_blocks) {
+        const size_t n = static_cast<size_t>(blocks_for_tokens(request.num_prompt_tokens(), spec_.block_size));
+        params["block_ids"] = std::vector<int32_t>(blocks.begin(), blocks.begin() + std::min(n, blocks.size()));
+      }
+      decision.kv_transfer_params = std::move(params);
+    }
+    run_actions();
+    return decision;
+  }
+  consumer_requests_.erase(id);
+  decision.delay_free_blocks = consumer_->request_finished(id, now_ms());
+  run_actions();
+  return decision;
+}
+
+engine::RemoteKvTimeoutAction PdConnector::on_remote_kv_timeout(const engine::Request& request) {
+  consumer_->on_remote_kv_timeout(request.request_id());
+  consumer_requests_.erase(request.request_id());
+  run_actions();
+  if (config_.on_failure == FailurePolicy::kFail) return engine::RemoteKvTimeoutAction::kFail;
+  metrics_.recomputes->inc();
+  return engine::RemoteKvTimeoutAction::kRecomputeLocally;
+}
+
+// ---------------------------------------------------------------------------
+// Poll: inbox -> state machines -> actions -> events
+
+engine::ConnectorEvents PdConnector::poll() {
+  std::deque<InboxItem> items;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    items.swap(inbox_);
+  }
+  const int64_t now = now_ms();
+  for (auto& item : items) {
+    if (auto* in = std::get_if<InboundMessage>(&item)) {
+      handle_message(*in, now);
+    } else {
+      const auto& c = std::get<Completion>(item);
+      if (c.ok) (c.is_write ? metrics_.bytes_written : metrics_.bytes_read)->inc(static_cast<double>(c.bytes));
+      else PD_LOG_WARN("connector: {} of layer {} for transfer {} failed: {}", c.is_write ? "write" : "read", c.layer,
+                       c.transfer_id, c.message);
+      if (c.is_write) producer_->on_write_done(c.transfer_id, c.layer, c.ok);
+      else consumer_->on_read_done(c.transfer_id, c.layer, c.ok);
+    }
+    run_actions();
+  }
+  producer_->tick(now);
+  consumer_->tick(now);
+  run_actions();
+  metrics_.blocks_held->set(static_cast<double>(producer_->num_blocks_held()));
+  engine::ConnectorEvents out = std::move(events_);
+  events_ = engine::ConnectorEvents{};
+  return out;
+}
+
+void PdConnector::reply_error(const PeerKey& to, const std::string& transfer_id, const std::string& text) {
+  ControlMessage m;
+  m.type = MessageType::kError;
+  m.transfer_id = transfer_id;
+  m.text = text;
+  send(OutgoingMessage{to, std::move(m)});
+}
+
+void PdConnector::note_refused(int32_t count) {
+  if (count > 0) metrics_.refused->inc(count);
+}
+
+void PdConnector::handle_message(const InboundMessage& in, int64_t now) {
+  const ControlMessage& msg = in.message;
+  const bool via_router = !is_dealer_peer(in.from);
+  switch (msg.type) {
+    case MessageType::kMeta:
+      if (!via_router) break;
+      handle_meta(in);
+      return;
+    case MessageType::kMetaOk:
+      if (via_router) break;
+      handle_meta_ok(in);
+      return;
+    case MessageType::kBlocks:
+    case MessageType::kRead:
+    case MessageType::kRelease:
+    case MessageType::kAbort:
+      if (via_router) {
+        // Producer side: only peers that completed the handshake, speaking as themselves.
+        auto peer = producer_side_peers_.find(in.from);
+        if (peer == producer_side_peers_.end() || peer->second.instance_id != msg.instance_id ||
+            peer->second.boot_nonce != msg.boot_nonce || !config_.is_producer()) {
+          note_refused(1);
+          reply_error(in.from, msg.transfer_id, "handshake (meta) required before transfer messages");
+          return;
+        }
+        PeerRef ref{in.from, peer->second.instance_id, peer->second.boot_nonce};
+        if (msg.type == MessageType::kBlocks) producer_->on_blocks(ref, msg, peer->second.num_blocks, now);
+        else if (msg.type == MessageType::kRead) producer_->on_read(ref, msg, now);
+        else if (msg.type == MessageType::kRelease) producer_->on_release(ref, msg);
+        else producer_->on_abort(ref, msg);
+        return;
+      }
+      if (msg.type == MessageType::kAbort) {
+        consumer_->on_abort_or_error(PeerRef{in.from, msg.instance_id, msg.boot_nonce}, msg);
+        return;
+      }
+      break;
+    case MessageType::kDone:
+    case MessageType::kReadOk:
+    case MessageType::kError:
+      if (via_router) {
+        if (msg.type == MessageType::kError) {
+          PD_LOG_WARN("connector: error from consumer {}: {}", msg.instance_id, msg.text);
+          return;
+        }
+        break;
+      }
+      {
+        PeerRef ref{in.from, msg.instance_id, msg.boot_nonce};
+        if (msg.type == MessageType::kDone) consumer_->on_done(ref, msg);
+        else if (msg.type == MessageType::kReadOk) consumer_->on_read_ok(ref, msg);
+        else consumer_->on_abort_or_error(ref, msg);
+      }
+      return;
+  }
+  note_refused(1);
+  PD_LOG_WARN("connector: '{}' from {} is not expected on this side; dropped", message_type_name(msg.type), in.from);
+}
+
+Result<PdConnector::PeerInfo> PdConnector::peer_from_meta(const ControlMessage& msg) {
+  PD_RETURN_IF_ERROR(check_layout_compatible(fingerprint(), msg.fingerprint));
+  PD_ASSIGN_OR_RETURN(xfer::EngineDesc desc, xfer::decode_engine_desc(msg.engine_desc));
+  if (desc.name != msg.instance_id || desc.boot_nonce != msg.boot_nonce) {
+    return invalid_argument("engine descriptor names {} (nonce {}), the message says {} (nonce {})", desc.name,
+                            desc.boot_nonce, msg.instance_id, msg.boot_nonce);
+  }
+  PeerInfo peer;
+  peer.instance_id = msg.instance_id;
+  peer.boot_nonce = msg.boot_nonce;
+  peer.num_blocks = msg.num_blocks;
+  const uint64_t layer_bytes = static_cast<uint64_t>(spec_.bytes_per_block()) * static_cast<uint64_t>(msg.num_blocks);
+  for (const auto& bytes : msg.layer_descs) {
+    PD_ASSIGN_OR_RETURN(xfer::MemDesc mem, xfer::decode_mem_desc(bytes));
+    if (mem.engine_name != desc.name || mem.boot_nonce != desc.boot_nonce || mem.bytes < layer_bytes) {
+      return invalid_argument("layer region of {} bytes from {} does not cover {} blocks", mem.bytes, mem.engine_name,
+                              msg.num_blocks);
+    }
+    peer.layers.push_back(std::move(mem));
+  }
+  peer.sessions.resize(peer.layers.size());
+  PD_RETURN_IF_ERROR(xfer_->connect(desc));
+  return peer;
+}
+
+void PdConnector::handle_meta(const InboundMessage& in) {
+  if (!config_.is_producer()) {
+    reply_error(in.from, "", "this instance is not a producer");
+    return;
+  }
+  auto peer = peer_from_meta(in.message);
+  if (!peer.ok()) {
+    metrics_.handshakes_refused->inc();
+    PD_LOG_WARN("connector: refused handshake from {}: {}", in.message.instance_id, peer.status().message());
+    reply_error(in.from, "", peer.status().message());
+    return;
+  }
+  // A new incarnation (or connection) of a known consumer replaces the old one;
+  // transfers bound to a dead incarnation fail instead of writing into it.
+  for (auto it = producer_side_peers_.begin(); it != producer_side_peers_.end();) {
+    if (it->second.instance_id == peer->instance_id && it->first != in.from) {
+      if (it->second.boot_nonce != peer->boot_nonce) producer_->on_peer_gone(it->second.instance_id, it->second.boot_nonce);
+      it = producer_side_peers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  producer_side_peers_[in.from] = std::move(peer).value();
+  send(OutgoingMessage{in.from, meta_message(MessageType::kMetaOk)});
+}
+
+void PdConnector::handle_meta_ok(const InboundMessage& in) {
+  const std::string control = in.from.substr(2);
+  auto peer = peer_from_meta(in.message);
+  if (!peer.ok()) {
+    metrics_.handshakes_refused->inc();
+    PD_LOG_WARN("connector: producer {} at {} refused: {}", in.message.instance_id, control, peer.status().message());
+    consumer_->on_peer_failed(control, peer.status().message());
+    return;
+  }
+  const std::string instance = peer->instance_id;
+  const uint64_t nonce = peer->boot_nonce;
+  const int32_t num_blocks = peer->num_blocks;
+  consumer_side_peers_[control] = std::move(peer).value();
+  consumer_->on_peer_ready(control, instance, nonce, num_blocks);
+}
+
+void PdConnector::send(OutgoingMessage out) {
+  out.message.instance_id = record_.instance_id;
+  out.message.boot_nonce = record_.boot_nonce;
+  control_->send(out.to, out.message);
+}
+
+Status PdConnector::post_batch(PeerInfo& peer, bool is_write, const std::string& transfer_id, int32_t layer,
+                               std::vector<xfer::Op> ops) {
+  if (layer < 0 || static_cast<size_t>(layer) >= peer.layers.size()) {
+    return internal_error("layer {} outside the peer's {} layers", layer, peer.layers.size());
+  }
+  xfer::Session& session = peer.sessions[static_cast<size_t>(layer)];
+  if (!session.valid()) {
+    const char* backend = config_.backend == TransferBackend::kAuto ? "auto" : transfer_backend_name(config_.backend);
+    PD_ASSIGN_OR_RETURN(session, xfer_->session(local_layers_[static_cast<size_t>(layer)],
+                                                peer.layers[static_cast<size_t>(layer)], backend));
+  }
+  uint64_t bytes = 0;
+  for (const auto& op : ops) bytes += op.bytes;
+  Result<xfer::XferId> id = is_write ? session.write(ops) : session.read(ops);
+  if (!id.ok()) {
+    // A stale session (peer restarted) is reopened on the next attempt.
+    session = xfer::Session();
+    return id.status();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_batches_.push_back(PendingBatch{*id, Completion{is_write, transfer_id, layer, false, bytes, {}}});
+  }
+  pending_cv_.notify_one();
+  return Status::Ok();
+}
+
+void PdConnector::run_actions() {
+  const uint64_t bpb = spec_.bytes_per_block();
+  for (int round = 0; round < 64; ++round) {
+    ProducerActions pa = producer_->take_actions();
+    ConsumerActions ca = consumer_->take_actions();
+    const bool idle = pa.sends.empty() && pa.writes.empty() && pa.released_request_ids.empty() && ca.sends.empty() &&
+                      ca.handshakes.empty() && ca.dropped_dealers.empty() && ca.reads.empty() &&
+                      ca.finished_recving.empty() && ca.load_failures.empty() && pa.num_timeouts == 0 &&
+                      ca.num_timeouts == 0 && pa.num_refused == 0 && ca.num_refused == 0 && pa.num_completed == 0 &&
+                      pa.num_failed == 0 && ca.num_completed == 0;
+    if (idle) return;
+    note_refused(pa.num_refused + ca.num_refused);
+    if (pa.num_timeouts + ca.num_timeouts > 0) metrics_.timeouts->inc(pa.num_timeouts + ca.num_timeouts);
+    if (pa.num_completed > 0) metrics_.done_producer->inc(pa.num_completed);
+    if (pa.num_failed > 0) metrics_.failed_producer->inc(pa.num_failed);
+    if (ca.num_completed > 0) metrics_.done_consumer->inc(ca.num_completed);
+
+    for (auto& out : pa.sends) send(std::move(out));
+    for (auto& out : ca.sends) send(std::move(out));
+    for (const auto& control : ca.dropped_dealers) {
+      consumer_side_peers_.erase(control);
+      control_->drop_dealer(control);
+    }
+    for (const auto& control : ca.handshakes) {
+      send(OutgoingMessage{dealer_peer_key(control), meta_message(MessageType::kMeta)});
+    }
+    for (const auto& w : pa.writes) {
+      const auto* dest = producer_->destination(w.transfer_id);
+      const auto* local = producer_->local_blocks(w.transfer_id);
+      Status status = Status::Ok();
+      auto peer = dest == nullptr ? producer_side_peers_.end() : producer_side_peers_.find(dest->peer.key);
+      if (dest == nullptr || local == nullptr || peer == producer_side_peers_.end()) {
+        status = unavailable("transfer {}: destination peer gone", w.transfer_id);
+      } else if (static_cast<size_t>(dest->num_skip_blocks) + dest->block_ids.size() > local->size()) {
+        status = internal_error("transfer {}: {} local blocks for {} + {} destination blocks", w.transfer_id,
+                                local->size(), dest->num_skip_blocks, dest->block_ids.size());
+      } else {
+        std::vector<xfer::Op> ops;
+        ops.reserve(dest->block_ids.size());
+        for (size_t i = 0; i < dest->block_ids.size(); ++i) {
+          const auto src = static_cast<uint64_t>((*local)[static_cast<size_t>(dest->num_skip_blocks) + i]);
+          ops.push_back(xfer::Op{src * bpb, static_cast<uint64_t>(dest->block_ids[i]) * bpb, bpb});
+        }
+        status = post_batch(peer->second, true, w.transfer_id, w.layer, std::move(ops));
+      }
+      if (!status.ok()) {
+        PD_LOG_WARN("connector: cannot post write: {}", status.to_string());
+        producer_->on_write_done(w.transfer_id, w.layer, false);
+      }
+    }
+    for (const auto& r : ca.reads) {
+      auto view = consumer_->view(r.transfer_id);
+      Status status = Status::Ok();
+      auto peer = view ? consumer_side_peers_.find(view->remote_control) : consumer_side_peers_.end();
+      if (!view || peer == consumer_side_peers_.end()) {
+        status = unavailable("transfer {}: producer peer gone", r.transfer_id);
+      } else {
+        std::vector<xfer::Op> ops;
+        for (size_t i = 0; i < view->local_block_ids.size(); ++i) {
+          ops.push_back(xfer::Op{static_cast<uint64_t>(view->local_block_ids[i]) * bpb,
+                                 static_cast<uint64_t>(view->remote_block_ids[i]) * bpb, bpb});
+        }
+        status = post_batch(peer->second, false, r.transfer_id, r.layer, std::move(ops));
+      }
+      if (!status.ok()) {
+        PD_LOG_WARN("connector: cannot post read: {}", status.to_string());
+        consumer_->on_read_done(r.transfer_id, r.layer, false);
+      }
+    }
+    for (auto& id : pa.released_request_ids) events_.finished_sending.push_back(std::move(id));
+    for (auto& id : ca.finished_recving) {
+      auto started = consumer_requests_.find(id);
+      if (started != consumer_requests_.end()) {
+        metrics_.transfer_seconds->observe(static_cast<double>(now_ns() - started->second.admitted_ns) * 1e-9);
+      }
+      events_.finished_recving.push_back(std::move(id));
+    }
+    for (auto& failure : ca.load_failures) {
+      metrics_.load_errors->inc();
+      metrics_.failed_consumer->inc();
+      if (config_.on_failure == FailurePolicy::kFail &&
+          push_failed_request(events_, failure.request_id, "remote KV transfer failed: " + failure.reason)) {
+        PD_LOG_WARN("connector: KV load for request {} failed ({}); failing it", failure.request_id, failure.reason);
+        continue;
+      }
+      PD_LOG_WARN("connector: KV load for request {} failed ({}); recomputing {} blocks", failure.request_id,
+                  failure.reason, failure.block_ids.size());
+      metrics_.recomputes->inc();
+      events_.load_errors.push_back(engine::LoadError{failure.request_id, std::move(failure.block_ids)});
+    }
+  }
+}
+
+}  // namespace pd::connector

@@ -1,0 +1,191 @@
+// PdConnector: the engine's KvConnector (engine/kv_connector.h) for P/D
+// disaggregation, and the worker-side LayerKvHooks handed to the runner.
+//
+// Owners and threads (README.md has the full picture):
+//   * engine thread: every KvConnector call, both transfer state machines
+//     (transfer_state.h), the peer tables, posting of xfer batches;
+//   * control-plane thread (control_plane.h): sockets; decoded messages go to an
+//     inbox, then the engine is woken;
+//   * completion thread: waits on posted xfer batches (each has a deadline),
+//     puts completions in the same inbox, wakes the engine;
+//   * registration thread (heartbeat.h), when a router address is configured;
+//   * xfer's own progress thread (UCX).
+// Nothing but the inbox (mutex) and immutable identity is shared.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <variant>
+#include <vector>
+
+#include "common/metrics.h"
+#include "common/status.h"
+#include "connector/config.h"
+#include "connector/control_plane.h"
+#include "connector/heartbeat.h"
+#include "connector/messages.h"
+#include "connector/transfer_params.h"
+#include "connector/transfer_state.h"
+#include "engine/kv_connector.h"
+#include "engine/model_runner.h"
+#include "xfer/engine.h"
+
+namespace pd::connector {
+
+struct PdConnectorOptions {
+  KvTransferConfig config;
+  // Identity among peers and at the router; empty = "<role>-<hostname>-<pid>".
+  std::string instance_id;
+  std::string served_model_name;
+  // This instance's HTTP address as the router should reach it ("host:port").
+  std::string http_address;
+  // Registration interval (the contract says 3 s; tests may shorten it).
+  int64_t registration_interval_ms = 3'000;
+};
+
+class PdConnector final : public engine::KvConnector {
+ public:
+  // runner must outlive the connector (the engine destroys the connector first).
+  static Result<std::unique_ptr<PdConnector>> create(PdConnectorOptions options, engine::ModelRunner* runner);
+  ~PdConnector() override;
+
+  // ---- thread-safe, for the server -----------------------------------------
+  // GET /pd/info: the registration record without "v"/"type".
+  nlohmann::json info_json() const;
+  // Static validation of a request's kv_transfer_params (HTTP 400 on error).
+  // Overrides KvConnector::validate_request once the engine declares it.
+  Status validate_request(const engine::GenerateRequest& request) const;
+  // Starts the registration heartbeat (when proxy_ip/proxy_ping_port are set)
+  // once the HTTP address is known (--port 0 picks it at listen time).
+  Status start_registration(const std::string& http_address);
+  const std::string& instance_id() const { return record_.instance_id; }
+  uint64_t boot_nonce() const { return record_.boot_nonce; }
+  const std::string& control_address() const { return record_.control; }
+  const KvTransferConfig& config() const { return config_; }
+
+  // ---- engine::KvConnector (engine thread) ---------------------------------
+  void bind_engine_wakeup(std::function<void()> wakeup) override;
+  Result<engine::ExternalMatch> get_num_new_matched_tokens(const engine::Request& request,
+                                                           int32_t num_local_computed_tokens) override;
+  void update_state_after_alloc(const engine::Request& request, std::span<const int32_t> block_ids,
+                                int32_t num_external_tokens) override;
+  engine::LayerKvHooks* build_step_hooks(const engine::StepInput& input, const engine::StepPlan& plan) override;
+  void after_step(const engine::StepPlan& plan, const Status& status) override;
+  engine::ConnectorEvents poll() override;
+  bool request_preempted(const engine::Request& request, std::span<const int32_t> block_ids) override;
+  engine::FinishDecision request_finished(const engine::Request& request,
+                                          std::span<const int32_t> block_ids) override;
+  engine::RemoteKvTimeoutAction on_remote_kv_timeout(const engine::Request& request) override;
+
+ private:
+  class StepHooks;
+  struct Completion {
+    bool is_write = false;
+    std::string transfer_id;
+    int32_t layer = 0;
+    bool ok = false;
+    uint64_t bytes = 0;
+    std::string message;
+  };
+  using InboxItem = std::variant<InboundMessage, Completion>;
+  struct PendingBatch {
+    xfer::XferId id = 0;
+    Completion completion;
+  };
+  // A peer we exchanged meta with: its identity, pool size and layer regions.
+  struct PeerInfo {
+    std::string instance_id;
+    uint64_t boot_nonce = 0;
+    int32_t num_blocks = 0;
+    std::vector<xfer::MemDesc> layers;
+    std::vector<xfer::Session> sessions;  // per layer, opened on first use
+  };
+  struct ConsumerRequest {
+    int32_t num_local_computed_tokens = 0;
+    int64_t admitted_ns = 0;
+  };
+
+  PdConnector(PdConnectorOptions options, engine::ModelRunner* runner);
+  Status init();
+  KvFingerprint fingerprint() const;
+  ControlMessage meta_message(MessageType type) const;
+  void wake();
+  void push_inbox(InboxItem item);
+  void completion_loop();
+
+  void handle_message(const InboundMessage& in, int64_t now_ms);
+  void handle_meta(const InboundMessage& in);
+  void handle_meta_ok(const InboundMessage& in);
+  Result<PeerInfo> peer_from_meta(const ControlMessage& msg);
+  void reply_error(const PeerKey& to, const std::string& transfer_id, const std::string& text);
+  void run_actions();
+  void send(OutgoingMessage out);
+  Status post_batch(PeerInfo& peer, bool is_write, const std::string& transfer_id, int32_t layer,
+                    std::vector<xfer::Op> ops);
+  void note_refused(int32_t count);
+
+  PdConnectorOptions options_;
+  const KvTransferConfig config_;
+  engine::ModelRunner* runner_;
+  engine::KvCacheSpec spec_;
+  RegistrationRecord record_;
+
+  std::unique_ptr<xfer::Engine> xfer_;
+  std::vector<xfer::MemDesc> local_layers_;
+  std::vector<uint8_t> engine_desc_bytes_;
+  std::unique_ptr<ControlPlane> control_;
+  std::unique_ptr<RegistrationHeartbeat> heartbeat_;
+  std::optional<auth::CurveKeys> curve_;
+
+  // Shared between threads.
+  mutable std::mutex mutex_;  // guards record_.http and everything below
+  std::function<void()> wakeup_;
+  std::deque<InboxItem> inbox_;
+  std::deque<PendingBatch> pending_batches_;
+  std::condition_variable pending_cv_;
+  bool stopping_ = false;
+  std::thread completion_thread_;
+
+  // Engine thread only.
+  std::unique_ptr<ProducerTransfers> producer_;
+  std::unique_ptr<ConsumerTransfers> consumer_;
+  std::map<PeerKey, PeerInfo> producer_side_peers_;  // consumers that handshook with us, by ROUTER key
+  std::map<std::string, PeerInfo> consumer_side_peers_;  // producers we dialled, by control address
+  std::unordered_map<std::string, std::string> producer_request_transfer_;  // request id -> transfer id
+  std::unordered_map<std::string, ConsumerRequest> consumer_requests_;
+  std::unordered_map<std::string, int64_t> transfer_started_ns_;
+  std::vector<std::string> final_step_transfers_;
+  std::unique_ptr<StepHooks> hooks_;
+  engine::ConnectorEvents events_;
+
+  struct Metrics {
+    metrics::Counter* started_producer;
+    metrics::Counter* started_consumer;
+    metrics::Counter* done_producer;
+    metrics::Counter* done_consumer;
+    metrics::Counter* failed_producer;
+    metrics::Counter* failed_consumer;
+    metrics::Counter* bytes_written;
+    metrics::Counter* bytes_read;
+    metrics::Histogram* transfer_seconds;
+    metrics::Gauge* blocks_held;
+    metrics::Counter* load_errors;
+    metrics::Counter* recomputes;
+    metrics::Counter* timeouts;
+    metrics::Counter* refused;
+    metrics::Counter* handshakes_refused;
+  } metrics_{};
+};
+
+}  // namespace pd::connector

@@ -1,0 +1,269 @@
+#include <gtest/gtest.h>
+
+#include "connector/transfer_state.h"
+
+namespace pd::connector {
+namespace {
+
+const std::string kT = "0123456789abcdef0123456789abcdef";
+const std::string kControl = "127.0.0.1:7000";
+constexpr int32_t kLayers = 2;
+constexpr int32_t kBlockSize = 4;
+
+PeerRef producer(uint64_t nonce = 5) { return PeerRef{dealer_peer_key(kControl), "prefill-0", nonce}; }
+
+ConsumerTransfers::Params params(bool read_mode = false, uint64_t nonce = 5) {
+  ConsumerTransfers::Params p;
+  p.transfer_id = kT;
+  p.read_mode = read_mode;
+  p.remote_instance_id = "prefill-0";
+  p.remote_control = kControl;
+  p.remote_boot_nonce = nonce;
+  if (read_mode) p.remote_block_ids = {20, 21, 22};
+  return p;
+}
+
+ControlMessage msg(MessageType type, bool ok = true, int32_t num_tokens = 10) {
+  ControlMessage m;
+  m.type = type;
+  m.transfer_id = kT;
+  m.ok = ok;
+  m.num_tokens = num_tokens;
+  return m;
+}
+
+class ConsumerStateTest : public ::testing::Test {
+ protected:
+  ConsumerTransfers c_{kLayers, kBlockSize, ConsumerTimeouts{/*handshake=*/100, /*transfer=*/300}};
+
+  // Admits a 10-token request with no local prefix: 9 external tokens in 3 blocks.
+  void admit_and_allocate(bool read_mode = false) {
+    ASSERT_EQ(c_.admit("req", params(read_mode), 0, 10, 0), 9);
+    c_.allocated("req", {4, 5, 6}, 0, 9, 0);
+  }
+};
+
+TEST_F(ConsumerStateTest, ExternalTokensLeaveTheLastPromptTokenToComputeLocally) {
+  EXPECT_EQ(c_.admit("req", params(), 0, 10, 0), 9);
+  ConsumerTransfers other(kLayers, kBlockSize, {});
+  auto p = params();
+  EXPECT_EQ(other.admit("req", p, 8, 10, 0), 1) << "a local prefix of 8 leaves one token to load";
+}
+
+TEST_F(ConsumerStateTest, WriteHandshakesThenSendsBlocksAndFinishesOnDone) {
+  admit_and_allocate();
+  auto a = c_.take_actions();
+  EXPECT_EQ(a.handshakes, std::vector<std::string>{kControl});
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kBlocks);
+  EXPECT_EQ(a.sends[0].message.block_ids, (std::vector<int32_t>{4, 5, 6}));
+  EXPECT_EQ(a.sends[0].message.num_tokens, 10);
+  c_.on_done(producer(), msg(MessageType::kDone));
+  a = c_.take_actions();
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"});
+  EXPECT_TRUE(a.load_failures.empty());
+  EXPECT_EQ(c_.num_active(), 0u);
+}
+
+TEST_F(ConsumerStateTest, ALocalPrefixIsSkippedAndOnlyMissingBlocksAreRequested) {
+  ASSERT_EQ(c_.admit("req", params(), 4, 10, 0), 5);
+  c_.allocated("req", {4, 5, 6}, 4, 5, 0);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.block_ids, (std::vector<int32_t>{5, 6}));
+  EXPECT_EQ(a.sends[0].message.num_skip_blocks, 1);
+}
+
+TEST_F(ConsumerStateTest, AFullyCachedPromptOnlyTellsTheProducerToLetGo) {
+  EXPECT_EQ(c_.admit("req", params(), 8, 9, 0), 0);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kBlocks);
+  EXPECT_TRUE(a.sends[0].message.block_ids.empty());
+  EXPECT_EQ(a.sends[0].message.num_skip_blocks, 2);
+  EXPECT_TRUE(a.finished_recving.empty());
+  EXPECT_EQ(c_.num_active(), 0u);
+}
+
+TEST_F(ConsumerStateTest, DoneNotOkBecomesALoadErrorForEveryExternalBlock) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();
+  c_.on_done(producer(), msg(MessageType::kDone, /*ok=*/false));
+  auto a = c_.take_actions();
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"});
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_EQ(a.load_failures[0].block_ids, (std::vector<int32_t>{4, 5, 6}));
+}
+
+TEST_F(ConsumerStateTest, DoneFromAnyoneButTheNamedProducerIsRefused) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();
+  c_.on_done(producer(/*nonce=*/6), msg(MessageType::kDone));
+  c_.on_done(PeerRef{"d:127.0.0.1:7001", "prefill-0", 5}, msg(MessageType::kDone));
+  auto a = c_.take_actions();
+  EXPECT_EQ(a.num_refused, 2);
+  EXPECT_TRUE(a.finished_recving.empty());
+}
+
+TEST_F(ConsumerStateTest, AbortedWriteWaitHoldsBlocksUntilTheProducerStops) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();
+  EXPECT_TRUE(c_.request_finished("req", 10)) << "a write may still land in the blocks";
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kAbort);
+  c_.on_done(producer(), msg(MessageType::kDone, false));
+  a = c_.take_actions();
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"}) << "hold released";
+  EXPECT_TRUE(a.load_failures.empty()) << "the request is gone; nothing to recompute";
+}
+
+TEST_F(ConsumerStateTest, AbortedWriteWaitHoldIsBoundedByTransferTimeout) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  EXPECT_TRUE(c_.request_finished("req", 0));
+  c_.take_actions();
+  c_.tick(299);
+  EXPECT_TRUE(c_.take_actions().finished_recving.empty());
+  c_.tick(300);
+  auto a = c_.take_actions();
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"});
+  EXPECT_EQ(a.num_timeouts, 1);
+  EXPECT_EQ(c_.num_active(), 0u);
+}
+
+TEST_F(ConsumerStateTest, FinishingBeforeTheHandshakeHoldsNothing) {
+  admit_and_allocate();
+  EXPECT_FALSE(c_.request_finished("req", 0));
+  EXPECT_EQ(c_.num_active(), 0u);
+}
+
+TEST_F(ConsumerStateTest, HandshakeTimeoutFailsWaitingTransfersAsLoadErrors) {
+  admit_and_allocate();
+  c_.take_actions();
+  c_.tick(99);
+  EXPECT_TRUE(c_.take_actions().load_failures.empty());
+  c_.tick(100);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_NE(a.load_failures[0].reason.find("handshake timed out"), std::string::npos);
+  EXPECT_EQ(a.dropped_dealers, std::vector<std::string>{kControl});
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"});
+}
+
+TEST_F(ConsumerStateTest, ARestartedProducerIsReHandshaken) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.on_done(producer(), msg(MessageType::kDone));
+  c_.take_actions();
+  // The next request names the producer's new incarnation (nonce 6).
+  auto p = params(false, 6);
+  ASSERT_EQ(c_.admit("req2", p, 0, 10, 1000), 9);
+  c_.allocated("req2", {7, 8, 9}, 0, 9, 1000);
+  auto a = c_.take_actions();
+  EXPECT_EQ(a.dropped_dealers, std::vector<std::string>{kControl});
+  EXPECT_EQ(a.handshakes, std::vector<std::string>{kControl});
+  EXPECT_TRUE(a.sends.empty());
+  c_.on_peer_ready(kControl, "prefill-0", 6, 64);
+  a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kBlocks);
+}
+
+TEST_F(ConsumerStateTest, AProducerThatIsNotTheNamedIncarnationFailsTheTransfer) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", /*nonce=*/9, 64);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_NE(a.load_failures[0].reason.find("nonce"), std::string::npos);
+}
+
+TEST_F(ConsumerStateTest, HandshakeRefusalEndsWaitingTransfers) {
+  admit_and_allocate();
+  ControlMessage refusal;
+  refusal.type = MessageType::kError;
+  refusal.text = "KV layout mismatch, refusing the peer: head_dim 64 here vs 128 at the peer";
+  c_.on_abort_or_error(producer(), refusal);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_NE(a.load_failures[0].reason.find("layout mismatch"), std::string::npos);
+}
+
+TEST_F(ConsumerStateTest, ReadRequestsTheProducersIdsThenReadsEveryLayerThenReleases) {
+  admit_and_allocate(/*read_mode=*/true);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kRead);
+  EXPECT_EQ(a.sends[0].message.block_ids, (std::vector<int32_t>{20, 21, 22}));
+  c_.on_read_ok(producer(), msg(MessageType::kReadOk));
+  a = c_.take_actions();
+  ASSERT_EQ(a.reads.size(), static_cast<size_t>(kLayers));
+  c_.on_read_done(kT, 0, true);
+  EXPECT_TRUE(c_.take_actions().finished_recving.empty());
+  c_.on_read_done(kT, 1, true);
+  a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kRelease);
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"});
+  EXPECT_TRUE(a.load_failures.empty());
+}
+
+TEST_F(ConsumerStateTest, AFailedReadIsReportedAsALoadErrorAndStillReleasesTheProducer) {
+  admit_and_allocate(true);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.on_read_ok(producer(), msg(MessageType::kReadOk));
+  c_.take_actions();
+  c_.on_read_done(kT, 0, false);
+  c_.on_read_done(kT, 1, true);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kRelease);
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_EQ(a.load_failures[0].block_ids, (std::vector<int32_t>{4, 5, 6}));
+}
+
+TEST_F(ConsumerStateTest, ReadIdsBeyondTheProducersPoolFailBeforeAnyRead) {
+  admit_and_allocate(true);
+  c_.on_peer_ready(kControl, "prefill-0", 5, /*peer_num_blocks=*/21);
+  auto a = c_.take_actions();
+  EXPECT_TRUE(a.sends.empty());
+  ASSERT_EQ(a.load_failures.size(), 1u);
+}
+
+TEST_F(ConsumerStateTest, TimeoutIsSilentButTheLateDoneStillEndsTheTransfer) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();
+  c_.on_remote_kv_timeout("req");
+  auto a = c_.take_actions();
+  EXPECT_EQ(a.num_timeouts, 1);
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kAbort);
+  c_.on_done(producer(), msg(MessageType::kDone, false));
+  a = c_.take_actions();
+  EXPECT_TRUE(a.finished_recving.empty());
+  EXPECT_TRUE(a.load_failures.empty());
+  EXPECT_EQ(c_.num_active(), 0u);
+}
+
+TEST_F(ConsumerStateTest, PreemptionWhileDataMayMoveHoldsTheOldBlocks) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.on_remote_kv_timeout("req");
+  c_.take_actions();
+  EXPECT_TRUE(c_.request_preempted("req", 0));
+  EXPECT_FALSE(c_.request_finished("req", 0)) << "the preemption hold is separate from the request";
+  c_.tick(300);
+  EXPECT_EQ(c_.take_actions().finished_recving, std::vector<std::string>{"req"});
+}
+
+}  // namespace
+}  // namespace pd::connector

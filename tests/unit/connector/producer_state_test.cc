@@ -1,0 +1,272 @@
+#include <gtest/gtest.h>
+
+#include "connector/transfer_state.h"
+
+namespace pd::connector {
+namespace {
+
+const std::string kT = "0123456789abcdef0123456789abcdef";
+constexpr int32_t kLayers = 3;
+constexpr int32_t kBlockSize = 4;
+
+PeerRef consumer() { return PeerRef{"r:0a", "decode-0", 77}; }
+PeerRef intruder() { return PeerRef{"r:0b", "decode-9", 99}; }
+
+ControlMessage blocks_msg(std::vector<int32_t> ids, int32_t num_tokens, int32_t skip = 0) {
+  ControlMessage m;
+  m.type = MessageType::kBlocks;
+  m.transfer_id = kT;
+  m.block_ids = std::move(ids);
+  m.num_tokens = num_tokens;
+  m.num_skip_blocks = skip;
+  return m;
+}
+
+ControlMessage simple(MessageType type, const std::string& id = kT) {
+  ControlMessage m;
+  m.type = type;
+  m.transfer_id = id;
+  return m;
+}
+
+class ProducerStateTest : public ::testing::Test {
+ protected:
+  ProducerTransfers p_{kLayers, kBlockSize, ProducerTimeouts{/*defer=*/1000, /*transfer=*/500}};
+};
+
+// 10 tokens: the consumer needs KV of 9 tokens = 3 blocks.
+TEST_F(ProducerStateTest, WritesEachLayerAsItIsSavedThenSendsDoneAndReleases) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  p_.begin_final_step(kT, {1, 2, 3});
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    p_.on_layer_saved(kT, layer);
+    auto a = p_.take_actions();
+    ASSERT_EQ(a.writes.size(), 1u) << "layer " << layer << " is posted right after its attention";
+    EXPECT_EQ(a.writes[0].layer, layer);
+  }
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.take_actions().sends.empty()) << "no done while writes are in flight";
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 10)) << "blocks held while writes are in flight";
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kDone);
+  EXPECT_TRUE(a.sends[0].message.ok);
+  EXPECT_EQ(a.sends[0].to, consumer().key);
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+  EXPECT_EQ(p_.num_active(), 0u);
+}
+
+TEST_F(ProducerStateTest, ProducerHoldsBlocksUntilWriteDoneEvenOnEos) {
+  // The one generated token was EOS: the request finishes in the same step its
+  // writes were posted. The blocks must stay held until the writes complete.
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  p_.on_write_done(kT, 0, true);
+  p_.on_write_done(kT, 1, true);
+  EXPECT_TRUE(p_.take_actions().released_request_ids.empty());
+  EXPECT_EQ(p_.num_blocks_held(), 3u);
+  p_.on_write_done(kT, 2, true);
+  EXPECT_EQ(p_.take_actions().released_request_ids, std::vector<std::string>{"req"});
+}
+
+TEST_F(ProducerStateTest, BlocksArrivingBeforeTheRequestAreKeptAndUsed) {
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  EXPECT_EQ(p_.num_buffered_blocks(), 1u);
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 5).ok());
+  ASSERT_NE(p_.destination(kT), nullptr);
+  EXPECT_EQ(p_.destination(kT)->block_ids, (std::vector<int32_t>{7, 8, 9}));
+}
+
+TEST_F(ProducerStateTest, BlocksArrivingAfterThePrefillPostEveryLayerAtOnce) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  EXPECT_TRUE(p_.take_actions().writes.empty());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 100);
+  EXPECT_EQ(p_.take_actions().writes.size(), static_cast<size_t>(kLayers));
+}
+
+TEST_F(ProducerStateTest, WithoutDestinationTheHoldEndsAtDeferTimeout) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  p_.tick(999);
+  EXPECT_TRUE(p_.take_actions().released_request_ids.empty());
+  p_.tick(1000);
+  auto a = p_.take_actions();
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+  EXPECT_EQ(a.num_timeouts, 1);
+  // Late blocks for the ended transfer are answered with abort, not buffered.
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 1001);
+  a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kAbort);
+  EXPECT_EQ(p_.num_buffered_blocks(), 0u);
+}
+
+TEST_F(ProducerStateTest, UnclaimedEarlyBlocksAreAbortedAtDeferTimeout) {
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  p_.tick(1000);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kAbort);
+  EXPECT_EQ(p_.num_buffered_blocks(), 0u);
+}
+
+TEST_F(ProducerStateTest, BadDestinationsAbortTheTransferWithoutWriting) {
+  struct Case {
+    ControlMessage msg;
+    int32_t peer_blocks;
+  };
+  const Case cases[] = {
+      {blocks_msg({7, 8}, 10), 64},         // too few
+      {blocks_msg({7, 8, 9}, 11), 64},      // other prompt length
+      {blocks_msg({7, 8, 64}, 10), 64},     // out of the consumer's pool
+      {blocks_msg({7, 7, 9}, 10), 64},      // repeated destination
+      {blocks_msg({7, 8, 9}, 10, 4), 64},   // skips more than exists
+  };
+  for (const auto& c : cases) {
+    ProducerTransfers p(kLayers, kBlockSize, ProducerTimeouts{1000, 500});
+    ASSERT_TRUE(p.start(kT, "req", false, 10, 0).ok());
+    p.on_blocks(consumer(), c.msg, c.peer_blocks, 0);
+    for (int32_t layer = 0; layer < kLayers; ++layer) p.on_layer_saved(kT, layer);
+    p.on_forward_done(kT, true);
+    auto a = p.take_actions();
+    EXPECT_TRUE(a.writes.empty());
+    ASSERT_FALSE(a.sends.empty());
+    EXPECT_EQ(a.sends[0].message.type, MessageType::kAbort);
+    EXPECT_EQ(a.num_refused, 1);
+    EXPECT_FALSE(p.request_finished(kT, {1, 2, 3}, true, 0)) << "nothing in flight: freed at once";
+  }
+}
+
+TEST_F(ProducerStateTest, PrefixSkipWritesOnlyTheMissingBlocks) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({9}, 10, /*skip=*/2), 64, 0);
+  ASSERT_NE(p_.destination(kT), nullptr);
+  EXPECT_EQ(p_.destination(kT)->num_skip_blocks, 2);
+  EXPECT_EQ(p_.destination(kT)->block_ids.size(), 1u);
+}
+
+TEST_F(ProducerStateTest, AFullyCachedConsumerEndsTheTransferWithoutWrites) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({}, 10, /*skip=*/3), 64, 0);
+  p_.on_forward_done(kT, true);
+  EXPECT_FALSE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  auto a = p_.take_actions();
+  EXPECT_TRUE(a.writes.empty());
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kDone);
+  EXPECT_TRUE(a.released_request_ids.empty()) << "never held, so nothing to release";
+}
+
+TEST_F(ProducerStateTest, AFailedWriteSendsDoneNotOkOnlyAfterTheLastInFlightWrite) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  p_.take_actions();
+  p_.on_write_done(kT, 0, false);
+  EXPECT_TRUE(p_.take_actions().sends.empty());
+  p_.on_write_done(kT, 1, true);
+  p_.on_write_done(kT, 2, true);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kDone);
+  EXPECT_FALSE(a.sends[0].message.ok);
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+}
+
+TEST_F(ProducerStateTest, AbortFromAnotherPeerIsRefusedAndFromTheConsumerStopsWrites) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  p_.on_abort(intruder(), simple(MessageType::kAbort));
+  EXPECT_EQ(p_.take_actions().num_refused, 1);
+  p_.on_abort(consumer(), simple(MessageType::kAbort));
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.take_actions().writes.empty());
+  EXPECT_FALSE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+}
+
+TEST_F(ProducerStateTest, ARequestAbortedMidPrefillFreesAndTellsTheConsumer) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  EXPECT_FALSE(p_.request_finished(kT, {1, 2}, /*kv_complete=*/false, 0));
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kDone);
+  EXPECT_FALSE(a.sends[0].message.ok);
+}
+
+TEST_F(ProducerStateTest, ReadHoldsUntilReleaseFromTheReaderOnly) {
+  ASSERT_TRUE(p_.start(kT, "req", true, 10, 0).ok());
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  auto read = simple(MessageType::kRead);
+  read.block_ids = {2, 3};
+  read.num_tokens = 10;
+  p_.on_read(consumer(), read, 100);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kReadOk);
+  p_.on_release(intruder(), simple(MessageType::kRelease));
+  a = p_.take_actions();
+  EXPECT_EQ(a.num_refused, 1);
+  EXPECT_TRUE(a.released_request_ids.empty());
+  p_.on_release(consumer(), simple(MessageType::kRelease));
+  EXPECT_EQ(p_.take_actions().released_request_ids, std::vector<std::string>{"req"});
+}
+
+TEST_F(ProducerStateTest, ReadOfBlocksThatDoNotBelongToTheTransferIsRefused) {
+  ASSERT_TRUE(p_.start(kT, "req", true, 10, 0).ok());
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  auto read = simple(MessageType::kRead);
+  read.block_ids = {2, 40};
+  read.num_tokens = 10;
+  p_.on_read(consumer(), read, 0);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kError);
+  EXPECT_NE(a.sends[0].message.text.find("does not belong"), std::string::npos);
+}
+
+TEST_F(ProducerStateTest, ReadHoldEndsAtTransferTimeoutAndAReadExtendsIt) {
+  ASSERT_TRUE(p_.start(kT, "req", true, 10, 0).ok());
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  auto read = simple(MessageType::kRead);
+  read.block_ids = {1};
+  read.num_tokens = 10;
+  p_.on_read(consumer(), read, 400);
+  p_.tick(500);
+  EXPECT_TRUE(p_.take_actions().released_request_ids.empty());
+  p_.tick(900);
+  auto a = p_.take_actions();
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+  EXPECT_EQ(a.num_timeouts, 1);
+}
+
+TEST_F(ProducerStateTest, ARestartedConsumerFailsItsTransfers) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  p_.on_peer_gone("decode-0", 77);
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.take_actions().writes.empty());
+  EXPECT_FALSE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+}
+
+TEST_F(ProducerStateTest, ADuplicateTransferIdIsRefused) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  EXPECT_FALSE(p_.start(kT, "req2", false, 10, 0).ok());
+}
+
+}  // namespace
+}  // namespace pd::connector
