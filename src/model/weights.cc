@@ -3,7 +3,6 @@
 #include <xxhash.h>
 
 #include <cmath>
-#include <numbers>
 
 #include "model/safetensors.h"
 
@@ -114,12 +113,17 @@ ModelWeights dummy_weights(const ModelConfig& config, uint64_t seed, float std_d
       std::fill(t.data.begin(), t.data.end(), 1.0f);
     } else {
       uint64_t state = XXH3_64bits_withSeed(spec.name.data(), spec.name.size(), seed);
-      // Box-Muller: two normals per pair of uniforms.
+      // Marsaglia's polar method: two normals per accepted pair, no sin/cos.
       for (size_t i = 0; i < t.data.size(); i += 2) {
-        const double r = std::sqrt(-2.0 * std::log(uniform_open0(&state)));
-        const double theta = 2.0 * std::numbers::pi * uniform_open0(&state);
-        t.data[i] = static_cast<float>(std_dev * r * std::cos(theta));
-        if (i + 1 < t.data.size()) t.data[i + 1] = static_cast<float>(std_dev * r * std::sin(theta));
+        double u, v, s2;
+        do {
+          u = 2.0 * uniform_open0(&state) - 1.0;
+          v = 2.0 * uniform_open0(&state) - 1.0;
+          s2 = u * u + v * v;
+        } while (s2 >= 1.0 || s2 == 0.0);
+        const double scale = std_dev * std::sqrt(-2.0 * std::log(s2) / s2);
+        t.data[i] = static_cast<float>(u * scale);
+        if (i + 1 < t.data.size()) t.data[i + 1] = static_cast<float>(v * scale);
       }
     }
     weights.put(spec.name, std::move(t));

@@ -50,17 +50,32 @@ std::vector<int32_t> greedy(ModelRunner* runner, std::vector<int32_t> prompt, in
   return out;
 }
 
-TEST(LoadModel, BuiltinTinyIsAQwen3ShapedModelWithQwen3EosIds) {
-  ModelLoadOptions opts;
-  opts.num_kv_blocks = 64;
-  auto m = load_model(opts);
-  ASSERT_TRUE(m.ok()) << m.status().to_string();
+// builtin:tiny with default options, loaded once: dummy weights for a
+// 151936-token vocabulary take a while under ASan.
+class BuiltinTiny : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto m = load_model({});
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    model_ = new LoadedModel(std::move(*m));
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    model_ = nullptr;
+  }
+  static LoadedModel* model_;
+};
+LoadedModel* BuiltinTiny::model_ = nullptr;
+
+TEST_F(BuiltinTiny, IsAQwen3ShapedModelWithQwen3EosIdsAnd256MiBOfKvBlocks) {
+  LoadedModel* m = model_;
   EXPECT_EQ(m->architecture, "Qwen3ForCausalLM");
   EXPECT_EQ(m->runner->vocab_size(), 151936);
   EXPECT_EQ(m->max_model_len, 4096);
   EXPECT_EQ(m->eos_token_ids, (std::vector<int32_t>{151645, 151643}));
   const KvCacheSpec& spec = m->runner->kv_cache_spec();
-  EXPECT_EQ(spec.num_blocks, 64);
+  EXPECT_EQ(static_cast<int64_t>(spec.bytes_per_layer()) * spec.num_layers, kDefaultCpuKvCacheBytes);
+  EXPECT_EQ(spec.num_blocks, 16384);
   EXPECT_EQ(spec.num_layers, 2);
   EXPECT_EQ(spec.num_kv_heads, 2);
   EXPECT_EQ(spec.head_dim, 32);
@@ -69,18 +84,8 @@ TEST(LoadModel, BuiltinTinyIsAQwen3ShapedModelWithQwen3EosIds) {
   EXPECT_EQ(m->runner->kv_layer_base(2), nullptr);
 }
 
-TEST(LoadModel, DefaultKvCacheIs256MiBOfBlocks) {
-  auto m = load_model({});
-  ASSERT_TRUE(m.ok()) << m.status().to_string();
-  const KvCacheSpec& spec = m->runner->kv_cache_spec();
-  EXPECT_EQ(static_cast<int64_t>(spec.bytes_per_layer()) * spec.num_layers / (1 << 20), 256);
-}
-
-TEST(LoadModel, BuiltinTinyGreedyOutputDependsOnThePromptAndIsReproducible) {
-  ModelLoadOptions opts;
-  opts.num_kv_blocks = 16;
-  auto m = load_model(opts);
-  ASSERT_TRUE(m.ok()) << m.status().to_string();
+TEST_F(BuiltinTiny, GreedyOutputDependsOnThePromptAndIsReproducible) {
+  LoadedModel* m = model_;
   auto a = greedy(m->runner.get(), {9707, 11, 1879, 0}, 6);
   auto b = greedy(m->runner.get(), {785, 6722, 315, 9625, 374}, 6);
   auto a2 = greedy(m->runner.get(), {9707, 11, 1879, 0}, 6);
@@ -88,13 +93,13 @@ TEST(LoadModel, BuiltinTinyGreedyOutputDependsOnThePromptAndIsReproducible) {
   EXPECT_EQ(a, a2);
 }
 
-TEST(LoadModel, DummySeedChangesTheWeights) {
+TEST_F(BuiltinTiny, DummySeedChangesTheWeights) {
   ModelLoadOptions opts;
   opts.num_kv_blocks = 16;
-  auto m0 = load_model(opts);
   opts.seed = 1;
   auto m1 = load_model(opts);
-  ASSERT_TRUE(m0.ok() && m1.ok());
+  ASSERT_TRUE(m1.ok());
+  LoadedModel* m0 = model_;
   auto* r0 = dynamic_cast<CpuModelRunner*>(m0->runner.get());
   auto* r1 = dynamic_cast<CpuModelRunner*>(m1->runner.get());
   ASSERT_TRUE(r0 && r1);
@@ -156,11 +161,8 @@ class RecordingHooks : public LayerKvHooks {
   std::vector<std::string> calls;
 };
 
-TEST(CpuModelRunner, CallsLayerHooksInLayerOrderWaitBeforeSave) {
-  ModelLoadOptions opts;
-  opts.num_kv_blocks = 8;
-  auto m = load_model(opts);
-  ASSERT_TRUE(m.ok());
+TEST_F(BuiltinTiny, RunnerCallsLayerHooksInLayerOrderWaitBeforeSave) {
+  LoadedModel* m = model_;
   RecordingHooks hooks;
   StepInput in = prefill({1, 2, 3}, 16);
   in.layer_hooks = &hooks;
@@ -168,23 +170,19 @@ TEST(CpuModelRunner, CallsLayerHooksInLayerOrderWaitBeforeSave) {
   EXPECT_EQ(hooks.calls, (std::vector<std::string>{"wait0", "save0", "wait1", "save1"}));
 }
 
-TEST(CpuModelRunner, RejectsMalformedStepInputsNamingTheProblem) {
-  ModelLoadOptions opts;
-  opts.num_kv_blocks = 4;
-  opts.max_model_len = 100;
-  auto m = load_model(opts);
-  ASSERT_TRUE(m.ok());
-  ModelRunner* r = m->runner.get();
+TEST_F(BuiltinTiny, RunnerRejectsMalformedStepInputsNamingTheProblem) {
+  ModelRunner* r = model_->runner.get();
   StepInput bad_token = prefill({1, 151936}, 16);
   EXPECT_NE(r->execute(bad_token).status().message().find("token_ids[1]"), std::string::npos);
   StepInput short_table = prefill({1, 2}, 16);
   short_table.seqs[0].block_table.clear();
   EXPECT_NE(r->execute(short_table).status().message().find("block table"), std::string::npos);
   StepInput bad_block = prefill({1, 2}, 16);
-  bad_block.seqs[0].block_table = {7};
-  EXPECT_NE(r->execute(bad_block).status().message().find("block_table[0] = 7"), std::string::npos);
+  bad_block.seqs[0].block_table = {16384};
+  EXPECT_NE(r->execute(bad_block).status().message().find("block_table[0] = 16384"), std::string::npos);
   StepInput too_long = prefill({1}, 16);
-  too_long.seqs[0].num_computed_tokens = 100;
+  too_long.seqs[0].num_computed_tokens = 4096;
+  too_long.seqs[0].block_table.resize(257, 0);
   EXPECT_NE(r->execute(too_long).status().message().find("max_model_len"), std::string::npos);
   StepInput overrun = prefill({1, 2}, 16);
   overrun.seqs[0].num_new_tokens = 3;
