@@ -271,6 +271,7 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
     if (!params->is_object()) reader.type_error("kv_transfer_params", "an object", *params);
     else fields.kv_transfer_params = *params;
   }
+  fields.return_tokens_as_token_ids = reader.boolean("return_tokens_as_token_ids").value_or(false);
   if (auto id = reader.string("request_id")) {
     if (id->empty() || id->size() > 256)
       reader.fail(bad_request("'request_id' must be 1 to 256 characters", "request_id"));

@@ -59,6 +59,7 @@ struct GenerationFields {
   std::optional<int32_t> max_tokens;       // as requested; resolved against the prompt length later
   std::optional<nlohmann::ordered_json> kv_transfer_params;
   std::optional<std::string> request_id;   // vLLM extension: a client-chosen id prefix
+  bool return_tokens_as_token_ids = false;  // vLLM extension: logprobs name tokens "token_id:<id>"
 };
 
 struct CompletionRequest {

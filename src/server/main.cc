@@ -1,0 +1,143 @@
+// pdserve: one engine instance behind the OpenAI HTTP API.
+//
+// Start-up: parse flags -> load the model (runner + tokenizer dir) -> load
+// the tokenizer -> start the engine thread -> listen and print the address.
+// Shutdown (SIGINT/SIGTERM): stop accepting, abort live requests and join
+// the engine, let streams write their last event (bounded), stop I/O, exit 0.
+#include <utility>
+
+#include <csignal>
+#include <cstdio>
+#include <memory>
+
+#include "common/log.h"
+#include "engine/engine.h"
+#include "engine/runner/load_model.h"
+#include "server/http_server.h"
+#include "server/openai_service.h"
+#include "server/server_config.h"
+#include "tokenizer/tokenizer.h"
+
+namespace {
+
+constexpr int64_t kShutdownDrainMs = 3000;
+
+int run(pd::server::ServerConfig config) {
+  using namespace pd;
+  engine::ModelLoadOptions load_options;
+  load_options.model = config.model;
+  load_options.load_format = config.load_format;
+  load_options.device = config.device;
+  load_options.seed = config.seed;
+  load_options.block_size = config.block_size;
+  load_options.kv_cache_bytes = config.kv_cache_bytes;
+  load_options.num_kv_blocks = static_cast<int32_t>(config.num_kv_blocks);
+  load_options.max_model_len = config.max_model_len.value_or(0);
+  auto loaded = engine::load_model(load_options);
+  if (!loaded.ok()) {
+    PD_LOG_ERROR("cannot load model '{}': {}", config.model, loaded.status().to_string());
+    return 1;
+  }
+
+  std::shared_ptr<const tokenizer::Tokenizer> tokenizer;
+  if (!loaded->tokenizer_dir.empty()) {
+    auto tok = tokenizer::Tokenizer::load(loaded->tokenizer_dir);
+    if (!tok.ok()) {
+      PD_LOG_ERROR("cannot load tokenizer from {}: {}", loaded->tokenizer_dir.string(), tok.status().to_string());
+      return 1;
+    }
+    tokenizer = std::move(tok).value();
+  } else {
+    PD_LOG_WARN("model '{}' has no tokenizer: only token-id prompts will work", config.model);
+  }
+
+  engine::EngineConfig engine_config;
+  engine_config.max_num_seqs = config.max_num_seqs;
+  engine_config.max_num_batched_tokens = config.max_num_batched_tokens;
+  engine_config.max_model_len = loaded->max_model_len;
+  engine_config.seed = config.seed;
+  engine_config.eos_token_ids = loaded->eos_token_ids;
+  if (engine_config.eos_token_ids.empty() && tokenizer && tokenizer->eos_token_id())
+    engine_config.eos_token_ids.push_back(*tokenizer->eos_token_id());
+  const int32_t max_model_len = loaded->max_model_len;
+  const std::string architecture = loaded->architecture;
+
+  auto created = engine::Engine::create(std::move(engine_config), std::move(loaded->runner), tokenizer);
+  if (!created.ok()) {
+    PD_LOG_ERROR("cannot start the engine: {}", created.status().to_string());
+    return 1;
+  }
+  std::unique_ptr<engine::Engine> engine = std::move(created).value();
+  if (!config.kv_transfer.config_json.empty() || !config.kv_transfer.kv_role.empty())
+    PD_LOG_WARN("--kv-transfer-config/--kv-role accepted (role '{}') but no P/D connector is wired in this build",
+                config.kv_transfer.kv_role);
+
+  server::HttpServerOptions http_options;
+  http_options.host = config.host;
+  http_options.port = static_cast<uint16_t>(config.port);
+  http_options.num_io_threads = config.num_io_threads;
+  http_options.max_body_bytes = config.max_body_bytes;
+  http_options.keep_alive_timeout_ms = config.keep_alive_timeout_ms;
+  http_options.api_key = config.api_key;
+  // The service outlives the HTTP server: coroutine frames that the server
+  // destroys at the end still refer to it.
+  server::OpenAiService service(config, *engine, tokenizer, max_model_len);
+  server::HttpServer http(http_options);
+  service.register_routes(http);
+  if (Status status = http.start(); !status.ok()) {
+    PD_LOG_ERROR("{}", status.to_string());
+    engine->shutdown();
+    return 1;
+  }
+  PD_LOG_INFO("model {} ({}), max_model_len {}, {} KV blocks of {} tokens", config.model, architecture,
+              max_model_len, engine->kv_cache_spec().num_blocks, engine->kv_cache_spec().block_size);
+  // Tests and scripts read this line to learn the port (--port 0).
+  std::printf("pdserve listening on http://%s:%u\n", config.host.c_str(), static_cast<unsigned>(http.port()));
+  std::fflush(stdout);
+
+  // Signals are blocked in every thread (see main); this thread takes them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  int signal_number = 0;
+  while (signal_number <= 0) {
+    timespec tick{1, 0};
+    signal_number = sigtimedwait(&signals, nullptr, &tick);
+  }
+  PD_LOG_INFO("signal {}: shutting down", signal_number);
+  http.stop_accepting();
+  engine->shutdown();  // aborts live requests; their streams get a final event
+  if (!service.wait_until_idle(kShutdownDrainMs))
+    PD_LOG_WARN("{} streams still open after {} ms; closing them", service.num_live_generations(), kShutdownDrainMs);
+  http.stop();
+  engine.reset();
+  PD_LOG_INFO("pdserve stopped");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Block SIGINT/SIGTERM before any thread starts so only run()'s
+  // sigtimedwait sees them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  auto outcome = pd::server::parse_server_cli(argc, argv);
+  if (!outcome.config) {
+    std::fputs(outcome.message.c_str(), outcome.exit_code == 0 ? stdout : stderr);
+    std::fputs("\n", outcome.exit_code == 0 ? stdout : stderr);
+    return outcome.exit_code;
+  }
+  pd::log::init(outcome.config->log_level);
+  if (pd::Status status = pd::server::validate_server_config(*outcome.config); !status.ok()) {
+    PD_LOG_ERROR("{}", status.to_string());
+    return 2;
+  }
+  return run(std::move(*outcome.config));
+}

@@ -1,0 +1,612 @@
+#include "server/openai_service.h"
+
+#include <boost/asio/post.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <deque>
+#include <random>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "tokenizer/tokenizer.h"
+
+namespace pd::server {
+
+using nlohmann::json;
+using ojson = nlohmann::ordered_json;
+using boost::system::error_code;
+
+namespace {
+
+// 128 random bits as hex: request ids must be unique among live requests and
+// must not be guessable from outside.
+std::string random_hex_id() {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  return fmt::format("{:016x}{:016x}", rng(), rng());
+}
+
+metrics::Counter& disconnects_counter() {
+  static metrics::Counter& counter = metrics::Registry::global().counter(
+      "pd_http_client_disconnects_total", "Generations aborted because the client went away mid-request");
+  return counter;
+}
+
+metrics::Counter& timeouts_counter() {
+  static metrics::Counter& counter = metrics::Registry::global().counter(
+      "pd_http_request_timeouts_total", "Generations aborted at --request-timeout-ms");
+  return counter;
+}
+
+template <typename T>
+ApiError take_error(Parsed<T>& parsed) {
+  return std::get<ApiError>(std::move(parsed));
+}
+
+}  // namespace
+
+// One HTTP generation request: one engine request per prompt (choice).
+// Lives on the connection's strand; the engine reaches it only via post().
+struct OpenAiService::Generation {
+  enum class Api { kCompletion, kChat };
+
+  struct Choice {
+    std::string request_id;
+    std::vector<int32_t> prompt;
+    int32_t max_tokens = 0;
+    bool finished = false;
+    bool sent_role = false;  // chat streams open each choice with the role
+    std::string text;
+    std::vector<engine::TokenLogprob> logprobs;
+    int64_t text_offset = 0;
+    engine::FinishReason finish_reason = engine::FinishReason::kNone;
+    json stop_reason;
+    int32_t num_prompt_tokens = 0;
+    int32_t num_output_tokens = 0;
+    std::optional<json> kv_transfer_params;
+    std::string error;
+  };
+  struct Pending {
+    size_t index;
+    engine::RequestOutput output;
+  };
+
+  explicit Generation(const ConnectionExecutor& executor) : wake(executor) {}
+
+  Api api = Api::kCompletion;
+  GenerationFields fields;
+  ResponseHeader header;
+  std::vector<Choice> choices;
+  size_t num_finished = 0;
+
+  std::deque<Pending> pending;  // outputs posted by the engine, not yet handled
+  bool client_gone = false;
+  net::steady_timer wake;       // cancelled whenever pending or client_gone changes
+};
+
+OpenAiService::OpenAiService(const ServerConfig& config, engine::Engine& engine,
+                             std::shared_ptr<const tokenizer::Tokenizer> tokenizer, int32_t max_model_len)
+    : config_(config),
+      engine_(engine),
+      tokenizer_(std::move(tokenizer)),
+      max_model_len_(max_model_len),
+      created_unix_s_(unix_seconds()) {
+  limits_.max_model_len = max_model_len;
+}
+
+bool OpenAiService::wait_until_idle(int64_t timeout_ms) {
+  std::unique_lock lock(idle_mutex_);
+  return idle_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms),
+                           [this] { return num_live_generations_.load() == 0; });
+}
+
+std::optional<ApiError> OpenAiService::check_model(const std::string& model) const {
+  if (model.empty() || config_.serves_model(model)) return std::nullopt;
+  return model_not_found(model);
+}
+
+std::string OpenAiService::response_model(const std::string& requested) const {
+  return requested.empty() ? config_.primary_model_name() : requested;
+}
+
+std::string OpenAiService::token_text(int32_t token_id) const {
+  if (!tokenizer_) return fmt::format("token_id:{}", token_id);
+  int32_t ids[1] = {token_id};
+  return tokenizer_->decode(ids, /*skip_special_tokens=*/false);
+}
+
+void OpenAiService::register_routes(HttpServer& server) {
+  auto bind = [this](net::awaitable<void> (OpenAiService::*method)(HttpExchange&)) {
+    return [this, method](HttpExchange& exchange) { return (this->*method)(exchange); };
+  };
+  server.route(http::verb::post, "/v1/completions", bind(&OpenAiService::handle_completions), true);
+  server.route(http::verb::post, "/v1/chat/completions", bind(&OpenAiService::handle_chat), true);
+  server.route(http::verb::get, "/v1/models", bind(&OpenAiService::handle_models), true);
+  server.route(http::verb::post, "/tokenize", bind(&OpenAiService::handle_tokenize), true);
+  server.route(http::verb::post, "/detokenize", bind(&OpenAiService::handle_detokenize), true);
+  server.route(http::verb::get, "/health", [](HttpExchange& exchange) -> net::awaitable<void> {
+    co_await exchange.respond(http::status::ok, "", "text/plain");
+  });
+  server.route(http::verb::get, "/metrics", [](HttpExchange& exchange) -> net::awaitable<void> {
+    std::string text = metrics::Registry::global().render_prometheus();
+    co_await exchange.respond(http::status::ok, std::move(text), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  server.route(http::verb::get, "/version", [](HttpExchange& exchange) -> net::awaitable<void> {
+    json body = json::object();
+    body["version"] = kPdserveVersion;
+    co_await exchange.respond_json(http::status::ok, body);
+  });
+}
+
+namespace {
+
+json models_json(const std::vector<std::string>& names, const std::string& root, int64_t created,
+                 int32_t max_model_len) {
+  json data = json::array();
+  for (const auto& name : names) {
+    data.push_back({{"id", name},
+                    {"object", "model"},
+                    {"created", created},
+                    {"owned_by", "pdserve"},
+                    {"root", root},
+                    {"parent", nullptr},
+                    {"max_model_len", max_model_len}});
+  }
+  return {{"object", "list"}, {"data", std::move(data)}};
+}
+
+}  // namespace
+
+net::awaitable<void> OpenAiService::handle_models(HttpExchange& exchange) {
+  std::vector<std::string> names = config_.served_model_names;
+  if (names.empty()) names.push_back(config_.model);
+  json body = models_json(names, config_.model, created_unix_s_, max_model_len_);
+  co_await exchange.respond_json(http::status::ok, body);
+}
+
+namespace {
+
+// Everything a generation handler does before talking to the engine, kept
+// out of coroutines (plain functions are easier for g++ 12 and for tests).
+Parsed<std::vector<int32_t>> tokenize_text(const tokenizer::Tokenizer* tokenizer, const std::string& text,
+                                           bool add_special_tokens) {
+  if (!tokenizer)
+    return bad_request("this model has no tokenizer: send the prompt as token ids", "prompt");
+  return tokenizer->encode(text, add_special_tokens);
+}
+
+Parsed<std::string> render_chat(const tokenizer::Tokenizer* tokenizer, const ojson& messages,
+                                bool add_generation_prompt, const ojson& tools, const ojson& kwargs) {
+  if (!tokenizer) return bad_request("this model has no tokenizer, so chat is unavailable", "messages");
+  if (!tokenizer->has_chat_template())
+    return bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages");
+  auto rendered = tokenizer->apply_chat_template_ordered(messages, add_generation_prompt, tools, kwargs);
+  if (!rendered.ok()) return api_error_from_status(rendered.status(), "messages");
+  return std::move(rendered).value();
+}
+
+json kv_params_to_json(const std::optional<ojson>& params) {
+  if (!params) return nullptr;
+  return json::parse(params->dump());
+}
+
+}  // namespace
+
+net::awaitable<void> OpenAiService::handle_completions(HttpExchange& exchange) {
+  auto body = parse_json_object(exchange.request().body(), limits_.max_json_depth);
+  if (failed(body)) {
+    ApiError error = take_error(body);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto parsed = parse_completion_request(std::get<ojson>(body), limits_);
+  if (failed(parsed)) {
+    ApiError error = take_error(parsed);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto& request = std::get<CompletionRequest>(parsed);
+  if (auto error = check_model(request.fields.model)) {
+    ApiError e = *error;
+    co_await exchange.respond_error(e);
+    co_return;
+  }
+  auto generation = std::make_shared<Generation>(exchange.executor());
+  generation->api = Generation::Api::kCompletion;
+  for (auto& prompt : request.prompts) {
+    Generation::Choice choice;
+    if (prompt.text) {
+      auto ids = tokenize_text(tokenizer_.get(), *prompt.text, /*add_special_tokens=*/true);
+      if (failed(ids)) {
+        ApiError error = take_error(ids);
+        co_await exchange.respond_error(error);
+        co_return;
+      }
+      choice.prompt = std::get<std::vector<int32_t>>(std::move(ids));
+    } else {
+      choice.prompt = std::move(prompt.token_ids);
+    }
+    generation->choices.push_back(std::move(choice));
+  }
+  generation->fields = std::move(request.fields);
+  co_await run_generation(exchange, generation);
+}
+
+net::awaitable<void> OpenAiService::handle_chat(HttpExchange& exchange) {
+  auto body = parse_json_object(exchange.request().body(), limits_.max_json_depth);
+  if (failed(body)) {
+    ApiError error = take_error(body);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto parsed = parse_chat_request(std::get<ojson>(body), limits_);
+  if (failed(parsed)) {
+    ApiError error = take_error(parsed);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto& request = std::get<ChatRequest>(parsed);
+  if (auto error = check_model(request.fields.model)) {
+    ApiError e = *error;
+    co_await exchange.respond_error(e);
+    co_return;
+  }
+  auto text = render_chat(tokenizer_.get(), request.messages, request.add_generation_prompt, request.tools,
+                          request.chat_template_kwargs);
+  if (failed(text)) {
+    ApiError error = take_error(text);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  // The template already wrote any BOS it wants.
+  auto ids = tokenize_text(tokenizer_.get(), std::get<std::string>(text), /*add_special_tokens=*/false);
+  if (failed(ids)) {
+    ApiError error = take_error(ids);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto generation = std::make_shared<Generation>(exchange.executor());
+  generation->api = Generation::Api::kChat;
+  Generation::Choice choice;
+  choice.prompt = std::get<std::vector<int32_t>>(std::move(ids));
+  generation->choices.push_back(std::move(choice));
+  generation->fields = std::move(request.fields);
+  co_await run_generation(exchange, generation);
+}
+
+namespace {
+
+// Stream chunks and final responses, built outside coroutines.
+json logprobs_for(bool chat, const std::vector<engine::TokenLogprob>& logprobs,
+                  const TokenTextFn& token_text, int64_t& text_offset) {
+  if (chat) return chat_logprobs_json(logprobs, token_text);
+  return completion_logprobs_json(logprobs, token_text, text_offset);
+}
+
+json chat_role_delta() { return {{"role", "assistant"}, {"content", ""}}; }
+
+json timeout_error_json() {
+  return ApiError{504, "request exceeded --request-timeout-ms", "timeout_error", "", "timeout"}.to_json();
+}
+
+json error_event(const std::string& message) {
+  return ApiError{500, message, "internal_error", "", "internal_error"}.to_json();
+}
+
+}  // namespace
+
+net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::shared_ptr<Generation> generation) {
+  auto& g = *generation;
+  const bool chat = g.api == Generation::Api::kChat;
+  const bool want_logprobs = g.fields.sampling.logprobs >= 0;
+  const int32_t default_max_tokens = chat ? max_model_len_ : 16;
+
+  // Resolve every choice's length before adding any, so a bad prompt in a
+  // batch refuses the whole request without engine work.
+  for (auto& choice : g.choices) {
+    auto max_tokens = resolve_max_tokens(static_cast<int32_t>(choice.prompt.size()), g.fields.max_tokens,
+                                         default_max_tokens, max_model_len_);
+    if (failed(max_tokens)) {
+      ApiError error = take_error(max_tokens);
+      co_await exchange.respond_error(error);
+      co_return;
+    }
+    choice.max_tokens = std::get<int32_t>(max_tokens);
+  }
+
+  std::string base_id = g.fields.request_id ? *g.fields.request_id : random_hex_id();
+  g.header = ResponseHeader{(chat ? "chatcmpl-" : "cmpl-") + base_id, unix_seconds(), response_model(g.fields.model)};
+
+  num_live_generations_.fetch_add(1);
+  struct LiveGuard {
+    OpenAiService* service;
+    ~LiveGuard() {
+      std::lock_guard lock(service->idle_mutex_);
+      if (service->num_live_generations_.fetch_sub(1) == 1) service->idle_cv_.notify_all();
+    }
+  } live_guard{this};
+
+  auto abort_unfinished = [&] {
+    for (const auto& choice : g.choices)
+      if (!choice.request_id.empty() && !choice.finished) engine_.abort(choice.request_id);
+  };
+
+  // Hand every prompt to the engine.
+  auto executor = exchange.executor();
+  for (size_t i = 0; i < g.choices.size(); ++i) {
+    auto& choice = g.choices[i];
+    engine::GenerateRequest request;
+    request.request_id = g.choices.size() == 1 ? g.header.id : fmt::format("{}-{}", g.header.id, i);
+    request.prompt_token_ids = choice.prompt;
+    request.sampling = g.fields.sampling;
+    request.sampling.max_tokens = choice.max_tokens;
+    if (g.fields.kv_transfer_params) request.kv_transfer_params = kv_params_to_json(g.fields.kv_transfer_params);
+    request.arrival_ns = now_ns();
+    std::string id = request.request_id;
+    Status status = engine_.add_request(std::move(request), [generation, i, executor](engine::RequestOutput output) {
+      // Engine thread: hand over and return; the strand does the rest.
+      net::post(executor, [generation, i, output = std::move(output)]() mutable {
+        generation->pending.push_back(Generation::Pending{i, std::move(output)});
+        generation->wake.cancel();
+      });
+    });
+    if (!status.ok()) {
+      abort_unfinished();
+      ApiError error = api_error_from_status(status, status.code() == ErrorCode::kInvalidArgument ? "prompt" : "");
+      if (status.code() == ErrorCode::kResourceExhausted)
+        error.message = "the engine's queue is full; retry later (" + status.message() + ")";
+      co_await exchange.respond_error(error);
+      co_return;
+    }
+    choice.request_id = std::move(id);
+  }
+
+  exchange.watch_for_disconnect([generation] {
+    generation->client_gone = true;
+    generation->wake.cancel();
+  });
+
+  const bool stream = g.fields.stream;
+  if (stream) {
+    bool started = co_await exchange.start_event_stream();
+    if (!started) g.client_gone = true;
+  }
+
+  TokenTextFn text_of = [this, as_ids = g.fields.return_tokens_as_token_ids](int32_t id) {
+    return as_ids ? fmt::format("token_id:{}", id) : token_text(id);
+  };
+  auto deadline = SteadyClock::now() + std::chrono::milliseconds(config_.request_timeout_ms);
+  bool timed_out = false;
+  std::string stream_error;
+
+  while (g.num_finished < g.choices.size() && !g.client_gone) {
+    if (g.pending.empty()) {
+      g.wake.expires_at(deadline);
+      error_code ec;
+      co_await g.wake.async_wait(net::redirect_error(net::use_awaitable, ec));
+      if (!ec && g.pending.empty() && !g.client_gone) {
+        timed_out = true;
+        break;
+      }
+      continue;
+    }
+    Generation::Pending item = std::move(g.pending.front());
+    g.pending.pop_front();
+    auto& choice = g.choices[item.index];
+    auto& out = item.output;
+    if (choice.finished) continue;
+    json logprobs = nullptr;
+    if (want_logprobs && !out.logprobs.empty())
+      logprobs = logprobs_for(chat, out.logprobs, text_of, choice.text_offset);
+    choice.num_prompt_tokens = out.num_prompt_tokens;
+    choice.num_output_tokens = out.num_output_tokens;
+    if (out.finished) {
+      choice.finished = true;
+      ++g.num_finished;
+      choice.finish_reason = out.finish_reason;
+      choice.stop_reason = stop_reason_json(out.stop_string, out.stop_token_id);
+      choice.kv_transfer_params = out.kv_transfer_params;
+      if (out.finish_reason == engine::FinishReason::kError)
+        choice.error = out.error.empty() ? "the engine failed this request" : out.error;
+    }
+    if (!stream) {
+      choice.text += out.text_delta;
+      if (want_logprobs) choice.logprobs.insert(choice.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
+      continue;
+    }
+    if (!choice.error.empty()) {
+      stream_error = choice.error;
+      break;
+    }
+    std::string events;
+    if (chat && !choice.sent_role) {
+      choice.sent_role = true;
+      events += sse_event(chat_chunk(g.header, static_cast<int32_t>(item.index),
+                                     chat_role_delta(), nullptr, nullptr, nullptr));
+    }
+    bool has_payload = !out.text_delta.empty() || !logprobs.is_null() || out.finished;
+    if (has_payload) {
+      json finish = out.finished ? finish_reason_json(choice.finish_reason) : json(nullptr);
+      json stop = out.finished ? choice.stop_reason : json(nullptr);
+      json chunk;
+      if (chat) {
+        json delta = json::object();
+        if (!out.text_delta.empty()) delta["content"] = out.text_delta;
+        chunk = chat_chunk(g.header, static_cast<int32_t>(item.index), std::move(delta), std::move(logprobs),
+                           std::move(finish), std::move(stop));
+      } else {
+        chunk = completion_chunk(g.header, static_cast<int32_t>(item.index), out.text_delta, std::move(logprobs),
+                                 std::move(finish), std::move(stop));
+      }
+      if (out.finished && choice.kv_transfer_params) chunk["kv_transfer_params"] = *choice.kv_transfer_params;
+      events += sse_event(chunk);
+    }
+    if (!events.empty()) {
+      bool sent = co_await exchange.send_event(events);
+      if (!sent) g.client_gone = true;
+    }
+  }
+
+  if (g.client_gone || timed_out || !stream_error.empty()) abort_unfinished();
+  co_await exchange.stop_watching();
+
+  if (g.client_gone) {
+    disconnects_counter().inc();
+    PD_LOG_DEBUG("{}: client went away; aborted", g.header.id);
+    exchange.abandon();
+    co_return;
+  }
+
+  Usage usage;
+  std::optional<json> kv_transfer_params;
+  for (const auto& choice : g.choices) {
+    usage.prompt_tokens += choice.num_prompt_tokens;
+    usage.completion_tokens += choice.num_output_tokens;
+    if (!kv_transfer_params && choice.kv_transfer_params) kv_transfer_params = choice.kv_transfer_params;
+  }
+
+  if (stream) {
+    std::string tail;
+    if (timed_out) {
+      timeouts_counter().inc();
+      tail += sse_event(timeout_error_json());
+    } else if (!stream_error.empty()) {
+      tail += sse_event(error_event(stream_error));
+    } else if (g.fields.include_usage) {
+      tail += sse_event(usage_chunk(g.header, chat ? "chat.completion.chunk" : "text_completion", usage));
+    }
+    tail += kSseDone;
+    bool sent = co_await exchange.send_event(tail);
+    if (sent) co_await exchange.end_event_stream();
+    co_return;
+  }
+
+  if (timed_out) {
+    timeouts_counter().inc();
+    ApiError error{504, "request exceeded --request-timeout-ms", "timeout_error", "", "timeout"};
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  for (const auto& choice : g.choices) {
+    if (!choice.error.empty()) {
+      ApiError error = internal(choice.error);
+      co_await exchange.respond_error(error);
+      co_return;
+    }
+  }
+  std::vector<ChoiceResult> results;
+  for (auto& choice : g.choices) {
+    ChoiceResult result;
+    result.text = std::move(choice.text);
+    if (want_logprobs) {
+      int64_t offset = 0;
+      result.logprobs = logprobs_for(chat, choice.logprobs, text_of, offset);
+    }
+    result.finish_reason = choice.finish_reason;
+    result.stop_reason = choice.stop_reason;
+    results.push_back(std::move(result));
+  }
+  json response = chat ? chat_response(g.header, results, usage, kv_transfer_params)
+                       : completion_response(g.header, results, usage, kv_transfer_params);
+  co_await exchange.respond_json(http::status::ok, response);
+}
+
+namespace {
+
+json tokenize_response(const std::vector<int32_t>& ids, int32_t max_model_len, const json& token_strs) {
+  return {{"count", ids.size()}, {"max_model_len", max_model_len}, {"tokens", ids}, {"token_strs", token_strs}};
+}
+
+}  // namespace
+
+net::awaitable<void> OpenAiService::handle_tokenize(HttpExchange& exchange) {
+  auto body = parse_json_object(exchange.request().body(), limits_.max_json_depth);
+  if (failed(body)) {
+    ApiError error = take_error(body);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto parsed = parse_tokenize_request(std::get<ojson>(body), limits_);
+  if (failed(parsed)) {
+    ApiError error = take_error(parsed);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto& request = std::get<TokenizeRequest>(parsed);
+  if (auto error = check_model(request.model)) {
+    ApiError e = *error;
+    co_await exchange.respond_error(e);
+    co_return;
+  }
+  std::string text;
+  if (request.prompt) {
+    text = *request.prompt;
+  } else {
+    auto rendered = render_chat(tokenizer_.get(), request.messages, request.add_generation_prompt, request.tools,
+                                request.chat_template_kwargs);
+    if (failed(rendered)) {
+      ApiError error = take_error(rendered);
+      co_await exchange.respond_error(error);
+      co_return;
+    }
+    text = std::get<std::string>(std::move(rendered));
+  }
+  auto ids = tokenize_text(tokenizer_.get(), text, request.add_special_tokens);
+  if (failed(ids)) {
+    ApiError error = take_error(ids);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  const auto& tokens = std::get<std::vector<int32_t>>(ids);
+  json token_strs = nullptr;
+  if (request.return_token_strs) {
+    token_strs = json::array();
+    for (int32_t id : tokens) token_strs.push_back(tokenizer_->id_to_token(id).value_or(""));
+  }
+  json response = tokenize_response(tokens, max_model_len_, token_strs);
+  co_await exchange.respond_json(http::status::ok, response);
+}
+
+net::awaitable<void> OpenAiService::handle_detokenize(HttpExchange& exchange) {
+  auto body = parse_json_object(exchange.request().body(), limits_.max_json_depth);
+  if (failed(body)) {
+    ApiError error = take_error(body);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto parsed = parse_detokenize_request(std::get<ojson>(body), limits_);
+  if (failed(parsed)) {
+    ApiError error = take_error(parsed);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto& request = std::get<DetokenizeRequest>(parsed);
+  if (auto error = check_model(request.model)) {
+    ApiError e = *error;
+    co_await exchange.respond_error(e);
+    co_return;
+  }
+  if (!tokenizer_) {
+    ApiError error = bad_request("this model has no tokenizer", "tokens");
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  for (int32_t id : request.tokens) {
+    if (id >= tokenizer_->vocab_size()) {
+      ApiError error =
+          bad_request(fmt::format("token id {} is outside the vocabulary (size {})", id, tokenizer_->vocab_size()),
+                      "tokens");
+      co_await exchange.respond_error(error);
+      co_return;
+    }
+  }
+  json response = json::object();
+  response["prompt"] = tokenizer_->decode(request.tokens, /*skip_special_tokens=*/false);
+  co_await exchange.respond_json(http::status::ok, response);
+}
+
+}  // namespace pd::server

@@ -1,0 +1,71 @@
+// The OpenAI API over one engine: /v1/completions, /v1/chat/completions,
+// /v1/models, /tokenize, /detokenize, /health, /metrics, /version.
+//
+// Threads: handlers run on their connection's strand (HttpServer). The
+// engine calls each request's OutputCallback on the engine thread; the
+// callback only posts the output to the connection's strand, so the engine
+// thread never blocks on a client and per-request state has one owner.
+//
+// Invariant: every request this service adds to the engine is either seen to
+// finish (final output) or aborted: on client disconnect, on a failed write,
+// on the request deadline, and when a later prompt of a batch is refused.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "engine/engine.h"
+#include "server/http_server.h"
+#include "server/openai_protocol.h"
+#include "server/server_config.h"
+
+namespace pd::tokenizer {
+class Tokenizer;
+}
+
+namespace pd::server {
+
+inline constexpr const char* kPdserveVersion = "0.1.0";
+
+class OpenAiService {
+ public:
+  // engine must outlive the service; tokenizer may be null (token-id prompts only).
+  OpenAiService(const ServerConfig& config, engine::Engine& engine,
+                std::shared_ptr<const tokenizer::Tokenizer> tokenizer, int32_t max_model_len);
+
+  void register_routes(HttpServer& server);
+
+  // Generations still writing to a client (shutdown waits for this to reach 0).
+  int32_t num_live_generations() const { return num_live_generations_.load(); }
+  // Waits until no generation is live or the deadline passes; true when none is.
+  bool wait_until_idle(int64_t timeout_ms);
+
+ private:
+  struct Generation;
+  net::awaitable<void> handle_completions(HttpExchange& exchange);
+  net::awaitable<void> handle_chat(HttpExchange& exchange);
+  net::awaitable<void> handle_tokenize(HttpExchange& exchange);
+  net::awaitable<void> handle_detokenize(HttpExchange& exchange);
+  net::awaitable<void> handle_models(HttpExchange& exchange);
+  net::awaitable<void> run_generation(HttpExchange& exchange, std::shared_ptr<Generation> generation);
+
+  std::optional<ApiError> check_model(const std::string& model) const;
+  std::string response_model(const std::string& requested) const;
+  std::string token_text(int32_t token_id) const;
+
+  const ServerConfig& config_;
+  engine::Engine& engine_;
+  std::shared_ptr<const tokenizer::Tokenizer> tokenizer_;
+  int32_t max_model_len_;
+  RequestLimits limits_;
+  int64_t created_unix_s_;
+
+  std::atomic<int32_t> num_live_generations_{0};
+  std::mutex idle_mutex_;
+  std::condition_variable idle_cv_;
+};
+
+}  // namespace pd::server

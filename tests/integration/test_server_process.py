@@ -1,0 +1,84 @@
+"""pdserve as a process: flags, authentication, start-up errors and clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+
+import openai
+import pytest
+
+from conftest import bin_path, start_pdserve, wait_for
+
+
+def run_to_exit(*flags: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(bin_path("pdserve")), "--port", "0", *flags], capture_output=True, text=True,
+                          timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+
+def test_help_lists_vllm_flags():
+    result = run_to_exit("--help")
+    assert result.returncode == 0
+    for flag in ["--model", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
+                 "--gpu-memory-utilization", "--tensor-parallel-size", "--load-format", "--served-model-name",
+                 "--api-key", "--kv-transfer-config"]:
+        assert flag in result.stdout
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--tensor-parallel-size", "2"], "tensor-parallel-size 2"),
+    (["--kv-transfer-config", "{not json"], "--kv-transfer-config must be a JSON object"),
+    (["--model", "/nonexistent/model/dir"], "/nonexistent/model/dir"),
+    (["--no-such-flag"], "no-such-flag"),
+])
+def test_bad_start_up_flags_exit_non_zero_with_a_clear_message(flags, needle):
+    result = run_to_exit(*flags)
+    assert result.returncode != 0
+    assert needle in result.stdout + result.stderr
+
+
+def test_api_key_guards_v1_routes_only(procs):
+    server = start_pdserve(procs, "--model", "builtin:tiny", "--api-key", "s3cret", "--max-model-len", "128")
+    denied = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError):
+        denied.completions.create(model="builtin:tiny", prompt="a", max_tokens=1)
+    allowed = openai.OpenAI(base_url=server.base_url + "/v1", api_key="s3cret", max_retries=0, timeout=30)
+    out = allowed.completions.create(model="builtin:tiny", prompt="a", max_tokens=2, temperature=0)
+    assert out.usage.prompt_tokens >= 1
+    assert server.get("/health")[0] == 200  # health stays open for load balancers
+    assert server.get("/v1/models")[0] == 401
+
+
+def test_sigterm_with_a_live_stream_shuts_down_cleanly(procs):
+    server = start_pdserve(procs, "--model", "builtin:tiny", "--max-model-len", "512")
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    body = json.dumps({"model": "builtin:tiny", "prompt": "long", "max_tokens": 480, "stream": True,
+                       "ignore_eos": True})
+    sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+    received = b""
+    while b"data: " not in received:
+        data = sock.recv(65536)
+        assert data
+        received += data
+    server.process.proc.send_signal(signal.SIGTERM)
+    # The stream ends (the request is aborted) and the process exits 0.
+    sock.settimeout(30)
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            break
+        received += data
+    sock.close()
+    assert server.process.proc.wait(timeout=30) == 0, server.process.text()
+    assert b'"finish_reason":"abort"' in received or b"data: [DONE]" in received or received.endswith(b"0\r\n\r\n")
+    assert "pdserve stopped" in server.process.text()
+
+
+def test_port_zero_prints_the_real_port(procs):
+    server = start_pdserve(procs, "--model", "builtin:tiny", "--max-model-len", "128")
+    assert server.port > 0
+    assert f"listening on http://127.0.0.1:{server.port}" in server.process.text()
+    wait_for(server.healthy, 10, "health")
