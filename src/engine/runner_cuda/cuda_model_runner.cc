@@ -1,0 +1,619 @@
+#include "engine/runner_cuda/cuda_model_runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "engine/sampler.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace pd::engine {
+namespace {
+
+namespace kc = pd::kernels::cuda;
+using bf16 = __nv_bfloat16;
+
+constexpr int32_t kGraphBuckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+constexpr float kDummyStdDev = 0.02f;
+
+int32_t ceil_div(int32_t a, int32_t b) { return (a + b - 1) / b; }
+
+// A row needs the CPU sampler when it asks for something the GPU kernel does not do.
+bool needs_host_sampling(const SeqStep& s) {
+  return (s.sampling.temperature > 0.0f && (s.sampling.top_k > 0 || s.sampling.top_p < 1.0f)) ||
+         s.sampling.logprobs > 0 || static_cast<int32_t>(s.suppressed_token_ids.size()) > kc::kMaxSuppressedPerRow;
+}
+
+}  // namespace
+
+struct CudaModelRunner::HostStep {};
+
+Result<std::unique_ptr<CudaModelRunner>> CudaModelRunner::create(model::ModelConfig config,
+                                                                 const model::ModelWeights* host_weights,
+                                                                 CudaRunnerOptions options) {
+  std::unique_ptr<CudaModelRunner> runner(new CudaModelRunner());
+  PD_RETURN_IF_ERROR(runner->init(std::move(config), host_weights, options));
+  return runner;
+}
+
+CudaModelRunner::~CudaModelRunner() {
+  for (auto& [bucket, exec] : graphs_) cudaGraphExecDestroy(exec);
+  gemm_.reset();
+  for (void* p : allocations_) cudaFree(p);
+  if (h_ints_ != nullptr) cudaFreeHost(h_ints_);
+  if (h_sampling_ != nullptr) cudaFreeHost(h_sampling_);
+  if (h_logprobs_ != nullptr) cudaFreeHost(h_logprobs_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+void* CudaModelRunner::alloc(size_t bytes) {
+  void* p = nullptr;
+  if (cudaMalloc(&p, std::max<size_t>(bytes, 16)) != cudaSuccess) return nullptr;
+  allocations_.push_back(p);
+  return p;
+}
+
+size_t CudaModelRunner::kv_bytes_per_token() const {
+  return static_cast<size_t>(config_.num_layers) * 2 * config_.num_kv_heads * config_.head_dim * sizeof(bf16);
+}
+
+Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeights* host_weights,
+                             CudaRunnerOptions options) {
+  PD_RETURN_IF_ERROR(config.validate());
+  config_ = std::move(config);
+  options_ = options;
+  if (options_.block_size != kc::kKvBlockSize) {
+    return unimplemented("cuda runner: block size {} (supported: {})", options_.block_size, kc::kKvBlockSize);
+  }
+  if (config_.head_dim != 64 && config_.head_dim != 128) {
+    return unimplemented("cuda runner: head_dim {} has no kernels (supported: 64, 128)", config_.head_dim);
+  }
+  if (config_.num_heads / config_.num_kv_heads > 8) {
+    return unimplemented("cuda runner: GQA group {} > 8", config_.num_heads / config_.num_kv_heads);
+  }
+  if (options_.max_num_seqs <= 0 || options_.max_num_batched_tokens < options_.max_num_seqs ||
+      options_.max_model_len <= 0) {
+    return invalid_argument("cuda runner: max_num_seqs {} / max_num_batched_tokens {} / max_model_len {}",
+                            options_.max_num_seqs, options_.max_num_batched_tokens, options_.max_model_len);
+  }
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
+  PD_ASSIGN_OR_RETURN(gemm_, kc::Gemm::create());
+  PD_RETURN_IF_ERROR(upload_weights(host_weights));
+  PD_RETURN_IF_ERROR(allocate_buffers());
+  PD_RETURN_IF_ERROR(allocate_kv_pool());
+  return kc::cuda_status(cudaStreamSynchronize(stream_), "init sync");
+}
+
+Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) {
+  const auto& c = config_;
+  const int64_t h = c.hidden_size, d = c.head_dim, hq = c.num_heads, hkv = c.num_kv_heads,
+                inter = c.intermediate_size, vocab = c.vocab_size;
+  const int64_t qkv_rows = (hq + 2 * hkv) * d;
+  uint64_t tensor_index = 0;
+
+  auto device_tensor = [&](int64_t count) -> Result<bf16*> {
+    auto* p = static_cast<bf16*>(alloc(static_cast<size_t>(count) * sizeof(bf16)));
+    if (p == nullptr) return resource_exhausted("cuda runner: out of device memory for weights ({} elements)", count);
+    weight_bytes_ += static_cast<size_t>(count) * sizeof(bf16);
+    return p;
+  };
+  std::vector<bf16> staging;
+  // Uploads the concatenation of the named host tensors (each checked against its element count).
+  auto upload = [&](bf16* dst, std::initializer_list<std::pair<std::string, int64_t>> parts) -> Status {
+    staging.clear();
+    for (const auto& [name, count] : parts) {
+      const model::Tensor* t = host_weights->find(name);
+      if (t == nullptr) return not_found("cuda runner: weight {} missing", name);
+      if (static_cast<int64_t>(t->data.size()) != count) {
+        return invalid_argument("cuda runner: weight {} has {} elements, expected {}", name, t->data.size(), count);
+      }
+      for (float v : t->data) staging.push_back(__float2bfloat16(v));
+    }
+    return kc::cuda_status(
+        cudaMemcpy(dst, staging.data(), staging.size() * sizeof(bf16), cudaMemcpyHostToDevice), "weight upload");
+  };
+  const float uniform_scale = kDummyStdDev * std::sqrt(3.0f);  // uniform with the same std dev
+  auto dummy = [&](bf16* dst, int64_t count) {
+    return kc::fill_uniform(dst, static_cast<size_t>(count), options_.dummy_seed * 1000003ull + tensor_index++,
+                            uniform_scale, stream_);
+  };
+  auto ones = [&](bf16* dst, int64_t count) {
+    std::vector<bf16> v(static_cast<size_t>(count), __float2bfloat16(1.0f));
+    return kc::cuda_status(cudaMemcpy(dst, v.data(), v.size() * sizeof(bf16), cudaMemcpyHostToDevice), "ones");
+  };
+  const bool real = host_weights != nullptr;
+
+  PD_ASSIGN_OR_RETURN(embed_, device_tensor(vocab * h));
+  PD_RETURN_IF_ERROR(real ? upload(embed_, {{"model.embed_tokens.weight", vocab * h}}) : dummy(embed_, vocab * h));
+  PD_ASSIGN_OR_RETURN(final_norm_, device_tensor(h));
+  PD_RETURN_IF_ERROR(real ? upload(final_norm_, {{"model.norm.weight", h}}) : ones(final_norm_, h));
+  if (c.tie_word_embeddings) {
+    lm_head_ = embed_;
+  } else {
+    PD_ASSIGN_OR_RETURN(lm_head_, device_tensor(vocab * h));
+    PD_RETURN_IF_ERROR(real ? upload(lm_head_, {{"lm_head.weight", vocab * h}}) : dummy(lm_head_, vocab * h));
+  }
+  layers_.resize(static_cast<size_t>(c.num_layers));
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    LayerWeights& w = layers_[static_cast<size_t>(l)];
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    PD_ASSIGN_OR_RETURN(w.input_norm, device_tensor(h));
+    PD_ASSIGN_OR_RETURN(w.post_norm, device_tensor(h));
+    PD_ASSIGN_OR_RETURN(w.qkv, device_tensor(qkv_rows * h));
+    PD_ASSIGN_OR_RETURN(w.o_proj, device_tensor(h * hq * d));
+    PD_ASSIGN_OR_RETURN(w.gate_up, device_tensor(2 * inter * h));
+    PD_ASSIGN_OR_RETURN(w.down, device_tensor(h * inter));
+    if (c.qkv_bias) {
+      PD_ASSIGN_OR_RETURN(w.qkv_bias, device_tensor(qkv_rows));
+    }
+    if (c.o_bias) {
+      PD_ASSIGN_OR_RETURN(w.o_bias, device_tensor(h));
+    }
+    if (c.qk_norm) {
+      PD_ASSIGN_OR_RETURN(w.q_norm, device_tensor(d));
+      PD_ASSIGN_OR_RETURN(w.k_norm, device_tensor(d));
+    }
+    if (real) {
+      PD_RETURN_IF_ERROR(upload(w.input_norm, {{p + "input_layernorm.weight", h}}));
+      PD_RETURN_IF_ERROR(upload(w.post_norm, {{p + "post_attention_layernorm.weight", h}}));
+      PD_RETURN_IF_ERROR(upload(w.qkv, {{p + "self_attn.q_proj.weight", hq * d * h},
+                                        {p + "self_attn.k_proj.weight", hkv * d * h},
+                                        {p + "self_attn.v_proj.weight", hkv * d * h}}));
+      PD_RETURN_IF_ERROR(upload(w.o_proj, {{p + "self_attn.o_proj.weight", h * hq * d}}));
+      PD_RETURN_IF_ERROR(upload(w.gate_up, {{p + "mlp.gate_proj.weight", inter * h}, {p + "mlp.up_proj.weight", inter * h}}));
+      PD_RETURN_IF_ERROR(upload(w.down, {{p + "mlp.down_proj.weight", h * inter}}));
+      if (w.qkv_bias != nullptr) {
+        PD_RETURN_IF_ERROR(upload(w.qkv_bias, {{p + "self_attn.q_proj.bias", hq * d},
+                                               {p + "self_attn.k_proj.bias", hkv * d},
+                                               {p + "self_attn.v_proj.bias", hkv * d}}));
+      }
+      if (w.o_bias != nullptr) PD_RETURN_IF_ERROR(upload(w.o_bias, {{p + "self_attn.o_proj.bias", h}}));
+      if (w.q_norm != nullptr) {
+        PD_RETURN_IF_ERROR(upload(w.q_norm, {{p + "self_attn.q_norm.weight", d}}));
+        PD_RETURN_IF_ERROR(upload(w.k_norm, {{p + "self_attn.k_norm.weight", d}}));
+      }
+    } else {
+      PD_RETURN_IF_ERROR(ones(w.input_norm, h));
+      PD_RETURN_IF_ERROR(ones(w.post_norm, h));
+      PD_RETURN_IF_ERROR(dummy(w.qkv, qkv_rows * h));
+      PD_RETURN_IF_ERROR(dummy(w.o_proj, h * hq * d));
+      PD_RETURN_IF_ERROR(dummy(w.gate_up, 2 * inter * h));
+      PD_RETURN_IF_ERROR(dummy(w.down, h * inter));
+      if (w.qkv_bias != nullptr) PD_RETURN_IF_ERROR(dummy(w.qkv_bias, qkv_rows));
+      if (w.o_bias != nullptr) PD_RETURN_IF_ERROR(dummy(w.o_bias, h));
+      if (w.q_norm != nullptr) {
+        PD_RETURN_IF_ERROR(ones(w.q_norm, d));
+        PD_RETURN_IF_ERROR(ones(w.k_norm, d));
+      }
+    }
+  }
+  kernels::cpu::RopeScalingParams scaling;
+  if (c.rope_scaling.type == model::RopeScalingType::kLlama3) {
+    scaling.llama3 = true;
+    scaling.factor = c.rope_scaling.factor;
+    scaling.low_freq_factor = c.rope_scaling.low_freq_factor;
+    scaling.high_freq_factor = c.rope_scaling.high_freq_factor;
+    scaling.original_max_position_embeddings = c.rope_scaling.original_max_position_embeddings;
+  }
+  const std::vector<float> inv_freq = kernels::cpu::rope_inv_freq(c.head_dim, c.rope_theta, scaling);
+  inv_freq_ = static_cast<float*>(alloc(inv_freq.size() * sizeof(float)));
+  if (inv_freq_ == nullptr) return resource_exhausted("cuda runner: out of device memory (rope table)");
+  return kc::cuda_status(
+      cudaMemcpy(inv_freq_, inv_freq.data(), inv_freq.size() * sizeof(float), cudaMemcpyHostToDevice), "rope upload");
+}
+
+Status CudaModelRunner::allocate_buffers() {
+  const auto& c = config_;
+  const size_t t = static_cast<size_t>(options_.max_num_batched_tokens);
+  const size_t s = static_cast<size_t>(options_.max_num_seqs);
+  const size_t h = c.hidden_size, qd = static_cast<size_t>(c.num_heads) * c.head_dim,
+               qkv = static_cast<size_t>(c.num_heads + 2 * c.num_kv_heads) * c.head_dim, inter = c.intermediate_size;
+  auto bf = [&](size_t n) { return static_cast<bf16*>(alloc(n * sizeof(bf16))); };
+  residual_ = bf(t * h);
+  x_ = bf(t * h);
+  qkv_buf_ = bf(t * qkv);
+  q_buf_ = bf(t * qd);
+  attn_buf_ = bf(t * qd);
+  gate_up_buf_ = bf(t * 2 * inter);
+  act_buf_ = bf(t * inter);
+  sample_hidden_ = bf(s * h);
+  logits_ = static_cast<float*>(alloc(s * c.vocab_size * sizeof(float)));
+  decode_ws_bytes_ = kc::decode_attention_workspace_bytes(options_.max_num_seqs, c.num_heads, c.head_dim,
+                                                          options_.max_model_len);
+  decode_ws_ = alloc(decode_ws_bytes_);
+  max_blocks_per_seq_ = ceil_div(options_.max_model_len, options_.block_size);
+  size_t off = 0;
+  auto take = [&](size_t n) {
+    const size_t at = off;
+    off += (n + 3) & ~size_t{3};  // 16-byte aligned sections
+    return at;
+  };
+  off_tokens_ = take(t);
+  off_positions_ = take(t);
+  off_slots_ = take(t);
+  off_qstart_ = take(s + 1);
+  off_ctx_ = take(s);
+  off_sample_rows_ = take(s);
+  off_suppressed_ = take(s * kc::kMaxSuppressedPerRow);
+  off_out_tokens_ = take(s);
+  off_tables_ = take(s * static_cast<size_t>(max_blocks_per_seq_));
+  ints_count_ = off;
+  d_ints_ = static_cast<int32_t*>(alloc(ints_count_ * sizeof(int32_t)));
+  d_sampling_ = static_cast<kc::RowSampling*>(alloc(s * sizeof(kc::RowSampling)));
+  d_logprobs_ = static_cast<float*>(alloc(s * sizeof(float)));
+  for (void* p : {static_cast<void*>(residual_), static_cast<void*>(x_), static_cast<void*>(qkv_buf_),
+                  static_cast<void*>(q_buf_), static_cast<void*>(attn_buf_), static_cast<void*>(gate_up_buf_),
+                  static_cast<void*>(act_buf_), static_cast<void*>(sample_hidden_), static_cast<void*>(logits_),
+                  decode_ws_, static_cast<void*>(d_ints_), static_cast<void*>(d_sampling_),
+                  static_cast<void*>(d_logprobs_)}) {
+    if (p == nullptr) return resource_exhausted("cuda runner: out of device memory for activation buffers");
+  }
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaMallocHost(reinterpret_cast<void**>(&h_ints_), ints_count_ * sizeof(int32_t)),
+                                     "cudaMallocHost(step inputs)"));
+  std::memset(h_ints_, 0, ints_count_ * sizeof(int32_t));
+  PD_RETURN_IF_ERROR(kc::cuda_status(
+      cudaMallocHost(reinterpret_cast<void**>(&h_sampling_), s * sizeof(kc::RowSampling)), "cudaMallocHost"));
+  PD_RETURN_IF_ERROR(
+      kc::cuda_status(cudaMallocHost(reinterpret_cast<void**>(&h_logprobs_), s * sizeof(float)), "cudaMallocHost"));
+  // Block tables beyond a sequence's blocks are never read, but keep them valid ids.
+  return kc::cuda_status(cudaMemset(d_ints_, 0, ints_count_ * sizeof(int32_t)), "memset step inputs");
+}
+
+Status CudaModelRunner::allocate_kv_pool() {
+  spec_.num_layers = config_.num_layers;
+  spec_.num_kv_heads = config_.num_kv_heads;
+  spec_.head_dim = config_.head_dim;
+  spec_.block_size = options_.block_size;
+  spec_.dtype = KvDtype::kBFloat16;
+  const size_t per_block_all_layers = spec_.bytes_per_block() * static_cast<size_t>(config_.num_layers);
+  int64_t blocks = options_.num_kv_blocks;
+  if (blocks <= 0) {
+    size_t free_bytes = 0, total_bytes = 0;
+    PD_RETURN_IF_ERROR(kc::cuda_status(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+    const double budget = options_.gpu_memory_utilization * static_cast<double>(total_bytes) -
+                          static_cast<double>(total_bytes - free_bytes);
+    // Leave room for cuBLASLt, graphs and the CUDA context's own growth.
+    const double reserve = 512.0 * (1 << 20);
+    blocks = budget > reserve ? static_cast<int64_t>((budget - reserve) / static_cast<double>(per_block_all_layers)) : 0;
+  }
+  if (blocks <= 0) {
+    return resource_exhausted("cuda runner: no memory left for the KV cache after {} bytes of weights (utilization {})",
+                              weight_bytes_, options_.gpu_memory_utilization);
+  }
+  if (blocks > INT32_MAX / options_.block_size) blocks = INT32_MAX / options_.block_size;
+  spec_.num_blocks = static_cast<int32_t>(blocks);
+  kv_pool_ = alloc(per_block_all_layers * static_cast<size_t>(blocks));
+  if (kv_pool_ == nullptr) {
+    return resource_exhausted("cuda runner: cannot allocate {} KV blocks ({} bytes)", blocks,
+                              per_block_all_layers * static_cast<size_t>(blocks));
+  }
+  return Status::Ok();
+}
+
+void* CudaModelRunner::kv_layer_base(int32_t layer) {
+  if (layer < 0 || layer >= config_.num_layers) return nullptr;
+  return static_cast<uint8_t*>(kv_pool_) + spec_.bytes_per_layer() * static_cast<size_t>(layer);
+}
+
+Status CudaModelRunner::fill_kv_random(uint64_t seed) {
+  const size_t n = spec_.bytes_per_layer() * static_cast<size_t>(config_.num_layers) / sizeof(bf16);
+  PD_RETURN_IF_ERROR(kc::fill_uniform(static_cast<bf16*>(kv_pool_), n, seed, 1.0f, stream_));
+  return kc::cuda_status(cudaStreamSynchronize(stream_), "fill_kv_random sync");
+}
+
+Result<std::vector<float>> CudaModelRunner::last_logits(int32_t num_rows) {
+  if (num_rows < 0 || num_rows > options_.max_num_seqs) return invalid_argument("last_logits: {} rows", num_rows);
+  std::vector<float> out(static_cast<size_t>(num_rows) * config_.vocab_size);
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "last_logits sync"));
+  PD_RETURN_IF_ERROR(kc::cuda_status(
+      cudaMemcpy(out.data(), logits_, out.size() * sizeof(float), cudaMemcpyDeviceToHost), "last_logits copy"));
+  return out;
+}
+
+Status CudaModelRunner::validate(const StepInput& input) const {
+  if (input.seqs.empty()) return invalid_argument("cuda runner: empty step");
+  if (static_cast<int32_t>(input.seqs.size()) > options_.max_num_seqs) {
+    return invalid_argument("cuda runner: {} seqs > max_num_seqs {}", input.seqs.size(), options_.max_num_seqs);
+  }
+  if (static_cast<int64_t>(input.token_ids.size()) > options_.max_num_batched_tokens) {
+    return invalid_argument("cuda runner: {} tokens > max_num_batched_tokens {}", input.token_ids.size(),
+                            options_.max_num_batched_tokens);
+  }
+  for (int32_t id : input.token_ids) {
+    if (id < 0 || id >= config_.vocab_size) return invalid_argument("cuda runner: token id {} outside the vocab", id);
+  }
+  for (size_t i = 0; i < input.seqs.size(); ++i) {
+    const SeqStep& s = input.seqs[i];
+    if (s.num_new_tokens < 1 || s.num_computed_tokens < 0 || s.token_offset < 0 ||
+        static_cast<size_t>(s.token_offset) + static_cast<size_t>(s.num_new_tokens) > input.token_ids.size()) {
+      return invalid_argument("cuda runner: seq {} has offset {} / {} new / {} computed tokens over {} token ids", i,
+                              s.token_offset, s.num_new_tokens, s.num_computed_tokens, input.token_ids.size());
+    }
+    const int32_t ctx = s.num_computed_tokens + s.num_new_tokens;
+    if (ctx > options_.max_model_len) {
+      return invalid_argument("cuda runner: seq {} reaches {} tokens > max_model_len {}", i, ctx, options_.max_model_len);
+    }
+    const int32_t need = ceil_div(ctx, options_.block_size);
+    if (static_cast<int32_t>(s.block_table.size()) < need) {
+      return invalid_argument("cuda runner: seq {} has {} blocks for {} tokens", i, s.block_table.size(), ctx);
+    }
+    for (int32_t j = 0; j < need; ++j) {
+      const int32_t b = s.block_table[static_cast<size_t>(j)];
+      if (b < 0 || b >= spec_.num_blocks) return invalid_argument("cuda runner: seq {} block id {} out of range", i, b);
+    }
+  }
+  return Status::Ok();
+}
+
+Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
+  const auto& c = config_;
+  const int32_t t = shape.num_tokens;
+  const int32_t h = c.hidden_size, hq = c.num_heads, hkv = c.num_kv_heads, d = c.head_dim;
+  const int32_t qkv_width = (hq + 2 * hkv) * d;
+  int32_t* ints = d_ints_;
+  PD_RETURN_IF_ERROR(kc::embedding_lookup(residual_, embed_, ints + off_tokens_, t, c.vocab_size, h, stream_));
+
+  kc::AttentionArgs base;
+  base.q = q_buf_;
+  base.out = attn_buf_;
+  base.num_q_heads = hq;
+  base.num_kv_heads = hkv;
+  base.head_dim = d;
+  base.block_size = options_.block_size;
+  base.max_blocks_per_seq = max_blocks_per_seq_;
+  base.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  kc::AttentionArgs dec = base;
+  dec.query_start = ints + off_qstart_;
+  dec.context_lens = ints + off_ctx_;
+  dec.block_tables = ints + off_tables_;
+  dec.num_seqs = shape.num_decode;
+  dec.max_query_len = 1;
+  dec.max_context_len = shape.max_context;
+  kc::AttentionArgs pre = base;
+  pre.query_start = ints + off_qstart_ + shape.num_decode;
+  pre.context_lens = ints + off_ctx_ + shape.num_decode;
+  pre.block_tables = ints + off_tables_ + static_cast<size_t>(shape.num_decode) * max_blocks_per_seq_;
+  pre.num_seqs = shape.num_prefill;
+  pre.max_query_len = shape.max_prefill_q;
+  pre.max_context_len = shape.max_context;
+
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& w = layers_[static_cast<size_t>(l)];
+    bf16* kv = static_cast<bf16*>(kv_layer_base(l));
+    if (l == 0) {
+      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, residual_, nullptr, w.input_norm, t, h, c.rms_norm_eps, stream_));
+    } else {
+      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, x_, residual_, w.input_norm, t, h, c.rms_norm_eps, stream_));
+    }
+    PD_RETURN_IF_ERROR(gemm_->run(qkv_buf_, kc::GemmOut::kBFloat16, x_, w.qkv, t, qkv_width, h, stream_));
+    if (w.qkv_bias != nullptr) PD_RETURN_IF_ERROR(kc::add_bias(qkv_buf_, w.qkv_bias, t, qkv_width, stream_));
+    kc::RopeKvArgs rope;
+    rope.qkv = qkv_buf_;
+    rope.q_out = q_buf_;
+    rope.kv_cache = kv;
+    rope.positions = ints + off_positions_;
+    rope.slot_mapping = ints + off_slots_;
+    rope.inv_freq = inv_freq_;
+    rope.q_norm_weight = w.q_norm;
+    rope.k_norm_weight = w.k_norm;
+    rope.norm_eps = c.rms_norm_eps;
+    rope.num_tokens = t;
+    rope.num_q_heads = hq;
+    rope.num_kv_heads = hkv;
+    rope.head_dim = d;
+    rope.block_size = options_.block_size;
+    PD_RETURN_IF_ERROR(kc::rope_kv_write(rope, stream_));
+    if (hooks != nullptr) hooks->wait_for_layer_load(l);
+    dec.kv_cache = kv;
+    pre.kv_cache = kv;
+    if (shape.num_decode > 0) PD_RETURN_IF_ERROR(kc::decode_attention(dec, decode_ws_, decode_ws_bytes_, stream_));
+    if (shape.num_prefill > 0) PD_RETURN_IF_ERROR(kc::prefill_attention(pre, stream_));
+    if (hooks != nullptr) {
+      // The connector reads this layer's KV from another stream: the writes must be complete.
+      PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "layer sync before save_layer"));
+      hooks->save_layer(l);
+    }
+    PD_RETURN_IF_ERROR(gemm_->run(x_, kc::GemmOut::kBFloat16, attn_buf_, w.o_proj, t, h, hq * d, stream_));
+    if (w.o_bias != nullptr) PD_RETURN_IF_ERROR(kc::add_bias(x_, w.o_bias, t, h, stream_));
+    PD_RETURN_IF_ERROR(kc::rmsnorm(x_, x_, residual_, w.post_norm, t, h, c.rms_norm_eps, stream_));
+    PD_RETURN_IF_ERROR(
+        gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, x_, w.gate_up, t, 2 * c.intermediate_size, h, stream_));
+    PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
+    PD_RETURN_IF_ERROR(
+        gemm_->run(x_, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size, stream_));
+  }
+  if (shape.num_sample == 0) return Status::Ok();
+  // Final residual add + norm only for the rows that are sampled.
+  bf16* residual_rows = gate_up_buf_;  // scratch: [num_sample][H] fits in [T][2I]
+  PD_RETURN_IF_ERROR(
+      kc::embedding_lookup(sample_hidden_, x_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
+  PD_RETURN_IF_ERROR(
+      kc::embedding_lookup(residual_rows, residual_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
+  PD_RETURN_IF_ERROR(kc::rmsnorm(sample_hidden_, sample_hidden_, residual_rows, final_norm_, shape.num_sample, h,
+                                 c.rms_norm_eps, stream_));
+  return gemm_->run(logits_, kc::GemmOut::kFloat32, sample_hidden_, lm_head_, shape.num_sample, c.vocab_size, h,
+                    stream_);
+}
+
+Status CudaModelRunner::run_decode_graph(int32_t bucket, const PassShape& shape) {
+  auto it = graphs_.find(bucket);
+  if (it == graphs_.end()) {
+    // Warm-up pass outside capture (cuBLASLt plans for these shapes) with the
+    // current inputs, then capture the same pass.
+    PD_RETURN_IF_ERROR(forward(shape, nullptr));
+    cudaGraph_t graph = nullptr;
+    PD_RETURN_IF_ERROR(
+        kc::cuda_status(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture"));
+    const Status st = forward(shape, nullptr);
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    PD_RETURN_IF_ERROR(st);
+    PD_RETURN_IF_ERROR(kc::cuda_status(end, "end capture"));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    PD_RETURN_IF_ERROR(kc::cuda_status(inst, "graph instantiate"));
+    it = graphs_.emplace(bucket, exec).first;
+  }
+  return kc::cuda_status(cudaGraphLaunch(it->second, stream_), "graph launch");
+}
+
+Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
+  PD_RETURN_IF_ERROR(validate(input));
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
+  // Internal order: decode sequences (one new token) first, then the rest.
+  std::vector<int32_t> order;
+  order.reserve(input.seqs.size());
+  for (size_t i = 0; i < input.seqs.size(); ++i)
+    if (input.seqs[i].num_new_tokens == 1) order.push_back(static_cast<int32_t>(i));
+  const auto num_decode = static_cast<int32_t>(order.size());
+  for (size_t i = 0; i < input.seqs.size(); ++i)
+    if (input.seqs[i].num_new_tokens != 1) order.push_back(static_cast<int32_t>(i));
+  const auto num_seqs = static_cast<int32_t>(order.size());
+
+  PassShape shape;
+  shape.num_decode = num_decode;
+  shape.num_prefill = num_seqs - num_decode;
+  const bool use_graph = options_.enable_cuda_graphs && input.layer_hooks == nullptr && shape.num_prefill == 0 &&
+                         num_decode <= std::min(options_.max_num_seqs, kGraphBuckets[std::size(kGraphBuckets) - 1]);
+  int32_t bucket = num_seqs;
+  if (use_graph) {
+    for (int32_t b : kGraphBuckets) {
+      if (b >= num_seqs) {
+        bucket = std::min(b, options_.max_num_seqs);
+        break;
+      }
+    }
+  }
+  int32_t* tok = h_ints_ + off_tokens_;
+  int32_t* pos = h_ints_ + off_positions_;
+  int32_t* slot = h_ints_ + off_slots_;
+  int32_t* qstart = h_ints_ + off_qstart_;
+  int32_t* ctx = h_ints_ + off_ctx_;
+  int32_t* tables = h_ints_ + off_tables_;
+  int32_t* sample_rows = h_ints_ + off_sample_rows_;
+  int32_t* supp = h_ints_ + off_suppressed_;
+  std::vector<int32_t> last_token_of(input.seqs.size());
+  int32_t t = 0;
+  qstart[0] = 0;
+  for (int32_t i = 0; i < num_seqs; ++i) {
+    const SeqStep& s = input.seqs[static_cast<size_t>(order[static_cast<size_t>(i)])];
+    for (int32_t j = 0; j < s.num_new_tokens; ++j) {
+      const int32_t p = s.num_computed_tokens + j;
+      tok[t] = input.token_ids[static_cast<size_t>(s.token_offset + j)];
+      pos[t] = p;
+      slot[t] = s.block_table[static_cast<size_t>(p / options_.block_size)] * options_.block_size +
+                p % options_.block_size;
+      ++t;
+    }
+    qstart[i + 1] = t;
+    ctx[i] = s.num_computed_tokens + s.num_new_tokens;
+    const int32_t nb = ceil_div(ctx[i], options_.block_size);
+    std::copy_n(s.block_table.begin(), nb, tables + static_cast<size_t>(i) * max_blocks_per_seq_);
+    last_token_of[static_cast<size_t>(order[static_cast<size_t>(i)])] = t - 1;
+    shape.max_context = std::max(shape.max_context, ctx[i]);
+    if (i >= num_decode) shape.max_prefill_q = std::max(shape.max_prefill_q, s.num_new_tokens);
+  }
+  // Graph padding: rows that read no context and write no KV.
+  for (int32_t i = num_seqs; i < (use_graph ? bucket : num_seqs); ++i) {
+    tok[t] = 0;
+    pos[t] = 0;
+    slot[t] = -1;
+    ++t;
+    qstart[i + 1] = t;
+    ctx[i] = 0;
+  }
+  shape.num_tokens = t;
+  // Sampled rows, in StepInput order.
+  std::vector<int32_t> sampled_seq;
+  std::vector<int32_t> host_rows;
+  int32_t num_supp = 0;
+  for (size_t i = 0; i < input.seqs.size(); ++i) {
+    const SeqStep& s = input.seqs[i];
+    if (!s.sample) continue;
+    const auto r = static_cast<int32_t>(sampled_seq.size());
+    sampled_seq.push_back(static_cast<int32_t>(i));
+    sample_rows[r] = last_token_of[i];
+    kc::RowSampling& rs = h_sampling_[r];
+    rs.temperature = s.sampling.temperature;
+    rs.min_p = s.sampling.min_p;
+    rs.rng_seed = s.rng_seed;
+    rs.suppressed_begin = num_supp;
+    const int32_t n = std::min<int32_t>(static_cast<int32_t>(s.suppressed_token_ids.size()), kc::kMaxSuppressedPerRow);
+    std::copy_n(s.suppressed_token_ids.begin(), n, supp + num_supp);
+    num_supp += n;
+    rs.suppressed_end = num_supp;
+    if (needs_host_sampling(s)) host_rows.push_back(r);
+  }
+  const auto num_sample = static_cast<int32_t>(sampled_seq.size());
+  shape.num_sample = num_sample;
+  const int32_t rows_written = use_graph ? bucket : num_seqs;
+  if (use_graph) {
+    for (int32_t r = num_sample; r < bucket; ++r) sample_rows[r] = 0;
+    shape.num_sample = bucket;
+    shape.num_decode = bucket;
+    shape.max_context = options_.max_model_len;  // the captured decode split covers any context
+  }
+  // Copy the used part of each input section.
+  auto h2d = [&](size_t off, size_t count) {
+    return kc::cuda_status(cudaMemcpyAsync(d_ints_ + off, h_ints_ + off, count * sizeof(int32_t),
+                                           cudaMemcpyHostToDevice, stream_),
+                           "step input copy");
+  };
+  PD_RETURN_IF_ERROR(h2d(off_tokens_, static_cast<size_t>(t)));
+  PD_RETURN_IF_ERROR(h2d(off_positions_, static_cast<size_t>(t)));
+  PD_RETURN_IF_ERROR(h2d(off_slots_, static_cast<size_t>(t)));
+  PD_RETURN_IF_ERROR(h2d(off_qstart_, static_cast<size_t>(rows_written) + 1));
+  PD_RETURN_IF_ERROR(h2d(off_ctx_, static_cast<size_t>(rows_written)));
+  PD_RETURN_IF_ERROR(h2d(off_sample_rows_, static_cast<size_t>(std::max(shape.num_sample, 1))));
+  if (num_supp > 0) PD_RETURN_IF_ERROR(h2d(off_suppressed_, static_cast<size_t>(num_supp)));
+  PD_RETURN_IF_ERROR(h2d(off_tables_, static_cast<size_t>(num_seqs) * max_blocks_per_seq_));
+  if (num_sample > 0) {
+    PD_RETURN_IF_ERROR(kc::cuda_status(cudaMemcpyAsync(d_sampling_, h_sampling_, num_sample * sizeof(kc::RowSampling),
+                                                       cudaMemcpyHostToDevice, stream_),
+                                       "sampling params copy"));
+  }
+
+  if (use_graph) {
+    PD_RETURN_IF_ERROR(run_decode_graph(bucket, shape));
+  } else {
+    PD_RETURN_IF_ERROR(forward(shape, input.layer_hooks));
+  }
+  StepOutput out;
+  if (num_sample == 0) {
+    PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "step sync"));
+    return out;
+  }
+  // Raw logits of the rows the CPU sampler handles, before the GPU kernel edits rows.
+  std::vector<std::vector<float>> host_logits(host_rows.size());
+  for (size_t k = 0; k < host_rows.size(); ++k) {
+    host_logits[k].resize(static_cast<size_t>(config_.vocab_size));
+    PD_RETURN_IF_ERROR(kc::cuda_status(
+        cudaMemcpyAsync(host_logits[k].data(), logits_ + static_cast<size_t>(host_rows[k]) * config_.vocab_size,
+                        static_cast<size_t>(config_.vocab_size) * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+        "logits row copy"));
+  }
+  int32_t* d_tokens = d_ints_ + off_out_tokens_;
+  PD_RETURN_IF_ERROR(kc::sample_rows(logits_, num_sample, config_.vocab_size, d_sampling_, d_ints_ + off_suppressed_,
+                                     d_tokens, d_logprobs_, stream_));
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaMemcpyAsync(h_ints_ + off_out_tokens_, d_tokens, num_sample * sizeof(int32_t),
+                                                     cudaMemcpyDeviceToHost, stream_),
+                                     "token copy"));
+  PD_RETURN_IF_ERROR(kc::cuda_status(
+      cudaMemcpyAsync(h_logprobs_, d_logprobs_, num_sample * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+      "logprob copy"));
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "step sync"));
+  out.sampled.resize(static_cast<size_t>(num_sample));
+  for (int32_t r = 0; r < num_sample; ++r) {
+    out.sampled[static_cast<size_t>(r)].token_id = h_ints_[off_out_tokens_ + static_cast<size_t>(r)];
+    out.sampled[static_cast<size_t>(r)].logprob = h_logprobs_[r];
+  }
+  for (size_t k = 0; k < host_rows.size(); ++k) {
+    const int32_t r = host_rows[k];
+    const SeqStep& s = input.seqs[static_cast<size_t>(sampled_seq[static_cast<size_t>(r)])];
+    out.sampled[static_cast<size_t>(r)] = sample_token(host_logits[k], s.sampling, s.rng_seed, s.suppressed_token_ids);
+  }
+  return out;
+}
+
+}  // namespace pd::engine

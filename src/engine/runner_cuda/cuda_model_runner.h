@@ -1,0 +1,148 @@
+// The CUDA model runner: bf16 forward pass of the Llama / Qwen2 / Qwen3
+// decoder on one GPU over a paged KV cache (cuBLASLt GEMMs, kernels from
+// kernels/cuda), sampling on the GPU (greedy / temperature / min-p; rows with
+// top-k, top-p or top-n logprobs go through the CPU sampler on their logits
+// row). Decode-only steps run as CUDA graphs captured per batch-size bucket;
+// padding rows of a bucket write no KV (slot -1) and read no context.
+//
+// Threads: execute() is called from the engine thread only; the runner owns
+// one stream and every device buffer. execute() returns after the step's
+// device work is complete (its tokens are on the host).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "engine/model_runner.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/kernels.h"
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace pd::engine {
+
+struct CudaRunnerOptions {
+  int32_t device = 0;
+  int32_t block_size = 16;
+  int32_t max_model_len = 4096;
+  int32_t max_num_seqs = 256;
+  int32_t max_num_batched_tokens = 8192;
+  double gpu_memory_utilization = 0.9;  // share of the device's memory this process may hold
+  int32_t num_kv_blocks = 0;            // > 0: exactly this many blocks (overrides the utilization sizing)
+  bool enable_cuda_graphs = true;
+  uint64_t dummy_seed = 0;
+};
+
+class CudaModelRunner final : public ModelRunner {
+ public:
+  // host_weights: fp32 tensors (safetensors or model::dummy_weights), converted
+  // to bf16 on upload; null = dummy weights generated on the GPU from
+  // options.dummy_seed (N(0, 0.02)-scaled uniform matrices, unit norms).
+  static Result<std::unique_ptr<CudaModelRunner>> create(model::ModelConfig config,
+                                                         const model::ModelWeights* host_weights,
+                                                         CudaRunnerOptions options);
+  ~CudaModelRunner() override;
+
+  const KvCacheSpec& kv_cache_spec() const override { return spec_; }
+  int32_t vocab_size() const override { return config_.vocab_size; }
+  Result<StepOutput> execute(const StepInput& input) override;
+  void* kv_layer_base(int32_t layer) override;
+  bool kv_on_device() const override { return true; }
+
+  const model::ModelConfig& config() const { return config_; }
+  size_t weight_bytes() const { return weight_bytes_; }
+  // Bytes of K and V one token occupies over all layers.
+  size_t kv_bytes_per_token() const;
+  // Fills the whole KV pool with seeded random values (benchmarks read real data, not zeros).
+  Status fill_kv_random(uint64_t seed);
+  // The fp32 logits rows of the last execute() (one per sampled seq; rows with
+  // suppressed ids hold -inf there). For whole-model checks against the CPU runner.
+  Result<std::vector<float>> last_logits(int32_t num_rows);
+  int32_t num_graphs_captured() const { return static_cast<int32_t>(graphs_.size()); }
+
+ private:
+  struct LayerWeights {
+    __nv_bfloat16* input_norm = nullptr;
+    __nv_bfloat16* qkv = nullptr;       // [(Hq + 2 Hkv) D][H]: q, k, v rows stacked
+    __nv_bfloat16* qkv_bias = nullptr;  // Qwen2
+    __nv_bfloat16* q_norm = nullptr;    // Qwen3
+    __nv_bfloat16* k_norm = nullptr;
+    __nv_bfloat16* o_proj = nullptr;    // [H][Hq D]
+    __nv_bfloat16* o_bias = nullptr;
+    __nv_bfloat16* post_norm = nullptr;
+    __nv_bfloat16* gate_up = nullptr;   // [2 I][H]: gate rows then up rows
+    __nv_bfloat16* down = nullptr;      // [H][I]
+  };
+  // Shapes of one forward pass over the internal token order: decode
+  // sequences (one token each) first, then prefill sequences.
+  struct PassShape {
+    int32_t num_tokens = 0;
+    int32_t num_decode = 0;
+    int32_t num_prefill = 0;
+    int32_t max_prefill_q = 0;
+    int32_t max_context = 0;
+    int32_t num_sample = 0;
+  };
+  struct HostStep;
+
+  CudaModelRunner() = default;
+  Status init(model::ModelConfig config, const model::ModelWeights* host_weights, CudaRunnerOptions options);
+  Status upload_weights(const model::ModelWeights* host_weights);
+  Status allocate_buffers();
+  Status allocate_kv_pool();
+  Status validate(const StepInput& input) const;
+  // Launches the forward pass (through the lm_head) on stream_ for the inputs already in device buffers.
+  Status forward(const PassShape& shape, LayerKvHooks* hooks);
+  Status run_decode_graph(int32_t bucket, const PassShape& shape);
+  void* alloc(size_t bytes);
+
+  model::ModelConfig config_;
+  CudaRunnerOptions options_;
+  KvCacheSpec spec_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<kernels::cuda::Gemm> gemm_;
+  std::vector<void*> allocations_;
+  size_t weight_bytes_ = 0;
+
+  __nv_bfloat16* embed_ = nullptr;
+  __nv_bfloat16* final_norm_ = nullptr;
+  __nv_bfloat16* lm_head_ = nullptr;  // == embed_ when tied
+  std::vector<LayerWeights> layers_;
+  float* inv_freq_ = nullptr;
+
+  // Activations, sized for max_num_batched_tokens rows.
+  __nv_bfloat16* residual_ = nullptr;
+  __nv_bfloat16* x_ = nullptr;
+  __nv_bfloat16* qkv_buf_ = nullptr;
+  __nv_bfloat16* q_buf_ = nullptr;
+  __nv_bfloat16* attn_buf_ = nullptr;
+  __nv_bfloat16* gate_up_buf_ = nullptr;
+  __nv_bfloat16* act_buf_ = nullptr;
+  __nv_bfloat16* sample_hidden_ = nullptr;  // [max_num_seqs][H]
+  float* logits_ = nullptr;                 // [max_num_seqs][V]
+  void* decode_ws_ = nullptr;
+  size_t decode_ws_bytes_ = 0;
+
+  // Step inputs: one int32 region (device + pinned host mirror) at fixed offsets, so a
+  // captured graph always reads the same addresses.
+  int32_t* d_ints_ = nullptr;
+  int32_t* h_ints_ = nullptr;
+  size_t ints_count_ = 0;
+  size_t off_tokens_ = 0, off_positions_ = 0, off_slots_ = 0, off_qstart_ = 0, off_ctx_ = 0, off_tables_ = 0,
+         off_sample_rows_ = 0, off_suppressed_ = 0, off_out_tokens_ = 0;
+  int32_t max_blocks_per_seq_ = 0;
+  kernels::cuda::RowSampling* d_sampling_ = nullptr;
+  kernels::cuda::RowSampling* h_sampling_ = nullptr;
+  float* d_logprobs_ = nullptr;
+  float* h_logprobs_ = nullptr;
+
+  void* kv_pool_ = nullptr;
+
+  std::map<int32_t, cudaGraphExec_t> graphs_;  // decode bucket -> instantiated graph
+};
+
+}  // namespace pd::engine

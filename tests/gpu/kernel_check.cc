@@ -1,0 +1,517 @@
+// Checks every CUDA kernel against the fp32 CPU reference kernels
+// (kernels/cpu) on fresh random inputs, outputs poisoned (NaN) first.
+// Pass: relative L2 error <= 1e-2 and no NaN/unwritten element. Prints one
+// table row per check; exit code 1 when any check fails. Runs on a GPU only
+// (never in CI; CI compiles it).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/sampler.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/kernels.h"
+#include "tests/gpu/bench_util.h"
+#include "tests/gpu/gpu_util.h"
+
+namespace pd::gpu_test {
+namespace {
+
+namespace kc = pd::kernels::cuda;
+namespace cpu = pd::kernels::cpu;
+using bf16 = __nv_bfloat16;
+
+constexpr double kTolerance = 1e-2;
+
+struct Row {
+  std::string name;
+  std::string shape;
+  ErrorStats err;
+  bool pass = false;
+  std::string note;
+};
+std::vector<Row> g_rows;
+
+void record(std::string name, std::string shape, const ErrorStats& e, std::string note = "") {
+  const bool pass = e.num_nan == 0 && e.rel_l2 <= kTolerance;
+  g_rows.push_back({std::move(name), std::move(shape), e, pass, std::move(note)});
+}
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 r(std::random_device{}());
+  return r;
+}
+
+void check_embedding() {
+  const int vocab = 1000, hidden = 4096, rows = 37;
+  std::vector<float> table_f;
+  auto table = random_bf16(static_cast<size_t>(vocab) * hidden, 1.0f, rng(), &table_f);
+  std::vector<int32_t> ids(rows);
+  std::uniform_int_distribution<int> pick(0, vocab - 1);
+  for (auto& id : ids) id = pick(rng());
+  DeviceBuffer<bf16> d_table(table.size()), d_out(static_cast<size_t>(rows) * hidden);
+  DeviceBuffer<int32_t> d_ids(rows);
+  d_table.upload(table);
+  d_ids.upload(ids);
+  d_out.poison();
+  PD_STATUS_CHECK(kc::embedding_lookup(d_out.get(), d_table.get(), d_ids.get(), rows, vocab, hidden, nullptr));
+  std::vector<float> ref(static_cast<size_t>(rows) * hidden);
+  cpu::embedding(table_f.data(), hidden, ids, ref.data());
+  record("embedding", "37x4096 of 1000", compare(to_float(d_out.download()), ref));
+}
+
+void check_rmsnorm(bool with_residual, int hidden) {
+  const int rows = 33;
+  const size_t n = static_cast<size_t>(rows) * hidden;
+  std::vector<float> x_f, r_f, w_f;
+  auto x = random_bf16(n, 2.0f, rng(), &x_f);
+  auto r = random_bf16(n, 2.0f, rng(), &r_f);
+  auto w = random_bf16(hidden, 1.5f, rng(), &w_f);
+  DeviceBuffer<bf16> d_x(n), d_r(n), d_w(hidden), d_out(n);
+  d_x.upload(x);
+  d_r.upload(r);
+  d_w.upload(w);
+  d_out.poison();
+  const float eps = 1e-6f;
+  PD_STATUS_CHECK(
+      kc::rmsnorm(d_out.get(), d_x.get(), with_residual ? d_r.get() : nullptr, d_w.get(), rows, hidden, eps, nullptr));
+  std::vector<float> ref(n);
+  const std::string shape = std::to_string(rows) + "x" + std::to_string(hidden);
+  if (with_residual) {
+    std::vector<float> res = r_f;
+    cpu::add_rms_norm(res.data(), x_f.data(), w_f.data(), rows, hidden, eps, ref.data());
+    record("add_rmsnorm.out", shape, compare(to_float(d_out.download()), ref));
+    record("add_rmsnorm.residual", shape, compare(to_float(d_r.download()), res));
+  } else {
+    cpu::rms_norm(x_f.data(), w_f.data(), rows, hidden, eps, ref.data());
+    record("rmsnorm", shape, compare(to_float(d_out.download()), ref));
+  }
+}
+
+void check_bias_and_silu() {
+  const int rows = 7, width = 4096 + 2 * 1024, inter = 12288;
+  std::vector<float> x_f, b_f, gu_f;
+  auto x = random_bf16(static_cast<size_t>(rows) * width, 2.0f, rng(), &x_f);
+  auto b = random_bf16(width, 2.0f, rng(), &b_f);
+  DeviceBuffer<bf16> d_x(x.size()), d_b(b.size());
+  d_x.upload(x);
+  d_b.upload(b);
+  PD_STATUS_CHECK(kc::add_bias(d_x.get(), d_b.get(), rows, width, nullptr));
+  std::vector<float> ref = x_f;
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < width; ++i) ref[static_cast<size_t>(r) * width + i] += b_f[i];
+  record("add_bias", "7x6144", compare(to_float(d_x.download()), ref));
+
+  auto gu = random_bf16(static_cast<size_t>(rows) * 2 * inter, 4.0f, rng(), &gu_f);
+  DeviceBuffer<bf16> d_gu(gu.size()), d_out(static_cast<size_t>(rows) * inter);
+  d_gu.upload(gu);
+  d_out.poison();
+  PD_STATUS_CHECK(kc::silu_mul(d_out.get(), d_gu.get(), rows, inter, nullptr));
+  std::vector<float> ref2(static_cast<size_t>(rows) * inter);
+  for (int r = 0; r < rows; ++r) {
+    const float* g = gu_f.data() + static_cast<size_t>(r) * 2 * inter;
+    cpu::silu_mul(g, g + inter, inter, ref2.data() + static_cast<size_t>(r) * inter);
+  }
+  record("silu_mul", "7x12288", compare(to_float(d_out.download()), ref2));
+}
+
+void check_gemm(int m, int n, int k, kc::GemmOut out_type) {
+  std::vector<float> a_f, w_f;
+  auto a = random_bf16(static_cast<size_t>(m) * k, 1.0f, rng(), &a_f);
+  auto w = random_bf16(static_cast<size_t>(n) * k, 1.0f, rng(), &w_f);
+  DeviceBuffer<bf16> d_a(a.size()), d_w(w.size());
+  d_a.upload(a);
+  d_w.upload(w);
+  auto gemm = kc::Gemm::create();
+  PD_STATUS_CHECK(gemm.status());
+  std::vector<float> ref(static_cast<size_t>(m) * n);
+  cpu::matmul(a_f.data(), w_f.data(), nullptr, m, n, k, ref.data());
+  const std::string shape = std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k);
+  if (out_type == kc::GemmOut::kBFloat16) {
+    DeviceBuffer<bf16> d_out(static_cast<size_t>(m) * n);
+    d_out.poison();
+    PD_STATUS_CHECK((*gemm)->run(d_out.get(), out_type, d_a.get(), d_w.get(), m, n, k, nullptr));
+    record("gemm_bf16", shape, compare(to_float(d_out.download()), ref));
+  } else {
+    DeviceBuffer<float> d_out(static_cast<size_t>(m) * n);
+    d_out.poison();
+    PD_STATUS_CHECK((*gemm)->run(d_out.get(), out_type, d_a.get(), d_w.get(), m, n, k, nullptr));
+    record("gemm_f32out", shape, compare(d_out.download(), ref));
+  }
+}
+
+// A random paged cache: num_blocks blocks, filled with random bf16.
+struct PagedCache {
+  int num_blocks, num_kv_heads, head_dim;
+  std::vector<float> host;  // exact bf16 values
+  DeviceBuffer<bf16> dev;
+  PagedCache(int blocks, int kv_heads, int dim)
+      : num_blocks(blocks), num_kv_heads(kv_heads), head_dim(dim),
+        dev(static_cast<size_t>(blocks) * 2 * kc::kKvBlockSize * kv_heads * dim) {
+    auto data = random_bf16(dev.count(), 1.0f, rng(), &host);
+    dev.upload(data);
+  }
+  cpu::PagedKvLayout layout() const { return {num_blocks, kc::kKvBlockSize, num_kv_heads, head_dim}; }
+};
+
+void check_rope_kv(int head_dim, int num_q_heads, int num_kv_heads, bool qk_norm) {
+  const int tokens = 50;
+  const int width = (num_q_heads + 2 * num_kv_heads) * head_dim;
+  std::vector<float> qkv_f, qn_f, kn_f;
+  auto qkv = random_bf16(static_cast<size_t>(tokens) * width, 2.0f, rng(), &qkv_f);
+  auto qn = random_bf16(head_dim, 1.5f, rng(), &qn_f);
+  auto kn = random_bf16(head_dim, 1.5f, rng(), &kn_f);
+  std::vector<int32_t> positions(tokens), slots(tokens);
+  std::uniform_int_distribution<int> pos_dist(0, 32000);
+  for (auto& p : positions) p = pos_dist(rng());
+  PagedCache cache(16, num_kv_heads, head_dim);
+  std::vector<int32_t> all_slots(static_cast<size_t>(cache.num_blocks) * kc::kKvBlockSize);
+  std::iota(all_slots.begin(), all_slots.end(), 0);
+  std::shuffle(all_slots.begin(), all_slots.end(), rng());
+  for (int t = 0; t < tokens; ++t) slots[t] = all_slots[t];
+  slots[3] = -1;  // a padding row writes nowhere
+  const auto inv_freq = cpu::rope_inv_freq(head_dim, 1000000.0, {});
+
+  DeviceBuffer<bf16> d_qkv(qkv.size()), d_qn(head_dim), d_kn(head_dim),
+      d_q(static_cast<size_t>(tokens) * num_q_heads * head_dim);
+  DeviceBuffer<int32_t> d_pos(tokens), d_slots(tokens);
+  DeviceBuffer<float> d_freq(inv_freq.size());
+  d_qkv.upload(qkv);
+  d_qn.upload(qn);
+  d_kn.upload(kn);
+  d_pos.upload(positions);
+  d_slots.upload(slots);
+  d_freq.upload(inv_freq);
+  d_q.poison();
+  kc::RopeKvArgs args;
+  args.qkv = d_qkv.get();
+  args.q_out = d_q.get();
+  args.kv_cache = cache.dev.get();
+  args.positions = d_pos.get();
+  args.slot_mapping = d_slots.get();
+  args.inv_freq = d_freq.get();
+  args.q_norm_weight = qk_norm ? d_qn.get() : nullptr;
+  args.k_norm_weight = qk_norm ? d_kn.get() : nullptr;
+  args.norm_eps = 1e-6f;
+  args.num_tokens = tokens;
+  args.num_q_heads = num_q_heads;
+  args.num_kv_heads = num_kv_heads;
+  args.head_dim = head_dim;
+  PD_STATUS_CHECK(kc::rope_kv_write(args, nullptr));
+
+  // Reference: split, per-head norm, rope, scatter into a copy of the cache.
+  const int qw = num_q_heads * head_dim, kw = num_kv_heads * head_dim;
+  std::vector<float> q(static_cast<size_t>(tokens) * qw), k(static_cast<size_t>(tokens) * kw),
+      v(static_cast<size_t>(tokens) * kw);
+  for (int t = 0; t < tokens; ++t) {
+    const float* row = qkv_f.data() + static_cast<size_t>(t) * width;
+    std::copy(row, row + qw, q.begin() + static_cast<size_t>(t) * qw);
+    std::copy(row + qw, row + qw + kw, k.begin() + static_cast<size_t>(t) * kw);
+    std::copy(row + qw + kw, row + width, v.begin() + static_cast<size_t>(t) * kw);
+  }
+  if (qk_norm) {
+    cpu::rms_norm(q.data(), qn_f.data(), tokens * num_q_heads, head_dim, 1e-6f, q.data());
+    cpu::rms_norm(k.data(), kn_f.data(), tokens * num_kv_heads, head_dim, 1e-6f, k.data());
+  }
+  cpu::apply_rope(q.data(), tokens, num_q_heads, head_dim, positions.data(), inv_freq);
+  cpu::apply_rope(k.data(), tokens, num_kv_heads, head_dim, positions.data(), inv_freq);
+  std::vector<float> ref_cache = cache.host;
+  std::vector<int64_t> slots64;
+  std::vector<float> kk, vv;
+  for (int t = 0; t < tokens; ++t) {
+    if (slots[t] < 0) continue;
+    slots64.push_back(slots[t]);
+    kk.insert(kk.end(), k.begin() + static_cast<size_t>(t) * kw, k.begin() + static_cast<size_t>(t + 1) * kw);
+    vv.insert(vv.end(), v.begin() + static_cast<size_t>(t) * kw, v.begin() + static_cast<size_t>(t + 1) * kw);
+  }
+  cpu::write_kv_cache(ref_cache.data(), cache.layout(), kk.data(), vv.data(), static_cast<int32_t>(slots64.size()),
+                      slots64.data());
+  const std::string shape = "D" + std::to_string(head_dim) + " " + std::to_string(num_q_heads) + "/" +
+                            std::to_string(num_kv_heads) + (qk_norm ? " qknorm" : "");
+  record("rope.q", shape, compare(to_float(d_q.download()), q));
+  // Whole cache: written slots must match, all other slots (incl. the padding row's) unchanged.
+  record("rope.kv_cache", shape, compare(to_float(cache.dev.download()), ref_cache), "unwritten slots intact");
+}
+
+struct SeqSpec {
+  int q_len;
+  int ctx;
+};
+
+// Runs prefill (decode == false) or decode attention for `seqs` and compares with cpu::paged_attention.
+void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_heads, const std::vector<SeqSpec>& seqs) {
+  int max_ctx = 1, max_q = 0, total_q = 0, total_blocks = 0;
+  for (const auto& s : seqs) {
+    max_ctx = std::max(max_ctx, s.ctx);
+    max_q = std::max(max_q, s.q_len);
+    total_q += s.q_len;
+    total_blocks += (s.ctx + kc::kKvBlockSize - 1) / kc::kKvBlockSize;
+  }
+  const int max_blocks = (max_ctx + kc::kKvBlockSize - 1) / kc::kKvBlockSize;
+  PagedCache cache(total_blocks + 8, num_kv_heads, head_dim);
+  std::vector<int32_t> perm(static_cast<size_t>(cache.num_blocks));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng());
+  std::vector<int32_t> tables(seqs.size() * max_blocks, 0), qstart(seqs.size() + 1, 0), ctxs(seqs.size());
+  int next = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const int nb = (seqs[s].ctx + kc::kKvBlockSize - 1) / kc::kKvBlockSize;
+    for (int j = 0; j < nb; ++j) tables[s * max_blocks + j] = perm[next++];
+    qstart[s + 1] = qstart[s] + seqs[s].q_len;
+    ctxs[s] = seqs[s].ctx;
+  }
+  std::vector<float> q_f;
+  auto q = random_bf16(static_cast<size_t>(total_q) * num_q_heads * head_dim, 2.0f, rng(), &q_f);
+  DeviceBuffer<bf16> d_q(q.size()), d_out(q.size());
+  DeviceBuffer<int32_t> d_tables(tables.size()), d_qstart(qstart.size()), d_ctx(ctxs.size());
+  d_q.upload(q);
+  d_tables.upload(tables);
+  d_qstart.upload(qstart);
+  d_ctx.upload(ctxs);
+  d_out.poison();
+  kc::AttentionArgs a;
+  a.q = d_q.get();
+  a.out = d_out.get();
+  a.kv_cache = cache.dev.get();
+  a.query_start = d_qstart.get();
+  a.context_lens = d_ctx.get();
+  a.block_tables = d_tables.get();
+  a.num_seqs = static_cast<int32_t>(seqs.size());
+  a.max_blocks_per_seq = max_blocks;
+  a.max_query_len = max_q;
+  a.max_context_len = max_ctx;
+  a.num_q_heads = num_q_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.head_dim = head_dim;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  if (decode) {
+    const size_t ws = kc::decode_attention_workspace_bytes(a.num_seqs, num_q_heads, head_dim, max_ctx);
+    DeviceBuffer<uint8_t> d_ws(ws);
+    PD_STATUS_CHECK(kc::decode_attention(a, d_ws.get(), ws, nullptr));
+    PD_CUDA_CHECK(cudaDeviceSynchronize());
+  } else {
+    PD_STATUS_CHECK(kc::prefill_attention(a, nullptr));
+  }
+  std::vector<float> ref(q.size(), 0.0f), scratch(static_cast<size_t>(max_ctx) + 1);
+  const size_t row = static_cast<size_t>(num_q_heads) * head_dim;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    if (seqs[s].ctx == 0) continue;  // graph padding: the kernel writes zeros
+    std::vector<int32_t> pos(static_cast<size_t>(seqs[s].q_len));
+    for (int i = 0; i < seqs[s].q_len; ++i) pos[i] = seqs[s].ctx - seqs[s].q_len + i;
+    cpu::paged_attention(q_f.data() + qstart[s] * row, seqs[s].q_len, pos.data(), cache.host.data(), cache.layout(),
+                         std::span<const int32_t>(tables.data() + s * max_blocks, max_blocks), num_q_heads, a.scale,
+                         ref.data() + qstart[s] * row, scratch.data());
+  }
+  std::string shape = "D" + std::to_string(head_dim) + " " + std::to_string(num_q_heads) + "/" +
+                      std::to_string(num_kv_heads) + " seqs " + std::to_string(seqs.size()) + " maxctx " +
+                      std::to_string(max_ctx);
+  record(decode ? "decode_attention" : "prefill_attention", shape, compare(to_float(d_out.download()), ref));
+}
+
+void check_sampling() {
+  const int vocab = 151936;
+  struct Case {
+    float temperature, min_p;
+    std::vector<int32_t> suppressed;
+  };
+  std::vector<Case> cases;
+  for (int i = 0; i < 8; ++i) cases.push_back({0.0f, 0.0f, {}});
+  for (int i = 0; i < 24; ++i) cases.push_back({1.0f, 0.0f, {}});
+  for (int i = 0; i < 24; ++i) cases.push_back({0.7f, 0.05f, {}});
+  for (int i = 0; i < 8; ++i) cases.push_back({0.0f, 0.0f, {-1}});  // argmax suppressed (filled below)
+  for (int i = 0; i < 8; ++i) cases.push_back({1.3f, 0.0f, {-1, 5, 7}});
+  const int rows = static_cast<int>(cases.size());
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  std::vector<float> logits(static_cast<size_t>(rows) * vocab);
+  for (auto& v : logits) v = nd(rng());
+  std::vector<kc::RowSampling> params(rows);
+  std::vector<int32_t> supp;
+  std::uniform_int_distribution<uint64_t> seed_dist;
+  for (int r = 0; r < rows; ++r) {
+    auto& c = cases[r];
+    const float* row = logits.data() + static_cast<size_t>(r) * vocab;
+    for (auto& id : c.suppressed) {
+      if (id == -1) id = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+    }
+    params[r].temperature = c.temperature;
+    params[r].min_p = c.min_p;
+    params[r].rng_seed = seed_dist(rng());
+    params[r].suppressed_begin = static_cast<int32_t>(supp.size());
+    supp.insert(supp.end(), c.suppressed.begin(), c.suppressed.end());
+    params[r].suppressed_end = static_cast<int32_t>(supp.size());
+  }
+  if (supp.empty()) supp.push_back(0);
+  DeviceBuffer<float> d_logits(logits.size()), d_lp(rows);
+  DeviceBuffer<kc::RowSampling> d_params(rows);
+  DeviceBuffer<int32_t> d_supp(supp.size()), d_tok(rows);
+  d_logits.upload(logits);
+  d_params.upload(params);
+  d_supp.upload(supp);
+  d_tok.poison();
+  d_lp.poison();
+  PD_STATUS_CHECK(kc::sample_rows(d_logits.get(), rows, vocab, d_params.get(), d_supp.get(), d_tok.get(), d_lp.get(),
+                                  nullptr));
+  const auto tok = d_tok.download();
+  const auto lp = d_lp.download();
+  int mismatches = 0;
+  std::vector<float> lp_ref(rows);
+  std::vector<float> lp_out(rows);
+  for (int r = 0; r < rows; ++r) {
+    std::vector<float> row(logits.begin() + static_cast<size_t>(r) * vocab,
+                           logits.begin() + static_cast<size_t>(r + 1) * vocab);
+    engine::SamplingParams sp;
+    sp.temperature = cases[r].temperature;
+    sp.min_p = cases[r].min_p;
+    sp.logprobs = 0;
+    const auto ref = engine::sample_token(row, sp, params[r].rng_seed, cases[r].suppressed);
+    if (ref.token_id != tok[r]) ++mismatches;
+    lp_ref[r] = ref.logprob;
+    lp_out[r] = lp[r];
+  }
+  ErrorStats e = compare(lp_out, lp_ref);
+  const std::string note = std::to_string(rows - mismatches) + "/" + std::to_string(rows) + " tokens = CPU sampler";
+  record("sample_rows.logprob", std::to_string(rows) + "x151936", e, note);
+  ErrorStats te;
+  te.rel_l2 = static_cast<double>(mismatches) / rows;
+  te.count = static_cast<size_t>(rows);
+  g_rows.push_back({"sample_rows.token", std::to_string(rows) + " rows", te, mismatches == 0, note});
+}
+
+void check_dispatch_rejects() {
+  kc::AttentionArgs a;
+  a.head_dim = 96;
+  a.num_q_heads = 8;
+  a.num_kv_heads = 8;
+  a.scale = 1.0f;
+  const Status s = kc::prefill_attention(a, nullptr);
+  kc::RopeKvArgs r;
+  r.head_dim = 128;
+  r.block_size = 32;
+  r.num_q_heads = 8;
+  r.num_kv_heads = 8;
+  const Status s2 = kc::rope_kv_write(r, nullptr);
+  ErrorStats e;
+  g_rows.push_back({"dispatch.rejects", "D96 / block 32", e,
+                    s.code() == ErrorCode::kUnimplemented && s2.code() == ErrorCode::kUnimplemented,
+                    s.ok() ? "accepted!" : s.message()});
+}
+
+
+// ---------------------------------------------------------------- timing
+struct BenchRow {
+  std::string name;
+  double ms;
+  double achieved;  // GB/s or TFLOP/s
+  double ceiling;
+  const char* unit;
+};
+
+void run_benchmarks() {
+  std::vector<BenchRow> rows;
+  const double copy_gbs = measure_copy_gbs();
+  rows.push_back({"d2d copy 4GiB", 0.0, copy_gbs, copy_gbs, "GB/s"});
+  const double gemm_tf = measure_gemm_tflops();
+  rows.push_back({"gemm 8192^3 bf16", 0.0, gemm_tf, gemm_tf, "TFLOP/s"});
+  // Decode attention, Qwen3-8B layer shape (32/8 heads, D128), batch x 2048 context.
+  for (int batch : {1, 16, 64, 128}) {
+    for (int q_heads : {32, 64}) {
+      const int ctx = 2048, kvh = 8, d = 128, nb = ctx / 16;
+      const size_t cache_elems = static_cast<size_t>(batch) * nb * 2 * 16 * kvh * d;
+      DeviceBuffer<bf16> cache(cache_elems), q(static_cast<size_t>(batch) * q_heads * d), out(q.count());
+      PD_STATUS_CHECK(kc::fill_uniform(cache.get(), cache_elems, 4, 1.0f, nullptr));
+      PD_STATUS_CHECK(kc::fill_uniform(q.get(), q.count(), 5, 1.0f, nullptr));
+      std::vector<int32_t> tables(static_cast<size_t>(batch) * nb), qs(batch + 1), cl(batch, ctx);
+      std::iota(tables.begin(), tables.end(), 0);
+      std::shuffle(tables.begin(), tables.end(), rng());
+      std::iota(qs.begin(), qs.end(), 0);
+      DeviceBuffer<int32_t> d_t(tables.size()), d_qs(qs.size()), d_cl(cl.size());
+      d_t.upload(tables);
+      d_qs.upload(qs);
+      d_cl.upload(cl);
+      kc::AttentionArgs a;
+      a.q = q.get(); a.out = out.get(); a.kv_cache = cache.get(); a.query_start = d_qs.get(); a.context_lens = d_cl.get();
+      a.block_tables = d_t.get(); a.num_seqs = batch; a.max_blocks_per_seq = nb; a.max_query_len = 1; a.max_context_len = ctx;
+      a.num_q_heads = q_heads; a.num_kv_heads = kvh; a.head_dim = d; a.scale = 0.088f;
+      const size_t ws = kc::decode_attention_workspace_bytes(batch, q_heads, d, ctx);
+      DeviceBuffer<uint8_t> d_ws(ws);
+      const float ms = time_ms([&] { PD_STATUS_CHECK(kc::decode_attention(a, d_ws.get(), ws, nullptr)); });
+      const double gbs = cache_elems * 2.0 / (ms * 1e6);
+      rows.push_back({"decode attn b" + std::to_string(batch) + " ctx2048 " + std::to_string(q_heads) + "/8", ms, gbs, copy_gbs, "GB/s"});
+    }
+  }
+  // Prefill attention: one 2000-token prompt, 32/8 heads, D128 (causal flops 4*T*T/2*D*H).
+  for (int nseq : {1, 8}) {
+    const int t = 2000, hq = 32, kvh = 8, d = 128, nb = (t + 15) / 16;
+    const size_t cache_elems = static_cast<size_t>(nseq) * nb * 2 * 16 * kvh * d;
+    DeviceBuffer<bf16> cache(cache_elems), q(static_cast<size_t>(nseq) * t * hq * d), out(q.count());
+    PD_STATUS_CHECK(kc::fill_uniform(cache.get(), cache_elems, 6, 1.0f, nullptr));
+    PD_STATUS_CHECK(kc::fill_uniform(q.get(), q.count(), 7, 1.0f, nullptr));
+    std::vector<int32_t> tables(static_cast<size_t>(nseq) * nb), qs(nseq + 1), cl(nseq, t);
+    std::iota(tables.begin(), tables.end(), 0);
+    for (int i = 0; i <= nseq; ++i) qs[i] = i * t;
+    DeviceBuffer<int32_t> d_t(tables.size()), d_qs(qs.size()), d_cl(cl.size());
+    d_t.upload(tables);
+    d_qs.upload(qs);
+    d_cl.upload(cl);
+    kc::AttentionArgs a;
+    a.q = q.get(); a.out = out.get(); a.kv_cache = cache.get(); a.query_start = d_qs.get(); a.context_lens = d_cl.get();
+    a.block_tables = d_t.get(); a.num_seqs = nseq; a.max_blocks_per_seq = nb; a.max_query_len = t; a.max_context_len = t;
+    a.num_q_heads = hq; a.num_kv_heads = kvh; a.head_dim = d; a.scale = 0.088f;
+    const float ms = time_ms([&] { PD_STATUS_CHECK(kc::prefill_attention(a, nullptr)); });
+    const double flops = nseq * 4.0 * t * (t + 1) / 2.0 * d * hq;
+    rows.push_back({"prefill attn " + std::to_string(nseq) + "x2000 32/8", ms, flops / (ms * 1e9), gemm_tf, "TFLOP/s"});
+  }
+  std::printf("\n%-34s %10s %12s %12s %8s\n", "benchmark", "ms", "achieved", "ceiling", "ratio");
+  for (const auto& r : rows) {
+    std::printf("%-34s %10.4f %9.1f %s %9.1f %8.2f\n", r.name.c_str(), r.ms, r.achieved, r.unit, r.ceiling,
+                r.achieved / r.ceiling);
+  }
+}
+}  // namespace
+}  // namespace pd::gpu_test
+
+int main(int argc, char** argv) {
+  using namespace pd::gpu_test;
+  int device_count = 0;
+  PD_CUDA_CHECK(cudaGetDeviceCount(&device_count));
+  cudaDeviceProp prop{};
+  PD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  PD_CUDA_CHECK(cudaSetDevice(0));
+  std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  check_dispatch_rejects();
+  check_embedding();
+  check_rmsnorm(false, 4096);
+  check_rmsnorm(true, 5120);
+  check_bias_and_silu();
+  check_gemm(77, 4096, 4096, pd::kernels::cuda::GemmOut::kBFloat16);
+  check_gemm(5, 1000, 512, pd::kernels::cuda::GemmOut::kFloat32);
+  check_rope_kv(128, 32, 8, true);
+  check_rope_kv(64, 14, 2, false);
+  const std::vector<SeqSpec> prefill_seqs = {{100, 100}, {37, 300}, {1, 17}, {200, 264}, {64, 64}, {129, 1000}};
+  check_attention(false, 128, 32, 8, prefill_seqs);
+  check_attention(false, 64, 14, 2, prefill_seqs);
+  check_attention(false, 128, 16, 16, {{300, 300}, {5, 2048}});
+  std::vector<SeqSpec> decode_seqs;
+  for (int c : {1, 15, 16, 17, 255, 256, 257, 1000, 2048, 0, 4097}) decode_seqs.push_back({1, c});
+  check_attention(true, 128, 32, 8, decode_seqs);
+  check_attention(true, 128, 64, 8, decode_seqs);
+  check_attention(true, 64, 14, 2, decode_seqs);
+  check_attention(true, 128, 8, 8, decode_seqs);
+  check_attention(true, 128, 16, 8, decode_seqs);
+  check_sampling();
+
+  int failures = 0;
+  std::printf("\n%-22s %-36s %10s %10s %6s  %s\n", "kernel", "shape", "rel_l2", "max_abs", "nan", "result");
+  for (const auto& r : g_rows) {
+    std::printf("%-22s %-36s %10.2e %10.2e %6zu  %s %s\n", r.name.c_str(), r.shape.c_str(), r.err.rel_l2,
+                r.err.max_abs, r.err.num_nan, r.pass ? "PASS" : "FAIL", r.note.c_str());
+    if (!r.pass) ++failures;
+  }
+  std::printf("%d checks, %d failed\n", static_cast<int>(g_rows.size()), failures);
+  if (argc > 1 && std::string(argv[1]) == "--bench") run_benchmarks();
+  return failures == 0 ? 0 : 1;
+}
