@@ -7,7 +7,7 @@
 namespace pd::router {
 
 namespace {
-constexpr size_t kPieceBytes = 64 * 1024;
+constexpr size_t kPieceBytes = 16 * 1024;
 constexpr uint64_t kMaxFullBodyBytes = 256ull * 1024 * 1024;
 LegResult failed_leg(Status status) {
   LegResult result;

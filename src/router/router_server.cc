@@ -477,7 +477,16 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
     LegResult producer_result;
     bool producer_failed = false;
 
-    if (mode == TransferMode::kRead) {
+    // Connect first: an unreachable producer is skipped before the consumer is asked to wait for it.
+    if (Status connected = co_await producer_leg->connect(config_.connect_timeout_ms); !connected.ok()) {
+      producer_leg->release();
+      if (ex->client_gone) {
+        ex->cancel_legs();
+        co_return FlowOutcome::kAnswered;
+      }
+      producer_result.transport = connected;
+      producer_failed = true;
+    } else if (mode == TransferMode::kRead) {
       producer_result = co_await run_full_leg(ex.get(), *producer_leg, target, producer_body, prefill_deadline);
       if (ex->client_gone) {
         ex->cancel_legs();
@@ -522,9 +531,9 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
         state->consumer_committed = true;
         const bool consumer_ok = result.transport.ok() && result.http_status == 200;
         if (!consumer_ok && !state->done) producer_leg->cancel();
+        // A producer still answering finishes on its own (bounded by its deadline) so its
+        // keep-alive connection goes back to the pool; a client disconnect still cancels it.
         co_await answer_from_consumer(*ex, *consumer_leg, result, std::move(head_bytes), decode_deadline);
-        // The consumer has its KV (or failed): a producer still answering is no longer needed.
-        if (!state->done) producer_leg->cancel();
         co_return FlowOutcome::kAnswered;
       }
       producer_failed = true;

@@ -231,7 +231,10 @@ class RecordingBackend:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
-            writer.close()
+            try:
+                writer.close()
+            except RuntimeError:  # the loop is already shutting down (stop())
+                pass
 
 
 def raise_fd_limit(wanted: int = 8192) -> int:

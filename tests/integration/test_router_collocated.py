@@ -1,0 +1,216 @@
+"""pdrouter in front of real collocated pdserve instances: completions and chat, stream and
+not, through the official openai client; /v1/models, /health, API key; policies; a killed
+instance expires and traffic moves away; a restarted one is re-admitted; client disconnect
+frees the engine's blocks; 1,000 concurrent streaming clients."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import openai
+import pytest
+
+from conftest import LISTEN_RE, PdserveServer, bin_path, metric_value, start_pdserve, wait_for
+from router_fixtures import TINY_MODEL, raise_fd_limit, start_router
+
+ENGINE_FLAGS = ["--model", TINY_MODEL, "--max-model-len", "256"]
+
+
+@pytest.fixture(scope="module")
+def engines(module_procs):
+    return [start_pdserve(module_procs, *ENGINE_FLAGS) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def router(module_procs, engines):
+    router = start_router(module_procs, "--collocated", engines[0].base_url, "--collocated", engines[1].base_url,
+                          "--decode-policy", "round_robin", registration=False)
+    router.wait_for_instances(2)
+    return router
+
+
+def client_for(base_url, **kw):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60, **kw)
+
+
+def test_completion_through_router_equals_direct_greedy(router, engines):
+    direct = client_for(engines[0].base_url).completions.create(model=TINY_MODEL, prompt="The quick brown",
+                                                                max_tokens=12, temperature=0)
+    routed = client_for(router.base_url).completions.create(model=TINY_MODEL, prompt="The quick brown",
+                                                            max_tokens=12, temperature=0)
+    assert routed.choices[0].text == direct.choices[0].text
+    assert routed.usage.completion_tokens == direct.usage.completion_tokens
+
+
+def test_streamed_completion_matches_and_ends_with_usage(router):
+    client = client_for(router.base_url)
+    whole = client.completions.create(model=TINY_MODEL, prompt="Once upon", max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=TINY_MODEL, prompt="Once upon", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_stream_and_not(router):
+    client = client_for(router.base_url)
+    messages = [{"role": "user", "content": "Say something"}]
+    whole = client.chat.completions.create(model=TINY_MODEL, messages=messages, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model=TINY_MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+
+
+def test_stream_is_event_stream_and_relayed_event_by_event(router):
+    """Raw HTTP: the router answers text/event-stream and the first event arrives before the last."""
+    host, port = router.host, router.port
+    body = (b'{"model":"%s","prompt":"abc","max_tokens":40,"ignore_eos":true,"stream":true}' % TINY_MODEL.encode())
+    with socket.create_connection((host, port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = b""
+        arrivals = []
+        while b"data: [DONE]" not in received:
+            data = sock.recv(65536)
+            assert data, "connection closed before [DONE]"
+            received += data
+            arrivals.append((time.monotonic(), received.count(b"\ndata: ") + received.startswith(b"data: ")))
+    head = received.split(b"\r\n\r\n", 1)[0].decode().lower()
+    assert head.startswith("http/1.1 200")
+    assert "content-type: text/event-stream" in head
+    assert "transfer-encoding: chunked" in head
+    assert len(arrivals) > 2, "the stream arrived in one piece: not relayed event by event"
+
+
+def test_models_and_health_reflect_the_discovered_set(router):
+    models = client_for(router.base_url).models.list()
+    assert [m.id for m in models.data] == [TINY_MODEL]
+    status, _, _ = router.get("/health")
+    assert status == 200
+    assert len(router.instances()) == 2
+    assert {i["role"] for i in router.instances()} == {"both"}
+
+
+def test_unknown_model_is_404(router):
+    with pytest.raises(openai.NotFoundError):
+        client_for(router.base_url).completions.create(model="no-such-model", prompt="x", max_tokens=1)
+
+
+def test_bad_json_is_400_and_router_keeps_serving(router):
+    status, body, _ = router.post("/v1/completions", b"{not json")
+    assert status == 400 and b"error" in body
+    assert client_for(router.base_url).completions.create(model=TINY_MODEL, prompt="x", max_tokens=1).choices
+
+
+def test_round_robin_spreads_requests_over_both_engines(router, engines):
+    def served(engine):
+        return metric_value(engine.metrics(), "pd_generation_tokens_total") or 0.0
+
+    before = [served(e) for e in engines]
+    client = client_for(router.base_url)
+    for _ in range(10):
+        client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    after = [served(e) for e in engines]
+    assert after[0] - before[0] == 10 and after[1] - before[1] == 10, (before, after)
+
+
+def test_api_key_guards_v1_routes(procs, engines):
+    router = start_router(procs, "--collocated", engines[0].base_url, "--api-key", "s3cret", registration=False)
+    router.wait_for_instances(1)
+    with pytest.raises(openai.AuthenticationError):
+        client_for(router.base_url).completions.create(model=TINY_MODEL, prompt="x", max_tokens=1)
+    allowed = openai.OpenAI(base_url=router.base_url + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+    assert allowed.completions.create(model=TINY_MODEL, prompt="x", max_tokens=1).choices
+    assert router.get("/health")[0] == 200
+
+
+def blocks_used(engine) -> float:
+    return metric_value(engine.metrics(), "pd_kv_blocks_used") or 0.0
+
+
+def test_client_disconnect_aborts_the_engine_request_and_frees_its_blocks(procs):
+    engine = start_pdserve(procs, *ENGINE_FLAGS)
+    router = start_router(procs, "--collocated", engine.base_url, registration=False)
+    router.wait_for_instances(1)
+    body = (b'{"model":"%s","prompt":"%s","max_tokens":200,"ignore_eos":true,"stream":true}'
+            % (TINY_MODEL.encode(), b"word " * 60))
+    sock = socket.create_connection((router.host, router.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    first = sock.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200")
+    wait_for(lambda: blocks_used(engine) > 0, 30, "the request holds KV blocks")
+    sock.close()
+    wait_for(lambda: blocks_used(engine) == 0, 30, "blocks back to 0 after the client went away")
+    wait_for(lambda: router.metric("pd_router_client_disconnects_total") >= 1 or
+             router.metric("pd_router_instance_outstanding", {"instance": router.instances()[0]["instance_id"],
+                                                              "role": "both"}) == 0, 10, "router released the leg")
+    assert router.instances()[0]["outstanding"] == 0
+
+
+def test_killed_instance_expires_traffic_moves_away_and_restart_is_readmitted(procs):
+    first = start_pdserve(procs, *ENGINE_FLAGS)
+    second = start_pdserve(procs, *ENGINE_FLAGS)
+    router = start_router(procs, "--collocated", first.base_url, "--collocated", second.base_url,
+                          "--decode-policy", "round_robin", registration=False)
+    router.wait_for_instances(2)
+    client = client_for(router.base_url)
+    first_http = f"{first.host}:{first.port}"
+
+    first.process.proc.kill()
+    first.process.proc.wait(timeout=10)
+    killed_at = time.monotonic()
+    # Before expiry, a dead instance costs a refused connect and the request is re-planned: no client error.
+    for _ in range(4):
+        assert client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2).choices
+    wait_for(lambda: first_http not in {i["http"] for i in router.instances()}, 10, "killed instance expired")
+    assert time.monotonic() - killed_at <= 6.5
+    assert router.metric("pd_router_instance_expiries_total") >= 1
+    for _ in range(6):
+        assert client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2).choices
+
+    # Restart on the same address and expect re-admission.
+    managed = procs.spawn([bin_path("pdserve"), *ENGINE_FLAGS, "--port", str(first.port)])
+    match = managed.wait_for_line(LISTEN_RE, 90)
+    restarted = PdserveServer(managed, match.group(1), int(match.group(2)))
+    wait_for(restarted.healthy, 90, "restarted engine healthy")
+    wait_for(lambda: first_http in {i["http"] for i in router.instances()}, 15, "restarted instance re-admitted")
+    before = metric_value(restarted.metrics(), "pd_generation_tokens_total") or 0.0
+    for _ in range(6):
+        client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
+    after = metric_value(restarted.metrics(), "pd_generation_tokens_total") or 0.0
+    assert after - before > 0, "no traffic reached the re-admitted instance"
+
+
+def test_thousand_concurrent_streaming_clients(procs):
+    raise_fd_limit(8192)
+    engine = start_pdserve(procs, *ENGINE_FLAGS, "--max-num-seqs", "256")
+    router = start_router(procs, "--collocated", engine.base_url, registration=False)
+    router.wait_for_instances(1)
+    num_clients = 1000
+
+    async def run() -> list:
+        import httpx  # noqa: PLC0415 - the openai client's transport; a big pool for one client
+        limits = httpx.Limits(max_connections=num_clients + 10, max_keepalive_connections=num_clients + 10)
+        async with openai.AsyncOpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120, http_client=httpx.AsyncClient(limits=limits, timeout=120)) as client:
+            async def one(i: int):
+                stream = await client.completions.create(model=TINY_MODEL, prompt=f"client {i}", max_tokens=2,
+                                                         temperature=0, stream=True,
+                                                         stream_options={"include_usage": True})
+                chunks = [chunk async for chunk in stream]
+                assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+                return True
+            return await asyncio.gather(*(one(i) for i in range(num_clients)), return_exceptions=True)
+
+    started = time.monotonic()
+    results = asyncio.run(run())
+    elapsed = time.monotonic() - started
+    errors = [r for r in results if r is not True]
+    assert not errors, f"{len(errors)} of {num_clients} failed, first: {errors[0]!r}"
+    assert router.metric("pd_router_requests_total", {"route": "/v1/completions", "status": "200"}) == num_clients
+    print(f"1000 concurrent streams in {elapsed:.1f}s")

@@ -1,0 +1,114 @@
+"""Client-supplied kv_transfer_params never reach an engine (DESIGN.md §6 item 9), and the
+legs the router writes follow pd_contract.md. The engines here are RecordingBackends:
+tiny HTTP servers that only record the bodies they receive (the one place these tests
+use a stand-in, because the assertion is about exactly what arrives at an engine)."""
+
+from __future__ import annotations
+
+import re
+
+import openai
+import pytest
+
+from conftest import wait_for
+from router_fixtures import TINY_MODEL, RecordingBackend, Registrar, registration_record, start_router
+
+EVIL = {"transfer_id": "f" * 32, "remote_control": "10.66.66.66:6666", "remote_instance_id": "evil",
+        "remote_boot_nonce": 666, "do_remote_prefill": True, "block_ids": [1, 2], "num_tokens": 9, "mode": "read"}
+HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+@pytest.fixture
+def backends():
+    made = []
+
+    def make(role, instance_id, mode="write"):
+        backend = RecordingBackend(role, instance_id, mode)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.stop()
+
+
+def assert_nothing_of_the_client(body: dict):
+    text = repr(body)
+    for needle in ["10.66.66.66", "evil", "f" * 32, "666"]:
+        assert needle not in text, f"client kv_transfer_params leaked into an engine body: {body}"
+
+
+def client_for(router):
+    return openai.OpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_collocated_leg_drops_client_kv_transfer_params(procs, backends, stream):
+    engine = backends("both", "c0")
+    router = start_router(procs, "--collocated", engine.url, registration=False)
+    router.wait_for_instances(1)
+    client = client_for(router)
+    result = client.completions.create(model=TINY_MODEL, prompt="hi", max_tokens=3, stream=stream,
+                                       extra_body={"kv_transfer_params": EVIL})
+    if stream:
+        assert "".join(chunk.choices[0].text for chunk in result if chunk.choices)
+    assert len(engine.bodies) == 1
+    assert "kv_transfer_params" not in engine.bodies[0]
+    assert engine.bodies[0]["prompt"] == "hi"
+    assert router.metric("pd_router_client_kv_transfer_params_dropped_total") == 1
+
+
+@pytest.mark.parametrize("mode", ["write", "read"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_pd_legs_carry_only_router_minted_params(procs, backends, mode, stream):
+    producer = backends("producer", "p0", mode)
+    consumer = backends("consumer", "d0", mode)
+    router = start_router(procs)
+    registrar = Registrar(router.registration_port)
+    try:
+        registrar.send_record(registration_record("p0", "producer", producer.http, control="127.0.0.1:9",
+                                                  boot_nonce=1, mode=mode))
+        registrar.send_record(registration_record("d0", "consumer", consumer.http, control="127.0.0.1:19",
+                                                  mode=mode))
+        wait_for(lambda: router.instance_ids() == {"p0", "d0"}, 10, "producer and consumer registered")
+        client = client_for(router)
+        result = client.chat.completions.create(
+            model=TINY_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=stream,
+            stream_options={"include_usage": True} if stream else None, extra_body={"kv_transfer_params": EVIL})
+        if stream:
+            list(result)
+    finally:
+        registrar.close()
+
+    assert len(producer.bodies) == 1 and len(consumer.bodies) == 1
+    p_body, d_body = producer.bodies[0], consumer.bodies[0]
+    assert_nothing_of_the_client(p_body)
+    assert_nothing_of_the_client(d_body)
+    p_params, d_params = p_body["kv_transfer_params"], d_body["kv_transfer_params"]
+    assert HEX32.match(p_params["transfer_id"])
+    assert p_params == {"transfer_id": p_params["transfer_id"], "do_remote_decode": True, "mode": mode}
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False and "stream_options" not in p_body
+    assert d_params["transfer_id"] == p_params["transfer_id"]
+    assert d_params["do_remote_prefill"] is True and d_params["mode"] == mode
+    assert d_params["remote_instance_id"] == "p0"
+    assert d_params["remote_control"] == "127.0.0.1:9"
+    assert d_params["remote_boot_nonce"] == 1
+    if mode == "read":
+        assert d_params["block_ids"] == [0] and d_params["num_tokens"] == 1
+    assert d_body["max_tokens"] == 5
+    assert d_body.get("stream", False) is stream
+    if stream:
+        assert d_body["stream_options"] == {"include_usage": True}
+
+
+def test_transfer_ids_are_fresh_per_request(procs, backends):
+    producer = backends("producer", "p0")
+    consumer = backends("consumer", "d0")
+    router = start_router(procs, "--prefill", producer.url, "--decode", consumer.url, registration=False)
+    router.wait_for_instances(2)
+    client = client_for(router)
+    for _ in range(20):
+        client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2)
+    ids = [b["kv_transfer_params"]["transfer_id"] for b in producer.bodies]
+    assert len(ids) == 20 and len(set(ids)) == 20
+    assert all(HEX32.match(i) for i in ids)
