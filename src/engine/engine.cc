@@ -168,6 +168,7 @@ class EngineImpl final : public Engine {
     if (!request.sampling.stop.empty() && tokenizer_ == nullptr) {
       return invalid_argument("request {}: stop strings need a tokenizer; this engine has none", request.request_id);
     }
+    if (connector_ != nullptr) PD_RETURN_IF_ERROR(connector_->validate_request(request));
     return Status::Ok();
   }
 

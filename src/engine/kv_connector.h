@@ -95,6 +95,12 @@ class KvConnector {
   // idle engine thread does not wait for its idle timeout.
   virtual void bind_engine_wakeup(std::function<void()> wakeup) = 0;
 
+  // Called by Engine::add_request on the CALLER's thread (so it must be
+  // thread-safe and must not touch engine-thread state): static checks of
+  // kv_transfer_params. An error rejects the request (add_request returns it,
+  // HTTP 400) before anything is enqueued.
+  virtual Status validate_request(const GenerateRequest& request) const { return Status::Ok(); }
+
   // Admission of a request with external_kv_eligible set. num_local_computed_tokens
   // is the block-aligned local prefix-cache hit. An error (e.g. malformed
   // kv_transfer_params) finishes the request with kFinishedError and that message.

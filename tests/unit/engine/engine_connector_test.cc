@@ -74,6 +74,14 @@ class LoopbackConnector : public KvConnector {
     return finished_;
   }
 
+  // Caller-thread side: rejects params without a transfer_id.
+  Status validate_request(const GenerateRequest& request) const override {
+    if (request.kv_transfer_params && !request.kv_transfer_params->contains("transfer_id")) {
+      return invalid_argument("kv_transfer_params without transfer_id");
+    }
+    return Status::Ok();
+  }
+
   // Engine-thread side.
   void bind_engine_wakeup(std::function<void()> wakeup) override { wakeup_ = std::move(wakeup); }
   Result<ExternalMatch> get_num_new_matched_tokens(const Request&, int32_t) override {
@@ -258,6 +266,14 @@ TEST(EngineConnector, ProducerKeepsBlocksAndIdUntilSendingIsReported) {
   ASSERT_TRUE(rig.connector->wait_drained());
   rig.engine->shutdown();
   EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(EngineConnector, ConnectorValidationRejectsBadTransferParamsUpFront) {
+  Rig rig = make_rig(64, ExternalMatch{24, true, 60'000});
+  Outputs out;
+  GenerateRequest r = pd_request("bad", 26, 4);
+  r.kv_transfer_params = nlohmann::json{{"nonsense", 1}};
+  EXPECT_EQ(rig.engine->add_request(r, out.callback()).code(), ErrorCode::kInvalidArgument);
 }
 
 TEST(EngineConnector, PlainRequestsIgnoreTheConnectorsOffer) {

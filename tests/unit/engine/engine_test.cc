@@ -138,6 +138,9 @@ TEST(Engine, ConcurrentRequestsWithSharedPrefixesAndPreemptionMatchTheReference)
   std::mt19937 rng(7);
   std::map<std::string, std::pair<std::vector<int32_t>, int32_t>> specs;
   const std::vector<std::vector<int32_t>> prefixes = {tokens_from(17, 1), tokens_from(24, 100), tokens_from(9, 200)};
+  // All requests queue up before the first step completes: the load (and so
+  // preemption) does not depend on thread timing.
+  e.runner->hold_steps();
   for (int i = 0; i < 24; ++i) {
     std::vector<int32_t> prompt = prefixes[static_cast<size_t>(i % 3)];
     for (uint32_t k = rng() % 6; k > 0; --k) prompt.push_back(static_cast<int32_t>(rng() % kVocab));
@@ -146,6 +149,7 @@ TEST(Engine, ConcurrentRequestsWithSharedPrefixesAndPreemptionMatchTheReference)
     specs[id] = {prompt, max_tokens};
     ASSERT_TRUE(e.engine->add_request(make_request(id, prompt, max_tokens), c.callback()).ok());
   }
+  e.runner->release();
   ASSERT_TRUE(c.wait_finished(specs.size()));
   for (const auto& [id, spec] : specs) {
     EXPECT_EQ(c.tokens(id), reference_greedy(spec.first, spec.second, kVocab)) << id;
@@ -187,6 +191,7 @@ TEST(Engine, SeededSamplingIsReproducibleAcrossBatchingAndPreemption) {
     config.max_num_batched_tokens = budget;
     auto e = make_engine(config, num_blocks);
     Collector c;
+    e.runner->hold_steps();
     for (int i = 0; i < 6; ++i) {
       GenerateRequest r = make_request("s" + std::to_string(i), tokens_from(15 + i, 30 * i), 30);
       r.sampling.temperature = 0.9f;
@@ -194,6 +199,7 @@ TEST(Engine, SeededSamplingIsReproducibleAcrossBatchingAndPreemption) {
       r.sampling.seed = 1000 + static_cast<uint64_t>(i);
       EXPECT_TRUE(e.engine->add_request(std::move(r), c.callback()).ok());
     }
+    e.runner->release();
     EXPECT_TRUE(c.wait_finished(6));
     std::vector<std::vector<int32_t>> all;
     for (int i = 0; i < 6; ++i) all.push_back(c.tokens("s" + std::to_string(i)));
@@ -210,13 +216,15 @@ TEST(Engine, SeededSamplingIsReproducibleAcrossBatchingAndPreemption) {
 TEST(Engine, AbortMidGenerationEndsTheStreamWithAbortAndFreesItsBlocks) {
   auto e = make_engine(small_engine_config(), 64);
   Collector c;
+  e.runner->hold_at_step(3);  // the engine stops inside its 4th step until release()
   ASSERT_TRUE(e.engine->add_request(make_request("long", tokens_from(10, 3), 200), c.callback()).ok());
-  ASSERT_TRUE(c.wait_tokens("long", 3));
+  ASSERT_TRUE(e.runner->wait_blocked());
   e.engine->abort("long");
+  e.runner->release();
   ASSERT_TRUE(c.wait_finished(1));
   const RequestOutput last = c.last("long");
   EXPECT_EQ(last.finish_reason, FinishReason::kAbort);
-  EXPECT_LT(last.num_output_tokens, 200);
+  EXPECT_EQ(last.num_output_tokens, 4) << "the step in flight completes, then the abort is handled";
   EXPECT_EQ(c.violations(), "");
   // Tokens before the abort are still the right ones.
   const std::vector<int32_t> got = c.tokens("long");
@@ -232,20 +240,26 @@ TEST(Engine, AbortMidGenerationEndsTheStreamWithAbortAndFreesItsBlocks) {
 }
 
 TEST(Engine, AbortOfAWaitingRequestFinishesIt) {
-  auto e = make_engine(small_engine_config(), 64);
-  Collector c;
-  e.runner->hold_steps();
-  ASSERT_TRUE(e.engine->add_request(make_request("a", tokens_from(8, 1), 50), c.callback()).ok());
   EngineConfig config = small_engine_config();
-  (void)config;
+  config.max_num_seqs = 1;  // b cannot run while a does
+  auto e = make_engine(config, 64);
+  Collector c;
+  e.runner->hold_at_step(1);
+  ASSERT_TRUE(e.engine->add_request(make_request("a", tokens_from(8, 1), 50), c.callback()).ok());
+  ASSERT_TRUE(e.runner->wait_blocked());
   ASSERT_TRUE(e.engine->add_request(make_request("b", tokens_from(8, 50), 50), c.callback()).ok());
   e.engine->abort("b");
-  e.runner->release();
   e.engine->abort("a");
+  e.runner->release();
   ASSERT_TRUE(c.wait_finished(2));
   EXPECT_EQ(c.last("a").finish_reason, FinishReason::kAbort);
+  EXPECT_EQ(c.last("a").num_output_tokens, 2);
   EXPECT_EQ(c.last("b").finish_reason, FinishReason::kAbort);
+  EXPECT_EQ(c.last("b").num_output_tokens, 0);
+  EXPECT_EQ(c.stream("b").size(), 1u) << "a waiting request gets exactly its final output";
   EXPECT_EQ(c.violations(), "");
+  e.engine->shutdown();
+  EXPECT_EQ(e.engine->stats().num_blocks_in_use, 0);
 }
 
 TEST(Engine, ShutdownAbortsEveryLiveRequestAndJoins) {

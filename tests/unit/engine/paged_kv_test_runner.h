@@ -67,20 +67,36 @@ class PagedKvTestRunner : public ModelRunner {
     std::lock_guard lock(mutex_);
     held_ = true;
   }
+  // The step with this index blocks until release(): a deterministic
+  // "mid-generation" point for abort tests.
+  void hold_at_step(int64_t step_index) {
+    std::lock_guard lock(mutex_);
+    hold_at_step_ = step_index;
+  }
+  // Waits (bounded) until execute() sits in a hold; false on timeout.
+  bool wait_blocked() {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_for(lock, std::chrono::seconds(20), [this] { return blocked_ && (held_ || hold_at_step_ >= 0); });
+  }
   void release() {
     std::lock_guard lock(mutex_);
     held_ = false;
+    hold_at_step_ = -1;
     cv_.notify_all();
   }
   int64_t num_steps() const { return num_steps_.load(); }
   int64_t num_kv_mismatches() const { return num_kv_mismatches_.load(); }
 
   Result<StepOutput> execute(const StepInput& input) override {
+    const int64_t step = num_steps_.load();
     {
       std::unique_lock lock(mutex_);
-      cv_.wait_for(lock, std::chrono::seconds(20), [this] { return !held_; });
+      blocked_ = true;
+      cv_.notify_all();
+      cv_.wait_for(lock, std::chrono::seconds(20), [&] { return !held_ && hold_at_step_ != step; });
+      blocked_ = false;
     }
-    const int64_t step = num_steps_++;
+    ++num_steps_;
     if (step == fail_step_) return internal_error("injected failure at step {}", step);
     // Like a transformer layer: write every sequence's new KV, then attend.
     for (int32_t layer = 0; layer < spec_.num_layers; ++layer) {
@@ -141,6 +157,8 @@ class PagedKvTestRunner : public ModelRunner {
   std::mutex mutex_;
   std::condition_variable cv_;
   bool held_ = false;
+  int64_t hold_at_step_ = -1;
+  bool blocked_ = false;
 };
 
 // The true output of greedy decoding on the plain sequence.
