@@ -6,6 +6,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/clock.h"
@@ -50,6 +51,11 @@ class Backend {
   virtual bool can_register(MemKind kind) const = 0;
   // Produces the key a peer needs to reach `region` through this backend.
   virtual Result<std::vector<uint8_t>> register_memory(const LocalRegion& region) = 0;
+  // Allocates host memory this backend reaches fastest (ucx: shared memory that peers on
+  // the host map directly) and registers it as region `id`; deregister() frees it.
+  virtual Result<std::pair<void*, std::vector<uint8_t>>> allocate_host(RegionId id, size_t bytes) {
+    return unimplemented("backend '{}' does not allocate memory", name());
+  }
   // Precondition: no batch on the region is in flight (the engine checks).
   virtual void deregister(RegionId id) = 0;
   // Whether a session between these kinds can use this backend.

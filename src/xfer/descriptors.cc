@@ -126,7 +126,9 @@ Status open_envelope(std::span<const uint8_t> bytes, std::string_view type, msgp
 
 }  // namespace
 
-const char* mem_kind_name(MemKind kind) { return kind == MemKind::kHost ? "host" : "cuda"; }
+const char* mem_kind_name(MemKind kind) {
+  return kind == MemKind::kHost ? "host" : "cuda";
+}
 
 const char* transfer_status_name(TransferStatus status) {
   switch (status) {

@@ -87,7 +87,9 @@ Result<XferId> Session::read(std::span<const Op> ops, Deadline deadline) {
   if (!state_) return failed_precondition("read on an empty session");
   return engine_->post(*state_, Direction::kRead, ops, deadline);
 }
-std::string_view Session::backend() const { return state_ ? state_->backend->name() : std::string_view(); }
+std::string_view Session::backend() const {
+  return state_ ? state_->backend->name() : std::string_view();
+}
 
 // ---- Engine ----
 
@@ -116,7 +118,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config) {
     if (engine->find_backend(name) != nullptr) return invalid_argument("backend '{}' listed twice", name);
     Result<std::unique_ptr<Backend>> backend = unavailable("unset");
     if (name == "ucx") {
-      backend = make_ucx_backend(config);
+      backend = make_ucx_backend(config, engine->host_id_);
     } else if (name == "cuda") {
       backend = make_cuda_backend(config);
       if (!backend.ok() && backend.status().code() == ErrorCode::kUnavailable) {
@@ -185,13 +187,40 @@ Result<MemDesc> Engine::register_memory(void* ptr, size_t bytes, MemKind kind, i
     Result<std::vector<uint8_t>> key = backend->register_memory(region->local);
     if (!key.ok()) {
       for (Backend* b : done) b->deregister(region->local.id);
-      return key.status().with_context(fmt::format("registering {} bytes of {} memory with {}", bytes,
-                                                   mem_kind_name(kind), backend->name()));
+      return key.status().with_context(
+          fmt::format("registering {} bytes of {} memory with {}", bytes, mem_kind_name(kind), backend->name()));
     }
     desc.keys.emplace(std::string(backend->name()), std::move(key).value());
     done.push_back(backend.get());
   }
   if (done.empty()) return failed_precondition("no enabled backend handles {} memory", mem_kind_name(kind));
+  std::lock_guard lock(mutex_);
+  regions_.emplace(region->local.id, region);
+  return desc;
+}
+
+Result<MemDesc> Engine::allocate_host_memory(size_t bytes, void** ptr) {
+  if (bytes == 0 || ptr == nullptr) return invalid_argument("allocate_host_memory: zero bytes or no out pointer");
+  Backend* ucx = find_backend("ucx");
+  if (ucx == nullptr) return failed_precondition("allocate_host_memory needs the ucx backend");
+  auto region = std::make_shared<Region>();
+  {
+    std::lock_guard lock(mutex_);
+    region->local.id = next_region_id_++;
+  }
+  PD_ASSIGN_OR_RETURN(auto allocation, ucx->allocate_host(region->local.id, bytes));
+  region->local.ptr = allocation.first;
+  region->local.bytes = bytes;
+  region->local.kind = MemKind::kHost;
+  MemDesc& desc = region->desc;
+  desc.engine_name = config_.name;
+  desc.boot_nonce = boot_nonce_;
+  desc.region_id = region->local.id;
+  desc.base = reinterpret_cast<uint64_t>(allocation.first);
+  desc.bytes = bytes;
+  desc.kind = MemKind::kHost;
+  desc.keys.emplace("ucx", std::move(allocation.second));
+  *ptr = allocation.first;
   std::lock_guard lock(mutex_);
   regions_.emplace(region->local.id, region);
   return desc;
@@ -313,10 +342,13 @@ Result<XferId> Engine::post(SessionState& session, Direction direction, std::spa
     return failed_precondition("peer '{}' boot {} was replaced by a newer boot; open a new session",
                                session.remote.engine_name, session.remote.boot_nonce);
   }
-  Result<std::vector<Op>> normalized = normalize_ops(ops, direction, session.local->local.bytes, session.remote.bytes);
-  if (!normalized.ok()) {
+  // Per-thread scratch: a batch of thousands of ops allocates nothing after the first.
+  thread_local std::vector<Op> normalized_ops;
+  std::vector<Op>* normalized = &normalized_ops;
+  if (Status s = normalize_ops_into(ops, direction, session.local->local.bytes, session.remote.bytes, normalized_ops);
+      !s.ok()) {
     num_batches_rejected_.fetch_add(1);
-    return normalized.status();
+    return s;
   }
   auto batch = std::make_shared<Batch>();
   batch->local = session.local;

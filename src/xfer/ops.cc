@@ -1,6 +1,7 @@
 #include "xfer/ops.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace pd::xfer {
 namespace {
@@ -15,8 +16,9 @@ uint64_t dst_offset(const Op& op, Direction direction) {
 
 }  // namespace
 
-Result<std::vector<Op>> normalize_ops(std::span<const Op> ops, Direction direction, uint64_t local_bytes,
-                                      uint64_t remote_bytes) {
+Status normalize_ops_into(std::span<const Op> ops, Direction direction, uint64_t local_bytes, uint64_t remote_bytes,
+                          std::vector<Op>& out) {
+  out.clear();
   if (ops.size() > kMaxOpsPerBatch) {
     return invalid_argument("batch has {} ops, limit is {}", ops.size(), kMaxOpsPerBatch);
   }
@@ -32,29 +34,61 @@ Result<std::vector<Op>> normalize_ops(std::span<const Op> ops, Direction directi
                           op.bytes, remote_bytes);
     }
   }
-  std::vector<size_t> order(ops.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return dst_offset(ops[a], direction) < dst_offset(ops[b], direction);
-  });
-  std::vector<Op> merged;
-  merged.reserve(ops.size());
-  for (size_t k = 0; k < order.size(); ++k) {
-    const Op& op = ops[order[k]];
-    if (!merged.empty()) {
-      Op& last = merged.back();
+  // Destination order by an LSD radix sort of (offset, index) pairs, 11 bits a pass and
+  // only as many passes as the largest offset needs: a KV batch of thousands of ops sorts
+  // in tens of microseconds, where std::sort took hundreds (the batch is on the critical
+  // path of every transfer). Scratch is per thread and reused, so no page is touched anew.
+  struct Keyed {
+    uint64_t key;
+    uint64_t index;
+  };
+  thread_local std::vector<Keyed> keyed, spare;
+  keyed.resize(ops.size());
+  spare.resize(ops.size());
+  uint64_t max_key = 0;
+  bool sorted = true;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    keyed[i] = {dst_offset(ops[i], direction), i};
+    max_key = std::max(max_key, keyed[i].key);
+    if (i > 0 && keyed[i].key < keyed[i - 1].key) sorted = false;
+  }
+  if (!sorted) {
+    constexpr int kDigitBits = 11;
+    constexpr size_t kBuckets = size_t{1} << kDigitBits;
+    for (int shift = 0; shift < 64 && (max_key >> shift) != 0; shift += kDigitBits) {
+      size_t counts[kBuckets] = {};
+      for (const Keyed& k : keyed) ++counts[(k.key >> shift) & (kBuckets - 1)];
+      size_t position = 0;
+      for (size_t& c : counts) position += std::exchange(c, position);
+      for (const Keyed& k : keyed) spare[counts[(k.key >> shift) & (kBuckets - 1)]++] = k;
+      keyed.swap(spare);
+    }
+  }
+  out.clear();
+  out.reserve(ops.size());
+  for (const Keyed& k : keyed) {
+    const Op& op = ops[k.index];
+    if (!out.empty()) {
+      Op& last = out.back();
       const uint64_t last_dst_end = dst_offset(last, direction) + last.bytes;
       if (dst_offset(op, direction) < last_dst_end) {
-        return invalid_argument("op {} overlaps an earlier op at destination offset {} (ends at {})", order[k],
-                                dst_offset(op, direction), last_dst_end);
+        return invalid_argument("op {} at destination offset {} (+{}) overlaps the op ending at {}", k.index,
+                                dst_offset(op, direction), op.bytes, last_dst_end);
       }
       if (op.local_offset == last.local_offset + last.bytes && op.remote_offset == last.remote_offset + last.bytes) {
         last.bytes += op.bytes;
         continue;
       }
     }
-    merged.push_back(op);
+    out.push_back(op);
   }
+  return Status::Ok();
+}
+
+Result<std::vector<Op>> normalize_ops(std::span<const Op> ops, Direction direction, uint64_t local_bytes,
+                                      uint64_t remote_bytes) {
+  std::vector<Op> merged;
+  PD_RETURN_IF_ERROR(normalize_ops_into(ops, direction, local_bytes, remote_bytes, merged));
   return merged;
 }
 

@@ -20,5 +20,8 @@ inline constexpr size_t kMaxOpsPerBatch = size_t{1} << 20;
 // Any violation rejects the whole batch with a message naming the op; nothing is posted.
 Result<std::vector<Op>> normalize_ops(std::span<const Op> ops, Direction direction, uint64_t local_bytes,
                                       uint64_t remote_bytes);
+// The same into `out` (cleared first), reusing its capacity.
+Status normalize_ops_into(std::span<const Op> ops, Direction direction, uint64_t local_bytes, uint64_t remote_bytes,
+                          std::vector<Op>& out);
 
 }  // namespace pd::xfer

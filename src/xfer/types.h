@@ -28,9 +28,16 @@ struct EngineConfig {
   int64_t batch_timeout_ms = 30'000;
   // UCX_TLS for this engine's UCX context; empty keeps UCX's own choice.
   std::string ucx_transports;
+  // Progress thread never sleeps (lowest latency, one busy core per engine). Otherwise it
+  // sleeps in epoll on the worker's wakeup fd whenever nothing is in flight.
+  bool ucx_busy_poll = false;
   // cuda backend: "kernel" (one gather/scatter launch per batch) or "copy_engine"
   // (one cudaMemcpyAsync per merged op).
   std::string cuda_copy_mode = "kernel";
+  // Copy-kernel shape: bytes per work item, CTAs per SM, threads per CTA.
+  uint32_t cuda_chunk_bytes = 64 * 1024;
+  uint32_t cuda_ctas_per_sm = 4;
+  uint32_t cuda_threads_per_cta = 512;
   // Wrap every enabled backend in the fault backend (tests only).
   bool enable_fault_injection = false;
 };

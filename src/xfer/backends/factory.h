@@ -8,7 +8,8 @@
 
 namespace pd::xfer {
 
-Result<std::unique_ptr<Backend>> make_ucx_backend(const EngineConfig& config);
+// host_id: this engine's host id; same-host peers may use shared memory (see ucx_backend.cc).
+Result<std::unique_ptr<Backend>> make_ucx_backend(const EngineConfig& config, const std::string& host_id);
 // Unavailable (kUnavailable) when built without CUDA or when no GPU is visible.
 Result<std::unique_ptr<Backend>> make_cuda_backend(const EngineConfig& config);
 

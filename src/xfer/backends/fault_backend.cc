@@ -74,6 +74,9 @@ class FaultBackend : public Backend {
   Result<std::vector<uint8_t>> register_memory(const LocalRegion& region) override {
     return inner_->register_memory(region);
   }
+  Result<std::pair<void*, std::vector<uint8_t>>> allocate_host(RegionId id, size_t bytes) override {
+    return inner_->allocate_host(id, bytes);
+  }
   void deregister(RegionId id) override { inner_->deregister(id); }
   bool supports(MemKind local, MemKind remote, bool same_host) const override {
     return inner_->supports(local, remote, same_host);
@@ -109,8 +112,12 @@ class FaultBackend : public Backend {
 
 }  // namespace
 
-std::shared_ptr<FaultController> make_fault_controller() { return std::make_shared<FaultController>(); }
-FaultInjector* as_injector(FaultController& controller) { return &controller; }
+std::shared_ptr<FaultController> make_fault_controller() {
+  return std::make_shared<FaultController>();
+}
+FaultInjector* as_injector(FaultController& controller) {
+  return &controller;
+}
 std::unique_ptr<Backend> make_fault_backend(std::unique_ptr<Backend> inner, std::shared_ptr<FaultController> control) {
   return std::make_unique<FaultBackend>(std::move(inner), std::move(control));
 }

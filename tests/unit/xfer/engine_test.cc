@@ -133,8 +133,8 @@ TEST_F(TwoEngines, SixteenConcurrentSessionsOnSixteenThreads) {
         all_ok = all_ok && id.ok() && a_->wait(*id, Deadline::after_ms(20'000)).ok();
         if (!all_ok) break;
         for (const Op& op : ops) {
-          all_ok = all_ok && std::memcmp(&pairs[i].local[op.local_offset], &pairs[i].remote[op.remote_offset],
-                                         op.bytes) == 0;
+          all_ok = all_ok &&
+                   std::memcmp(&pairs[i].local[op.local_offset], &pairs[i].remote[op.remote_offset], op.bytes) == 0;
         }
         a_->release(*id);
       }
@@ -284,6 +284,37 @@ TEST_F(TwoEngines, UnknownAndReleasedIdsReportFailed) {
   ASSERT_TRUE(a_->wait(*id, Deadline::after_ms(10'000)).ok());
   a_->release(*id);
   EXPECT_TRUE(a_->poll(*id).failed());
+}
+
+TEST_F(TwoEngines, EngineAllocatedHostMemoryIsWrittenAndReadByteExact) {
+  constexpr size_t kBytes = 1 << 20;
+  void* remote_ptr = nullptr;
+  auto remote = b_->allocate_host_memory(kBytes, &remote_ptr);
+  ASSERT_TRUE(remote.ok()) << remote.status().to_string();
+  ASSERT_NE(remote_ptr, nullptr);
+  std::memset(remote_ptr, 0, kBytes);
+  std::vector<uint8_t> local(kBytes), back(kBytes, 0);
+  fill_pattern(local, 77);
+  auto l = a_->register_memory(local.data(), kBytes, MemKind::kHost);
+  auto r = a_->register_memory(back.data(), kBytes, MemKind::kHost);
+  ASSERT_TRUE(l.ok() && r.ok());
+  auto out = a_->session(*l, *remote);
+  auto in = a_->session(*r, *remote);
+  ASSERT_TRUE(out.ok() && in.ok());
+  std::mt19937_64 rng(5);
+  std::vector<Op> ops = random_block_ops(rng, kBytes / 4096, 4096, 100);
+  auto id = out->write(ops);
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(a_->wait(*id, Deadline::after_ms(10'000)).ok());
+  const auto* remote_bytes = static_cast<const uint8_t*>(remote_ptr);
+  for (const Op& op : ops)
+    ASSERT_EQ(std::memcmp(remote_bytes + op.remote_offset, &local[op.local_offset], op.bytes), 0);
+  std::vector<Op> whole = {{0, 0, kBytes}};
+  auto rid = in->read(whole);
+  ASSERT_TRUE(rid.ok());
+  ASSERT_TRUE(a_->wait(*rid, Deadline::after_ms(10'000)).ok());
+  EXPECT_EQ(std::memcmp(back.data(), remote_ptr, kBytes), 0);
+  EXPECT_TRUE(b_->deregister(remote->region_id).ok());
 }
 
 TEST(EngineCreate, RejectsBadConfig) {

@@ -71,7 +71,8 @@ inline bool send_frame(int fd, std::span<const uint8_t> payload, const Deadline&
   return write_all(fd, &n, sizeof(n), deadline) && write_all(fd, payload.data(), payload.size(), deadline);
 }
 
-inline std::optional<std::vector<uint8_t>> recv_frame(int fd, const Deadline& deadline, uint64_t max_bytes = 1ULL << 32) {
+inline std::optional<std::vector<uint8_t>> recv_frame(int fd, const Deadline& deadline,
+                                                      uint64_t max_bytes = 1ULL << 32) {
   uint64_t n = 0;
   if (!read_all(fd, &n, sizeof(n), deadline) || n > max_bytes) return std::nullopt;
   std::vector<uint8_t> payload(n);

@@ -1,0 +1,688 @@
+// xferbench: measures the transfer engine between two processes on one backend,
+// each figure beside its reference from the same run (cudaMemcpyPeer for cuda,
+// ucx_perftest for ucx), with byte-exact verification of every timed transfer.
+//
+// The initiator (this process) forks the target before touching CUDA or UCX; the
+// two exchange descriptors and verification commands over a socketpair. Before each
+// iteration the target poisons its region; after it, the target checks every byte
+// the batch wrote against the pattern of the initiator's source bytes.
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "bench_device.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "xfer/engine.h"
+
+namespace pd::xferbench {
+namespace {
+
+using xfer::MemKind;
+using xfer::Op;
+
+constexpr int64_t kIoTimeoutMs = 120'000;
+
+struct Options {
+  std::string backend = "cuda";
+  std::string scenarios = "contiguous,kv,kv_layers,small";
+  int iters = 10;
+  int warmup = 2;
+  bool json = false;
+  std::string ucx_tls;
+  std::string cuda_mode = "kernel";
+  uint32_t cuda_chunk_bytes = 64 * 1024;
+  uint32_t cuda_ctas_per_sm = 4;
+  uint32_t cuda_threads = 512;
+  int local_device = 0;
+  int remote_device = 1;
+  // KV shape (Qwen3-8B): per layer [num_blocks][K,V][block_tokens][kv_heads][head_dim] bf16.
+  int layers = 36;
+  int kv_heads = 8;
+  int head_dim = 128;
+  int dtype_bytes = 2;
+  int block_tokens = 16;
+  int prompt_tokens = 2000;
+  int pool_blocks = 0;  // blocks per layer in each region; 0 = twice the prompt's
+  int small_ops = 16384;
+  uint64_t seed = 12345;
+  std::string perftest = "ucx_perftest";
+  bool b2b = true;
+  bool ucx_busy_poll = false;
+  bool host_malloc = false;
+  int gpu_warmup_ms = 300;
+  // Target engine on a thread of this process instead of a forked process (cuda:
+  // pointers instead of IPC, for machines where CUDA IPC is not available).
+  bool same_process = false;
+};
+
+// ---- control channel ----
+
+bool io_all(int fd, void* data, size_t bytes, bool write) {
+  auto* p = static_cast<uint8_t*>(data);
+  Deadline deadline = Deadline::after_ms(kIoTimeoutMs);
+  while (bytes > 0) {
+    if (deadline.expired()) return false;
+    ssize_t n = write ? ::send(fd, p, bytes, MSG_NOSIGNAL) : ::recv(fd, p, bytes, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+  return true;
+}
+bool send_blob(int fd, const std::vector<uint8_t>& blob) {
+  uint64_t n = blob.size();
+  return io_all(fd, &n, sizeof(n), true) && io_all(fd, const_cast<uint8_t*>(blob.data()), n, true);
+}
+std::vector<uint8_t> recv_blob(int fd) {
+  uint64_t n = 0;
+  if (!io_all(fd, &n, sizeof(n), false) || n > (1ull << 32)) return {};
+  std::vector<uint8_t> blob(n);
+  if (!io_all(fd, blob.data(), n, false)) return {};
+  return blob;
+}
+
+xfer::EngineConfig engine_config(const Options& o, const std::string& name) {
+  xfer::EngineConfig c;
+  c.name = name;
+  c.backends = {o.backend};
+  c.ucx_transports = o.ucx_tls;
+  c.ucx_busy_poll = o.ucx_busy_poll;
+  c.cuda_copy_mode = o.cuda_mode;
+  c.cuda_chunk_bytes = o.cuda_chunk_bytes;
+  c.cuda_ctas_per_sm = o.cuda_ctas_per_sm;
+  c.cuda_threads_per_cta = o.cuda_threads;
+  c.batch_timeout_ms = 60'000;
+  return c;
+}
+
+// A region of host or GPU memory owned by this process.
+struct Buffer {
+  bool gpu = false;
+  int device = -1;
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  static Buffer make(bool gpu, int device, size_t bytes) {
+    Buffer b{gpu, device, nullptr, bytes};
+    if (gpu) {
+#ifdef XFERBENCH_HAVE_CUDA
+      b.ptr = gpu_alloc(device, bytes);
+#endif
+    } else if (posix_memalign(&b.ptr, 4096, bytes) != 0) {
+      b.ptr = nullptr;
+    }
+    return b;
+  }
+  bool engine_owned = false;  // from Engine::allocate_host_memory; the engine frees it
+  void release() {
+    if (ptr == nullptr || engine_owned) return;
+#ifdef XFERBENCH_HAVE_CUDA
+    if (gpu) gpu_free(device, ptr);
+#endif
+    if (!gpu) free(ptr);
+    ptr = nullptr;
+  }
+  bool fill(uint64_t seed) {
+#ifdef XFERBENCH_HAVE_CUDA
+    if (gpu) return gpu_fill_pattern(device, ptr, bytes, seed);
+#endif
+    auto* p = static_cast<uint8_t*>(ptr);
+    for (size_t i = 0; i < bytes; ++i) p[i] = pattern_byte(seed, i);
+    return true;
+  }
+  bool poison() {
+#ifdef XFERBENCH_HAVE_CUDA
+    if (gpu) return gpu_poison(device, ptr, bytes);
+#endif
+    std::memset(ptr, 0xa5, bytes);
+    return true;
+  }
+  uint64_t mismatches(const std::vector<CheckOp>& ops, uint64_t seed) const {
+#ifdef XFERBENCH_HAVE_CUDA
+    if (gpu) return gpu_count_mismatches(device, ptr, ops, seed);
+#endif
+    const auto* p = static_cast<const uint8_t*>(ptr);
+    uint64_t bad = 0;
+    for (const CheckOp& op : ops) {
+      for (uint64_t i = 0; i < op.bytes; ++i) bad += p[op.dst_offset + i] != pattern_byte(seed, op.src_offset + i);
+    }
+    return bad;
+  }
+};
+
+// GPU memory (cudaMalloc) or host memory (engine-allocated shared memory, or malloc
+// with --host-malloc), registered with the engine.
+Result<xfer::MemDesc> allocate_and_register(const Options& o, xfer::Engine& engine, bool gpu, int device, size_t bytes,
+                                            Buffer& buffer) {
+  if (!gpu && !o.host_malloc) {
+    buffer = Buffer{false, -1, nullptr, bytes};
+    buffer.engine_owned = true;
+    return engine.allocate_host_memory(bytes, &buffer.ptr);
+  }
+  buffer = Buffer::make(gpu, device, bytes);
+  if (buffer.ptr == nullptr) return resource_exhausted("allocating {} bytes failed", bytes);
+  return engine.register_memory(buffer.ptr, bytes, gpu ? MemKind::kCuda : MemKind::kHost, gpu ? device : -1);
+}
+
+// ---- target process ----
+
+int run_target(const Options& o, int fd, size_t bytes) {
+  auto engine = xfer::Engine::create(engine_config(o, "xferbench-target"));
+  if (!engine.ok()) {
+    std::fprintf(stderr, "target: %s\n", engine.status().to_string().c_str());
+    return 2;
+  }
+  const bool gpu = o.backend == "cuda";
+  Buffer region;
+  auto mem = allocate_and_register(o, **engine, gpu, o.remote_device, bytes, region);
+  if (!mem.ok()) {
+    std::fprintf(stderr, "target: %s\n", mem.status().to_string().c_str());
+    return 4;
+  }
+  if (!send_blob(fd, xfer::encode((*engine)->describe())) || !send_blob(fd, xfer::encode(*mem))) return 5;
+  while (true) {
+    uint8_t cmd = 0;
+    if (!io_all(fd, &cmd, 1, false) || cmd == 'Q') break;
+    uint64_t reply = 0;
+    if (cmd == 'P') {
+      reply = region.poison() ? 0 : 1;
+    } else if (cmd == 'V') {
+      std::vector<uint8_t> blob = recv_blob(fd);
+      std::vector<CheckOp> ops(blob.size() / sizeof(CheckOp));
+      std::memcpy(ops.data(), blob.data(), ops.size() * sizeof(CheckOp));
+      reply = region.mismatches(ops, o.seed);
+    }
+    if (!io_all(fd, &reply, sizeof(reply), true)) break;
+  }
+  (void)(*engine)->deregister(mem->region_id);
+  engine->reset();
+  region.release();
+  return 0;
+}
+
+// ---- initiator ----
+
+struct Scenario {
+  std::string name;
+  std::vector<std::vector<Op>> batches;  // posted back to back, then all waited for
+  uint64_t op_bytes = 0;                 // size of one op (for the reference)
+};
+
+struct Measured {
+  std::string name;
+  uint64_t bytes = 0;
+  uint64_t num_ops = 0;
+  size_t num_batches = 0;
+  double seconds = 0;  // median per iteration
+  double gbps = 0;
+  double ops_per_s = 0;
+  std::string reference_name;
+  double reference_gbps = 0;
+  double reference_ops_per_s = 0;
+  double post_us = 0;      // median time for the write() calls alone (host-side cost)
+  double b2b_gbps = 0;     // back-to-back iterations (no verification gaps), final state verified
+  double kernel_gbps = 0;  // the copy kernel alone, same ops, no engine (cuda kernel mode)
+  std::vector<CheckOp> check;
+  int verified = 0;
+  uint64_t mismatches = 0;
+  std::string error;
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Distinct random block ids in [0, pool).
+std::vector<uint64_t> random_ids(std::mt19937_64& rng, uint64_t pool, uint64_t n) {
+  std::vector<uint64_t> ids(pool);
+  for (uint64_t i = 0; i < pool; ++i) ids[i] = i;
+  std::shuffle(ids.begin(), ids.end(), rng);
+  ids.resize(n);
+  return ids;
+}
+
+class Initiator {
+ public:
+  Initiator(const Options& o, int fd, size_t bytes) : o_(o), fd_(fd), bytes_(bytes) {}
+
+  bool setup() {
+    auto engine = xfer::Engine::create(engine_config(o_, "xferbench-initiator"));
+    if (!engine.ok()) return fail(engine.status().to_string());
+    engine_ = std::move(engine).value();
+    const bool gpu = o_.backend == "cuda";
+    auto mem = allocate_and_register(o_, *engine_, gpu, o_.local_device, bytes_, local_);
+    if (!mem.ok()) return fail(mem.status().to_string());
+    if (!local_.fill(o_.seed)) return fail("filling the source region");
+    local_desc_ = *mem;
+    auto peer = xfer::decode_engine_desc(recv_blob(fd_));
+    auto remote = xfer::decode_mem_desc(recv_blob(fd_));
+    if (!peer.ok() || !remote.ok()) return fail("target descriptors did not arrive");
+    if (Status s = engine_->connect(*peer); !s.ok()) return fail(s.to_string());
+    auto session = engine_->session(local_desc_, *remote, o_.backend);
+    if (!session.ok()) return fail(session.status().to_string());
+    session_ = *session;
+    return true;
+  }
+
+  Measured run(const Scenario& sc) {
+    Measured m;
+    m.name = sc.name;
+    m.num_batches = sc.batches.size();
+    std::vector<CheckOp> check;
+    for (const auto& batch : sc.batches) {
+      for (const Op& op : batch) {
+        m.bytes += op.bytes;
+        check.push_back({op.local_offset, op.remote_offset, op.bytes});
+      }
+      m.num_ops += batch.size();
+    }
+#ifdef XFERBENCH_HAVE_CUDA
+    // GPUs idle at a low clock; every figure (ours and the reference) is taken warm.
+    if (o_.backend == "cuda" && o_.gpu_warmup_ms > 0) gpu_spin({o_.local_device, o_.remote_device}, o_.gpu_warmup_ms);
+#endif
+    std::vector<uint8_t> check_blob(check.size() * sizeof(CheckOp));
+    std::memcpy(check_blob.data(), check.data(), check_blob.size());
+    std::vector<double> seconds, post_seconds;
+    std::vector<xfer::XferId> ids(sc.batches.size());
+    for (int it = 0; it < o_.warmup + o_.iters; ++it) {
+      if (command('P') != 0) {
+        m.error = "target could not poison its region";
+        return m;
+      }
+      const int64_t t0 = now_ns();
+      for (size_t b = 0; b < sc.batches.size(); ++b) {
+        auto id = session_.write(sc.batches[b]);
+        if (!id.ok()) {
+          m.error = id.status().to_string();
+          return m;
+        }
+        ids[b] = *id;
+      }
+      post_seconds.push_back((now_ns() - t0) * 1e-9);
+      for (xfer::XferId id : ids) {
+        if (Status s = engine_->wait(id, Deadline::after_ms(60'000)); !s.ok()) {
+          m.error = s.to_string();
+          return m;
+        }
+      }
+      const int64_t t1 = now_ns();
+      for (xfer::XferId id : ids) engine_->release(id);
+      uint8_t cmd = 'V';
+      uint64_t bad = UINT64_MAX;
+      if (!io_all(fd_, &cmd, 1, true) || !send_blob(fd_, check_blob) || !io_all(fd_, &bad, sizeof(bad), false)) {
+        m.error = "verification channel broke";
+        return m;
+      }
+      m.mismatches += bad;
+      ++m.verified;
+      if (it >= o_.warmup) seconds.push_back((t1 - t0) * 1e-9);
+    }
+    m.seconds = median(seconds);
+    m.post_us = median(post_seconds) * 1e6;
+    m.gbps = m.bytes / m.seconds * 1e-9;
+    m.ops_per_s = m.num_ops / m.seconds;
+    if (o_.b2b) {
+      // Back to back, as the reference loop runs: no poison/verify gap between
+      // iterations; every iteration writes the same bytes and the final state is checked.
+      std::vector<double> b2b;
+      if (command('P') != 0) return m;
+      for (int it = 0; it < o_.iters; ++it) {
+        const int64_t t0 = now_ns();
+        for (size_t b = 0; b < sc.batches.size(); ++b) ids[b] = *session_.write(sc.batches[b]);
+        for (xfer::XferId id : ids) (void)engine_->wait(id, Deadline::after_ms(60'000));
+        b2b.push_back((now_ns() - t0) * 1e-9);
+        for (xfer::XferId id : ids) engine_->release(id);
+      }
+      uint8_t cmd = 'V';
+      uint64_t bad = UINT64_MAX;
+      if (io_all(fd_, &cmd, 1, true) && send_blob(fd_, check_blob) && io_all(fd_, &bad, sizeof(bad), false)) {
+        m.mismatches += bad;
+        m.b2b_gbps = m.bytes / median(b2b) * 1e-9;
+      }
+    }
+    m.check = std::move(check);
+    return m;
+  }
+
+  uint64_t command(uint8_t cmd) {
+    uint64_t reply = UINT64_MAX;
+    if (!io_all(fd_, &cmd, 1, true) || !io_all(fd_, &reply, sizeof(reply), false)) return UINT64_MAX;
+    return reply;
+  }
+
+  void finish() {
+    uint8_t cmd = 'Q';
+    io_all(fd_, &cmd, 1, true);
+    session_ = xfer::Session();  // sessions go before their engine
+    (void)engine_->deregister(local_desc_.region_id);
+    engine_.reset();
+    local_.release();
+  }
+
+  const std::string& error() const {
+    return error_;
+  }
+
+ private:
+  bool fail(std::string why) {
+    error_ = std::move(why);
+    return false;
+  }
+  const Options& o_;
+  int fd_;
+  size_t bytes_;
+  std::unique_ptr<xfer::Engine> engine_;
+  Buffer local_;
+  xfer::MemDesc local_desc_;
+  xfer::Session session_;
+  std::string error_;
+};
+
+// ---- ucx_perftest reference ----
+
+int free_tcp_port() {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(s);
+  return port;
+}
+
+bool port_listening(int port) {
+  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(file);
+    std::string line;
+    std::getline(in, line);
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      auto colon = local.rfind(':');
+      if (colon != std::string::npos && std::stoi(local.substr(colon + 1), nullptr, 16) == port && state == "0A") {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Runs one ucx_perftest put-bandwidth test (server + client on loopback). Returns
+// {MB/s as 2^20 bytes per second (perftest's unit), messages/s}, or {0,0}.
+std::pair<double, double> perftest_put_bw(const Options& o, uint64_t bytes, int iters, std::string* log) {
+  const int port = free_tcp_port();
+  std::string env = o.ucx_tls.empty() ? "" : "UCX_TLS=" + o.ucx_tls + " UCX_NET_DEVICES=lo ";
+  pid_t server = fork();
+  if (server == 0) {
+    if (!o.ucx_tls.empty()) {
+      setenv("UCX_TLS", o.ucx_tls.c_str(), 1);
+      setenv("UCX_NET_DEVICES", "lo", 1);
+    }
+    freopen("/dev/null", "w", stdout);
+    execlp(o.perftest.c_str(), o.perftest.c_str(), "-p", std::to_string(port).c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // Waits on the real condition (the server's listening socket) with a deadline.
+  Deadline ready = Deadline::after_ms(10'000);
+  while (!port_listening(port) && !ready.expired()) usleep(2000);
+  std::string cmd = fmt::format("{}{} 127.0.0.1 -p {} -t ucp_put_bw -s {} -n {} -w {} 2>&1", env, o.perftest, port,
+                                bytes, iters, std::max(1, iters / 10));
+  *log = cmd;
+  std::pair<double, double> result{0, 0};
+  if (FILE* p = popen(cmd.c_str(), "r")) {
+    char line[1024];
+    while (std::fgets(line, sizeof(line), p) != nullptr) {
+      std::istringstream fields(line);
+      std::string first;
+      fields >> first;
+      if (first == "Final:") {
+        double it, p50, avg, overall, bw_avg, bw_overall, rate_avg, rate_overall;
+        fields >> it >> p50 >> avg >> overall >> bw_avg >> bw_overall >> rate_avg >> rate_overall;
+        result = {bw_overall, rate_overall};
+      }
+    }
+    pclose(p);
+  }
+  Deadline gone = Deadline::after_ms(5'000);
+  while (waitpid(server, nullptr, WNOHANG) == 0) {
+    if (gone.expired()) {
+      kill(server, SIGKILL);
+      waitpid(server, nullptr, 0);
+      break;
+    }
+    usleep(2000);
+  }
+  return result;
+}
+
+// ---- main ----
+
+int run(const Options& o) {
+  const uint64_t block_bytes = uint64_t{2} * o.block_tokens * o.kv_heads * o.head_dim * o.dtype_bytes;
+  const uint64_t prompt_blocks = (o.prompt_tokens + o.block_tokens - 1) / o.block_tokens;
+  const uint64_t pool_blocks = o.pool_blocks > 0 ? o.pool_blocks : 2 * prompt_blocks;
+  if (pool_blocks < prompt_blocks) {
+    std::fprintf(stderr, "--pool-blocks %llu is smaller than the prompt's %llu blocks\n",
+                 static_cast<unsigned long long>(pool_blocks), static_cast<unsigned long long>(prompt_blocks));
+    return 2;
+  }
+  const uint64_t layer_bytes = pool_blocks * block_bytes;
+  const uint64_t region_bytes = layer_bytes * o.layers;
+  const uint64_t kv_bytes = prompt_blocks * block_bytes * o.layers;
+
+  int fds[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return 2;
+  // Fork before either process touches CUDA or UCX.
+  pid_t child = -1;
+  std::thread target_thread;
+  int target_status = 0;
+  if (o.same_process) {
+    target_thread = std::thread([&] { target_status = run_target(o, fds[1], region_bytes); });
+  } else {
+    child = fork();
+    if (child == 0) {
+      close(fds[0]);
+      _exit(run_target(o, fds[1], region_bytes));
+    }
+    close(fds[1]);
+  }
+  Initiator initiator(o, fds[0], region_bytes);
+  if (!initiator.setup()) {
+    std::fprintf(stderr, "xferbench: setup failed: %s\n", initiator.error().c_str());
+    if (child > 0) {
+      kill(child, SIGKILL);
+      waitpid(child, nullptr, 0);
+    } else {
+      shutdown(fds[0], SHUT_RDWR);
+      target_thread.join();
+    }
+    return 1;
+  }
+
+  // Scenarios.
+  std::mt19937_64 rng(o.seed);
+  std::vector<Scenario> scenarios;
+  auto wanted = [&](const std::string& s) {
+    return ("," + o.scenarios + ",").find("," + s + ",") != std::string::npos;
+  };
+  if (wanted("contiguous")) scenarios.push_back({"contiguous", {{{0, 0, kv_bytes}}}, kv_bytes});
+  std::vector<std::vector<Op>> per_layer(o.layers);
+  {
+    const std::vector<uint64_t> src_ids = random_ids(rng, pool_blocks, prompt_blocks);
+    const std::vector<uint64_t> dst_ids = random_ids(rng, pool_blocks, prompt_blocks);
+    for (int l = 0; l < o.layers; ++l) {
+      for (uint64_t b = 0; b < prompt_blocks; ++b) {
+        per_layer[l].push_back(
+            {l * layer_bytes + src_ids[b] * block_bytes, l * layer_bytes + dst_ids[b] * block_bytes, block_bytes});
+      }
+    }
+  }
+  if (wanted("kv")) {
+    std::vector<Op> all;
+    for (const auto& layer : per_layer) all.insert(all.end(), layer.begin(), layer.end());
+    scenarios.push_back({"kv", {all}, block_bytes});
+  }
+  if (wanted("kv_layers")) scenarios.push_back({"kv_layers", per_layer, block_bytes});
+  if (wanted("small")) {
+    constexpr uint64_t kSmall = 4096;
+    const uint64_t slots = region_bytes / kSmall;
+    const uint64_t n = std::min<uint64_t>(o.small_ops, slots);
+    const std::vector<uint64_t> src = random_ids(rng, slots, n);
+    const std::vector<uint64_t> dst = random_ids(rng, slots, n);
+    std::vector<Op> ops;
+    for (uint64_t i = 0; i < n; ++i) ops.push_back({src[i] * kSmall, dst[i] * kSmall, kSmall});
+    scenarios.push_back({"small_4k", {ops}, kSmall});
+  }
+
+  std::vector<Measured> results;
+  for (const Scenario& sc : scenarios) results.push_back(initiator.run(sc));
+  initiator.finish();
+  int status = 0;
+  if (child > 0) {
+    waitpid(child, &status, 0);
+  } else {
+    target_thread.join();
+    status = target_status << 8;  // as if exited with target_status
+  }
+
+  // References, after the engines are gone (the GPUs and cores are free again).
+  std::vector<std::string> reference_commands;
+  for (Measured& m : results) {
+    if (!m.error.empty()) continue;
+    if (o.backend == "cuda") {
+#ifdef XFERBENCH_HAVE_CUDA
+      if (o.gpu_warmup_ms > 0) gpu_spin({o.local_device, o.remote_device}, o.gpu_warmup_ms);
+      std::vector<double> s = gpu_memcpy_peer_seconds(o.remote_device, o.local_device, m.bytes, o.warmup, o.iters);
+      m.reference_name = "cudaMemcpyPeer (contiguous, same bytes)";
+      if (!s.empty()) {
+        m.reference_gbps = m.bytes / median(s) * 1e-9;
+        m.reference_ops_per_s = m.num_ops / median(s);
+      }
+      std::vector<double> k =
+          gpu_kernel_copy_seconds(o.remote_device, o.local_device, region_bytes, m.check, o.cuda_chunk_bytes,
+                                  o.cuda_ctas_per_sm, o.cuda_threads, o.warmup, o.iters);
+      if (!k.empty()) m.kernel_gbps = m.bytes / median(k) * 1e-9;
+#endif
+    } else {
+      const uint64_t op_bytes = m.name == "contiguous" ? m.bytes : (m.name == "small_4k" ? 4096 : block_bytes);
+      const int iters = static_cast<int>(std::clamp<uint64_t>(m.bytes * o.iters / op_bytes, 100, 200'000));
+      std::string cmd;
+      auto [mbps, rate] = perftest_put_bw(o, op_bytes, iters, &cmd);
+      reference_commands.push_back(cmd);
+      m.reference_name = fmt::format("ucx_perftest ucp_put_bw -s {}", op_bytes);
+      m.reference_gbps = mbps * 1048576.0 * 1e-9;
+      m.reference_ops_per_s = rate;
+    }
+  }
+
+  bool all_exact = true;
+  for (const Measured& m : results) all_exact = all_exact && m.error.empty() && m.mismatches == 0 && m.verified > 0;
+  if (o.json) {
+    nlohmann::json j;
+    j["backend"] = o.backend;
+    j["cuda_mode"] = o.cuda_mode;
+    j["ucx_tls"] = o.ucx_tls;
+    j["iters"] = o.iters;
+    j["block_bytes"] = block_bytes;
+    j["all_verified_byte_exact"] = all_exact;
+    j["reference_commands"] = reference_commands;
+    for (const Measured& m : results) {
+      j["scenarios"].push_back({{"name", m.name},
+                                {"bytes", m.bytes},
+                                {"ops", m.num_ops},
+                                {"batches", m.num_batches},
+                                {"median_seconds", m.seconds},
+                                {"gbps", m.gbps},
+                                {"ops_per_s", m.ops_per_s},
+                                {"reference", m.reference_name},
+                                {"reference_gbps", m.reference_gbps},
+                                {"reference_ops_per_s", m.reference_ops_per_s},
+                                {"ratio", m.reference_gbps > 0 ? m.gbps / m.reference_gbps : 0},
+                                {"b2b_gbps", m.b2b_gbps},
+                                {"post_us", m.post_us},
+                                {"b2b_ratio", m.reference_gbps > 0 ? m.b2b_gbps / m.reference_gbps : 0},
+                                {"kernel_only_gbps", m.kernel_gbps},
+                                {"verified_iterations", m.verified},
+                                {"mismatched_bytes", m.mismatches},
+                                {"error", m.error}});
+    }
+    std::printf("%s\n", j.dump(2).c_str());
+  }
+  std::printf("\nxferbench backend=%s%s  (GB/s = 1e9 B/s; median of %d iterations; every iteration verified)\n",
+              o.backend.c_str(), o.backend == "cuda" ? (" mode=" + o.cuda_mode).c_str() : "", o.iters);
+  std::printf("%-11s %8s %6s %4s %8s %10s %8s %10s %6s %8s %6s %8s %7s %8s  %s\n", "scenario", "MiB", "ops", "btch",
+              "GB/s", "ops/s", "ref GB/s", "ref ops/s", "ratio", "b2b GB/s", "b2b x", "kern GB/s", "post us",
+              "verified", "reference");
+  for (const Measured& m : results) {
+    if (!m.error.empty()) {
+      std::printf("%-11s ERROR %s\n", m.name.c_str(), m.error.c_str());
+      continue;
+    }
+    const double ref = m.reference_gbps > 0 ? m.reference_gbps : 1e300;
+    std::printf("%-11s %8.1f %6llu %4zu %8.2f %10.0f %8.2f %10.0f %6.3f %8.2f %6.3f %8.2f %7.1f %8s  %s\n",
+                m.name.c_str(), m.bytes / 1048576.0, static_cast<unsigned long long>(m.num_ops), m.num_batches, m.gbps,
+                m.ops_per_s, m.reference_gbps, m.reference_ops_per_s, m.gbps / ref, m.b2b_gbps, m.b2b_gbps / ref,
+                m.kernel_gbps, m.post_us, m.mismatches == 0 ? "exact" : "MISMATCH", m.reference_name.c_str());
+  }
+  return all_exact && WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace pd::xferbench
+
+int main(int argc, char** argv) {
+  pd::xferbench::Options o;
+  CLI::App app{"xferbench: transfer-engine benchmark (two processes, one backend)"};
+  app.add_option("--backend", o.backend, "cuda or ucx")->check(CLI::IsMember({"cuda", "ucx"}));
+  app.add_option("--scenarios", o.scenarios, "comma list of contiguous,kv,kv_layers,small");
+  app.add_option("--iters", o.iters, "timed iterations per scenario")->check(CLI::Range(1, 100000));
+  app.add_option("--warmup", o.warmup, "untimed (but verified) iterations first")->check(CLI::Range(0, 1000));
+  app.add_flag("--json", o.json, "print JSON before the table");
+  app.add_option("--ucx-tls", o.ucx_tls, "UCX_TLS for the engine and ucx_perftest (e.g. posix,self or tcp)");
+  app.add_option("--cuda-mode", o.cuda_mode, "kernel or copy_engine")->check(CLI::IsMember({"kernel", "copy_engine"}));
+  app.add_option("--cuda-chunk-bytes", o.cuda_chunk_bytes, "copy-kernel bytes per work item");
+  app.add_option("--cuda-ctas-per-sm", o.cuda_ctas_per_sm, "copy-kernel CTAs per SM");
+  app.add_option("--cuda-threads", o.cuda_threads, "copy-kernel threads per CTA");
+  app.add_option("--local-device", o.local_device, "initiator GPU");
+  app.add_option("--remote-device", o.remote_device, "target GPU");
+  app.add_option("--layers", o.layers);
+  app.add_option("--kv-heads", o.kv_heads);
+  app.add_option("--head-dim", o.head_dim);
+  app.add_option("--block-tokens", o.block_tokens);
+  app.add_option("--prompt-tokens", o.prompt_tokens);
+  app.add_option("--pool-blocks", o.pool_blocks, "blocks per layer in each region (default: twice the prompt's)");
+  app.add_option("--small-ops", o.small_ops, "4 KiB ops in the small-op batch");
+  app.add_option("--seed", o.seed);
+  app.add_option("--perftest", o.perftest, "ucx_perftest binary");
+  app.add_option("--gpu-warmup-ms", o.gpu_warmup_ms, "busy both GPUs this long before each measurement");
+  app.add_flag("--ucx-busy-poll", o.ucx_busy_poll, "UCX progress threads spin instead of sleeping");
+  app.add_flag("--host-malloc", o.host_malloc,
+               "ucx: register malloc'd host memory instead of Engine::allocate_host_memory");
+  app.add_flag("!--no-b2b", o.b2b, "skip the back-to-back timing rows");
+  app.add_flag("--same-process", o.same_process, "run the target engine on a thread instead of a second process");
+  CLI11_PARSE(app, argc, argv);
+  pd::log::init("warn");
+  return pd::xferbench::run(o);
+}
