@@ -1,6 +1,9 @@
 // pdrouter: the PD-aware OpenAI router (DESIGN.md §3.5, pd_contract.md).
 #include <CLI/CLI.hpp>
 
+#include <pthread.h>
+
+#include <csignal>
 #include <cstdio>
 #include <thread>
 
@@ -8,6 +11,12 @@
 #include "router/router_server.h"
 
 int main(int argc, char** argv) {
+  // SIGINT/SIGTERM are blocked in every thread (threads inherit the mask) and taken by sigwait below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   pd::router::RouterConfig config;
   std::string producer_policy = "least_outstanding";
   std::string consumer_policy = "least_outstanding";
@@ -86,7 +95,8 @@ int main(int argc, char** argv) {
   }
   std::printf("pdrouter listening on http://%s:%u\n", config.host.c_str(), server.http_port());
   std::fflush(stdout);
-  server.wait_for_signal();
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
   PD_LOG_INFO("pdrouter: shutting down");
   server.stop();
   return 0;

@@ -2,7 +2,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include <csignal>
 #include <random>
 #include <unordered_map>
 
@@ -778,13 +777,6 @@ void RouterServer::stop() {
   impl_->acceptor_.reset();
   // Pending sessions (and the legs they own) are destroyed with their io_context.
   io_contexts_.clear();
-}
-
-void RouterServer::wait_for_signal() {
-  net::io_context signals_context;
-  net::signal_set signals(signals_context, SIGINT, SIGTERM);
-  signals.async_wait([](const beast::error_code&, int) {});
-  signals_context.run();
 }
 
 }  // namespace pd::router

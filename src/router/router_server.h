@@ -28,8 +28,6 @@ class RouterServer {
   Status start();
   // Stops accepting, stops every thread and joins them.
   void stop();
-  // Blocks until SIGINT/SIGTERM.
-  void wait_for_signal();
 
   uint16_t http_port() const { return http_port_; }
   int registration_port() const { return discovery_.registration_port(); }
