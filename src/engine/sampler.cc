@@ -111,21 +111,30 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& params,
       if (v == kNegInf || v < min_scaled) continue;
       kept.push_back({i, std::exp(v - max_scaled)});
     }
-    const bool need_order = params.top_k > 0 || params.top_p < 1.0f;
+    // Whenever top-k is set, the kept list is in rank order.
     if (params.top_k > 0 && static_cast<size_t>(params.top_k) < kept.size()) {
       std::partial_sort(kept.begin(), kept.begin() + params.top_k, kept.end(), ranks_before);
       kept.resize(static_cast<size_t>(params.top_k));
-    } else if (need_order) {
+    } else if (params.top_k > 0) {
       std::sort(kept.begin(), kept.end(), ranks_before);
     }
     double total = 0.0;
     for (const Candidate& c : kept) total += c.value;
     if (params.top_p < 1.0f) {
-      // Smallest prefix (in rank order) whose mass reaches top_p; always >= 1 token.
+      // Smallest prefix (in rank order) whose mass reaches top_p; always >= 1
+      // token. Only as much of a large vocabulary is ranked as the nucleus
+      // needs: partial sorts of a growing prefix give a full sort's order.
       const double target = static_cast<double>(params.top_p) * total;
+      size_t ranked = params.top_k > 0 ? kept.size() : 0;
       double cumulative = 0.0;
       size_t keep = 0;
       while (keep < kept.size()) {
+        if (keep == ranked) {
+          const size_t next = std::min(kept.size(), std::max<size_t>(64, ranked * 4));
+          std::partial_sort(kept.begin() + static_cast<std::ptrdiff_t>(ranked),
+                            kept.begin() + static_cast<std::ptrdiff_t>(next), kept.end(), ranks_before);
+          ranked = next;
+        }
         cumulative += kept[keep].value;
         ++keep;
         if (cumulative >= target) break;

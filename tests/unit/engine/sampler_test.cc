@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <random>
 #include <set>
 #include <vector>
 
@@ -101,6 +103,43 @@ TEST(Sampler, TopPKeepsTheSmallestPrefixReachingP) {
   EXPECT_EQ(reachable(logits, p), (std::set<int32_t>{0, 1, 2}));  // tie at 0.125 broken by lower id
   p.top_p = 0.3f;
   EXPECT_EQ(reachable(logits, p), (std::set<int32_t>{0}));
+}
+
+TEST(Sampler, TopPOverALargeVocabularySamplesOnlyFromTheExactNucleus) {
+  constexpr int kVocab = 5000;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+  std::vector<float> logits(kVocab);
+  for (float& v : logits) v = dist(rng);
+  // Naive nucleus: full sort by probability, smallest prefix reaching 0.6.
+  std::vector<int32_t> order(kVocab);
+  for (int32_t i = 0; i < kVocab; ++i) order[static_cast<size_t>(i)] = i;
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return logits[static_cast<size_t>(a)] != logits[static_cast<size_t>(b)]
+               ? logits[static_cast<size_t>(a)] > logits[static_cast<size_t>(b)]
+               : a < b;
+  });
+  const float max_logit = logits[static_cast<size_t>(order[0])];
+  double total = 0.0;
+  for (float v : logits) total += std::exp(static_cast<double>(v - max_logit));
+  std::set<int32_t> nucleus;
+  double cumulative = 0.0;
+  for (int32_t id : order) {
+    nucleus.insert(id);
+    cumulative += std::exp(static_cast<double>(logits[static_cast<size_t>(id)] - max_logit));
+    if (cumulative >= 0.6 * total) break;
+  }
+  ASSERT_GT(nucleus.size(), 64u) << "the nucleus must be larger than the first ranking window";
+  SamplingParams p = random_params();
+  p.top_p = 0.6f;
+  std::set<int32_t> seen;
+  for (int i = 0; i < 3000; ++i) {
+    std::vector<float> row = logits;
+    const int32_t id = sample_token(row, p, derive_rng_seed(2, i), {}).token_id;
+    EXPECT_TRUE(nucleus.contains(id)) << id;
+    seen.insert(id);
+  }
+  EXPECT_GT(seen.size(), nucleus.size() / 2);
 }
 
 TEST(Sampler, MinPDropsTokensBelowFractionOfTheMax) {
