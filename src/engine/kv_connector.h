@@ -1,5 +1,5 @@
 // Scheduler-side P/D connector interface (DESIGN.md §3.3), called only on the
-// engine thread. The engine without a connector (nullptr) is a plain engine;
+// engine thread (except validate_request, see there). The engine without a connector (nullptr) is a plain engine;
 // every call below is skipped then. The connector module implements it; the
 // worker-side half is LayerKvHooks (model_runner.h), handed to the runner per
 // step by build_step_hooks.
@@ -31,6 +31,9 @@
 //  4. load failures are reported by poll() as LoadError; the engine rolls the
 //     request's num_computed_tokens back to the first failed block and
 //     recomputes from there (a token sampled on partial KV is discarded).
+//     A synchronous load (load_async = false) must report its errors in the
+//     poll() that directly follows that step's after_step: the engine polls
+//     there, before it accepts the step's tokens.
 #pragma once
 
 #include <cstdint>
