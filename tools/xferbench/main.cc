@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -458,9 +459,9 @@ std::pair<double, double> perftest_put_bw(const Options& o, uint64_t bytes, int 
       std::string first;
       fields >> first;
       if (first == "Final:") {
-        double it, p50, avg, overall, bw_avg, bw_overall, rate_avg, rate_overall;
+        double it = 0, p50 = 0, avg = 0, overall = 0, bw_avg = 0, bw_overall = 0, rate_avg = 0, rate_overall = 0;
         fields >> it >> p50 >> avg >> overall >> bw_avg >> bw_overall >> rate_avg >> rate_overall;
-        result = {bw_overall, rate_overall};
+        if (fields && std::isfinite(bw_overall) && bw_overall > 0) result = {bw_overall, rate_overall};
       }
     }
     pclose(p);
@@ -587,7 +588,9 @@ int run(const Options& o) {
 #endif
     } else {
       const uint64_t op_bytes = m.name == "contiguous" ? m.bytes : (m.name == "small_4k" ? 4096 : block_bytes);
-      const int iters = static_cast<int>(std::clamp<uint64_t>(m.bytes * o.iters / op_bytes, 100, 200'000));
+      // As many messages as our timed iterations move, at least 5 (huge messages) and at
+      // most 200,000 (small ones).
+      const int iters = static_cast<int>(std::clamp<uint64_t>(m.bytes * o.iters / op_bytes, 5, 200'000));
       std::string cmd;
       auto [mbps, rate] = perftest_put_bw(o, op_bytes, iters, &cmd);
       reference_commands.push_back(cmd);
