@@ -126,6 +126,9 @@ Status PdConnector::init() {
   xcfg.name = record_.instance_id;
   xcfg.listen_host = config_.kv_ip;
   xcfg.batch_timeout_ms = config_.transfer_timeout_ms;
+  // xfer keys its shared-memory policy off the transports it is given, so the
+  // standard UCX variable is passed through explicitly rather than left to UCX.
+  if (const char* tls = std::getenv("UCX_TLS"); tls != nullptr) xcfg.ucx_transports = tls;
   switch (config_.backend) {
     case TransferBackend::kUcx: xcfg.backends = {"ucx"}; break;
     case TransferBackend::kCuda: xcfg.backends = {"cuda"}; break;
