@@ -4,7 +4,7 @@
 // bandwidth), and prefill of 1 and 8 prompts of 2,000 tokens vs the bf16 GEMM
 // rate (2 * linear params * tokens + causal attention + lm_head of the sampled
 // rows). Qwen3-8B and Qwen3-32B shapes with dummy weights generated on the GPU.
-// Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all] [--ctx 2048]
+// Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all] [--ctx 2048] [--decode-kernel tc|simt]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -88,7 +88,8 @@ engine::StepInput make_step(int num_seqs, int new_tokens, int computed, int voca
   return in;
 }
 
-void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, std::vector<Row>* rows) {
+void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels::cuda::DecodeKernel decode_kernel,
+                 std::vector<Row>* rows) {
   const model::ModelConfig cfg = qwen3_config(big);
   const char* name = big ? "Qwen3-32B" : "Qwen3-8B";
   const std::vector<int> batches = big ? std::vector<int>{1, 16, 64} : std::vector<int>{1, 16, 64, 128};
@@ -101,6 +102,7 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, std::ve
   opt.max_num_seqs = max_batch;
   opt.max_num_batched_tokens = 8 * prefill_tokens;
   opt.num_kv_blocks = blocks_needed + 16;
+  opt.decode_kernel = decode_kernel;
   const auto t0 = std::chrono::steady_clock::now();
   auto created = engine::CudaModelRunner::create(cfg, nullptr, opt);
   PD_STATUS_CHECK(created.status());
@@ -148,19 +150,25 @@ int main(int argc, char** argv) {
   using namespace pd::gpu_test;
   std::string which = "all";
   int ctx = 2048;
+  auto decode_kernel = pd::kernels::cuda::DecodeKernel::kTensorCore;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--model") == 0) which = argv[i + 1];
     if (std::strcmp(argv[i], "--ctx") == 0) ctx = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--decode-kernel") == 0 && std::strcmp(argv[i + 1], "simt") == 0) {
+      decode_kernel = pd::kernels::cuda::DecodeKernel::kCudaCore;
+    }
   }
   PD_CUDA_CHECK(cudaSetDevice(0));
   cudaDeviceProp prop{};
   PD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const double copy_gbs = measure_copy_gbs();
   const double gemm_tflops = measure_gemm_tflops();
-  std::printf("device %s: d2d copy %.1f GB/s, bf16 GEMM 8192^3 %.1f TFLOP/s\n", prop.name, copy_gbs, gemm_tflops);
+  std::printf("device %s: d2d copy %.1f GB/s, bf16 GEMM 8192^3 %.1f TFLOP/s, decode attention on %s cores\n",
+              prop.name, copy_gbs, gemm_tflops,
+              decode_kernel == pd::kernels::cuda::DecodeKernel::kTensorCore ? "tensor" : "CUDA");
   std::vector<Row> rows;
-  if (which == "all" || which == "qwen3-8b") bench_model(false, ctx, copy_gbs, gemm_tflops, &rows);
-  if (which == "all" || which == "qwen3-32b") bench_model(true, ctx, copy_gbs, gemm_tflops, &rows);
+  if (which == "all" || which == "qwen3-8b") bench_model(false, ctx, copy_gbs, gemm_tflops, decode_kernel, &rows);
+  if (which == "all" || which == "qwen3-32b") bench_model(true, ctx, copy_gbs, gemm_tflops, decode_kernel, &rows);
   std::printf("\n%-36s %10s %10s %8s  %s\n", "step", "floor_ms", "meas_ms", "x floor", "note");
   for (const auto& r : rows) {
     std::printf("%-36s %10.3f %10.3f %8.2f  %s\n", r.what.c_str(), r.floor_ms, r.measured_ms,

@@ -243,7 +243,8 @@ struct SeqSpec {
 };
 
 // Runs prefill (decode == false) or decode attention for `seqs` and compares with cpu::paged_attention.
-void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_heads, const std::vector<SeqSpec>& seqs) {
+void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_heads, const std::vector<SeqSpec>& seqs,
+                     int partition_tokens = 0, kc::DecodeKernel variant = kc::DecodeKernel::kTensorCore) {
   int max_ctx = 1, max_q = 0, total_q = 0, total_blocks = 0;
   for (const auto& s : seqs) {
     max_ctx = std::max(max_ctx, s.ctx);
@@ -288,8 +289,11 @@ void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_head
   a.num_kv_heads = num_kv_heads;
   a.head_dim = head_dim;
   a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  a.decode_partition_tokens = partition_tokens;
+  a.decode_kernel = variant;
   if (decode) {
-    const size_t ws = kc::decode_attention_workspace_bytes(a.num_seqs, num_q_heads, head_dim, max_ctx);
+    const size_t ws = kc::decode_attention_workspace_bytes(a.num_seqs, num_q_heads, head_dim, max_ctx,
+                                                           partition_tokens > 0 ? partition_tokens : 256);
     DeviceBuffer<uint8_t> d_ws(ws);
     PD_STATUS_CHECK(kc::decode_attention(a, d_ws.get(), ws, nullptr));
     PD_CUDA_CHECK(cudaDeviceSynchronize());
@@ -309,6 +313,10 @@ void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_head
   std::string shape = "D" + std::to_string(head_dim) + " " + std::to_string(num_q_heads) + "/" +
                       std::to_string(num_kv_heads) + " seqs " + std::to_string(seqs.size()) + " maxctx " +
                       std::to_string(max_ctx);
+  if (decode) {
+    shape += " part " + std::to_string(partition_tokens > 0 ? partition_tokens : 256) +
+             (variant == kc::DecodeKernel::kTensorCore ? " tc" : " simt");
+  }
   record(decode ? "decode_attention" : "prefill_attention", shape, compare(to_float(d_out.download()), ref));
 }
 
@@ -417,6 +425,7 @@ void run_benchmarks() {
   const double gemm_tf = measure_gemm_tflops();
   rows.push_back({"gemm 8192^3 bf16", 0.0, gemm_tf, gemm_tf, "TFLOP/s"});
   // Decode attention, Qwen3-8B layer shape (32/8 heads, D128), batch x 2048 context.
+  for (auto variant : {kc::DecodeKernel::kTensorCore, kc::DecodeKernel::kCudaCore}) {
   for (int batch : {1, 16, 64, 128}) {
     for (int q_heads : {32, 64}) {
       const int ctx = 2048, kvh = 8, d = 128, nb = ctx / 16;
@@ -436,12 +445,17 @@ void run_benchmarks() {
       a.q = q.get(); a.out = out.get(); a.kv_cache = cache.get(); a.query_start = d_qs.get(); a.context_lens = d_cl.get();
       a.block_tables = d_t.get(); a.num_seqs = batch; a.max_blocks_per_seq = nb; a.max_query_len = 1; a.max_context_len = ctx;
       a.num_q_heads = q_heads; a.num_kv_heads = kvh; a.head_dim = d; a.scale = 0.088f;
-      const size_t ws = kc::decode_attention_workspace_bytes(batch, q_heads, d, ctx);
+      a.decode_partition_tokens = batch * kvh <= 64 ? 64 : batch * kvh <= 256 ? 128 : 256;
+      a.decode_kernel = variant;
+      const size_t ws = kc::decode_attention_workspace_bytes(batch, q_heads, d, ctx, a.decode_partition_tokens);
       DeviceBuffer<uint8_t> d_ws(ws);
       const float ms = time_ms([&] { PD_STATUS_CHECK(kc::decode_attention(a, d_ws.get(), ws, nullptr)); });
       const double gbs = cache_elems * 2.0 / (ms * 1e6);
-      rows.push_back({"decode attn b" + std::to_string(batch) + " ctx2048 " + std::to_string(q_heads) + "/8", ms, gbs, copy_gbs, "GB/s"});
+      rows.push_back({std::string(variant == kc::DecodeKernel::kTensorCore ? "tc" : "simt") + " decode attn b" +
+                          std::to_string(batch) + " ctx2048 " + std::to_string(q_heads) + "/8",
+                      ms, gbs, copy_gbs, "GB/s"});
     }
+  }
   }
   // Prefill attention: one 2000-token prompt, 32/8 heads, D128 (causal flops 4*T*T/2*D*H).
   for (int nseq : {1, 8}) {
@@ -497,11 +511,16 @@ int main(int argc, char** argv) {
   check_attention(false, 128, 16, 16, {{300, 300}, {5, 2048}});
   std::vector<SeqSpec> decode_seqs;
   for (int c : {1, 15, 16, 17, 255, 256, 257, 1000, 2048, 0, 4097}) decode_seqs.push_back({1, c});
-  check_attention(true, 128, 32, 8, decode_seqs);
-  check_attention(true, 128, 64, 8, decode_seqs);
-  check_attention(true, 64, 14, 2, decode_seqs);
-  check_attention(true, 128, 8, 8, decode_seqs);
-  check_attention(true, 128, 16, 8, decode_seqs);
+  for (auto variant : {pd::kernels::cuda::DecodeKernel::kTensorCore, pd::kernels::cuda::DecodeKernel::kCudaCore}) {
+    check_attention(true, 128, 32, 8, decode_seqs, 0, variant);
+    check_attention(true, 128, 64, 8, decode_seqs, 0, variant);
+    check_attention(true, 64, 14, 2, decode_seqs, 0, variant);
+    check_attention(true, 128, 8, 8, decode_seqs, 0, variant);
+    check_attention(true, 128, 16, 8, decode_seqs, 0, variant);
+    check_attention(true, 128, 32, 8, decode_seqs, 64, variant);
+    check_attention(true, 128, 64, 8, decode_seqs, 16, variant);
+    check_attention(true, 64, 14, 2, decode_seqs, 128, variant);
+  }
   check_sampling();
 
   int failures = 0;

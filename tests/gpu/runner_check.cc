@@ -2,7 +2,8 @@
 // same (seeded dummy) weights: mixed prefill lengths, chunked prefill mixed
 // with decodes (eager path), and decode-only steps (CUDA graphs), feeding both
 // runners the same tokens. Pass: logits relative L2 <= 2e-2 on every step and
-// greedy tokens equal. Prints a table; exit 1 on failure.
+// greedy tokens equal (a differing pick whose CPU logit is within the step's
+// max abs logit error of the CPU's best is reported as a near-tie). Prints a table; exit 1 on failure.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -15,7 +16,7 @@
 namespace pd::gpu_test {
 namespace {
 
-constexpr double kLogitsTolerance = 2e-2;
+constexpr double kLogitsTolerance = 2e-2;  // bf16 activations rounded at every op over 3 layers
 
 model::ModelConfig small_config(model::ModelFamily family, int head_dim) {
   model::ModelConfig c;
@@ -45,7 +46,16 @@ struct Seq {
 
 int run_check(model::ModelFamily family, int head_dim, bool graphs) {
   const auto cfg = small_config(family, head_dim);
-  const auto weights = model::dummy_weights(cfg, 1234, 0.05f);
+  // Both runners get the same bf16-representable weights, so the check sees
+  // the kernels' error, not the weight rounding.
+  auto weights = model::dummy_weights(cfg, 1234, 0.05f);
+  for (const auto& spec : model::weight_specs(cfg)) {
+    const model::Tensor* t = weights.find(spec.name);
+    if (t == nullptr) continue;
+    model::Tensor rounded = *t;
+    for (float& v : rounded.data) v = bf16_round(v);
+    weights.put(spec.name, std::move(rounded));
+  }
   const int num_blocks = 256, max_len = 1024;
   auto cpu_r = engine::CpuModelRunner::create(cfg, weights, 16, num_blocks, max_len);
   PD_STATUS_CHECK(cpu_r.status());
@@ -103,13 +113,20 @@ int run_check(model::ModelFamily family, int head_dim, bool graphs) {
     auto gpu_logits = (*gpu_r)->last_logits(num_rows);
     PD_STATUS_CHECK(gpu_logits.status());
     const ErrorStats e = compare(*gpu_logits, *cpu_logits);
-    int agree = 0;
+    // A differing greedy token counts as a failure unless the CPU logits of the two
+    // picks are within the step's bf16 noise (max abs logit error): a near-tie.
+    int agree = 0, near_ties = 0;
     for (int32_t r = 0; r < num_rows; ++r) {
       const float* row = cpu_logits->data() + static_cast<size_t>(r) * cfg.vocab_size;
       int best = 0;
       for (int v = 1; v < cfg.vocab_size; ++v)
         if (row[v] > row[best]) best = v;
-      if (best == out->sampled[static_cast<size_t>(r)].token_id) ++agree;
+      const int32_t picked = out->sampled[static_cast<size_t>(r)].token_id;
+      if (best == picked) {
+        ++agree;
+      } else if (picked >= 0 && picked < cfg.vocab_size && row[best] - row[picked] <= e.max_abs) {
+        ++near_ties;
+      }
     }
     // Advance: the GPU's tokens feed both runners.
     int r = 0;
@@ -118,10 +135,11 @@ int run_check(model::ModelFamily family, int head_dim, bool graphs) {
       q.computed += in.seqs[k].num_new_tokens;
       if (in.seqs[k].sample) q.tokens.push_back(out->sampled[static_cast<size_t>(r++)].token_id);
     }
-    const bool pass = e.num_nan == 0 && e.rel_l2 <= kLogitsTolerance && agree == num_rows;
+    const bool pass = e.num_nan == 0 && e.rel_l2 <= kLogitsTolerance && agree + near_ties == num_rows;
     if (!pass) ++failures;
-    std::printf("%-8s %-5d %-6s %-34s %10.2e %5d/%-2d %s\n", family == model::ModelFamily::kQwen3 ? "qwen3" : "qwen2",
-                head_dim, graphs ? "on" : "off", desc.c_str(), e.rel_l2, agree, num_rows, pass ? "PASS" : "FAIL");
+    std::printf("%-8s %-5d %-6s %-34s %10.2e %5d/%-2d %s%s\n", family == model::ModelFamily::kQwen3 ? "qwen3" : "qwen2",
+                head_dim, graphs ? "on" : "off", desc.c_str(), e.rel_l2, agree, num_rows, pass ? "PASS" : "FAIL",
+                near_ties > 0 ? " (near-tie)" : "");
   }
   std::printf("graphs captured: %d\n", (*gpu_r)->num_graphs_captured());
   return failures;

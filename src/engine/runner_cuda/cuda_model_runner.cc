@@ -24,9 +24,16 @@ bool needs_host_sampling(const SeqStep& s) {
          s.sampling.logprobs > 0 || static_cast<int32_t>(s.suppressed_token_ids.size()) > kc::kMaxSuppressedPerRow;
 }
 
-}  // namespace
+// Split-K partition of decode attention: small batches get shorter partitions
+// so that (seqs x kv heads x partitions) still fills the GPU.
+int32_t decode_partition_tokens_for(int32_t num_seqs, int32_t num_kv_heads) {
+  const int64_t rows = static_cast<int64_t>(num_seqs) * num_kv_heads;
+  if (rows <= 64) return 64;
+  if (rows <= 256) return 128;
+  return kc::kDecodePartitionTokens;
+}
 
-struct CudaModelRunner::HostStep {};
+}  // namespace
 
 Result<std::unique_ptr<CudaModelRunner>> CudaModelRunner::create(model::ModelConfig config,
                                                                  const model::ModelWeights* host_weights,
@@ -219,8 +226,15 @@ Status CudaModelRunner::allocate_buffers() {
   act_buf_ = bf(t * inter);
   sample_hidden_ = bf(s * h);
   logits_ = static_cast<float*>(alloc(s * c.vocab_size * sizeof(float)));
-  decode_ws_bytes_ = kc::decode_attention_workspace_bytes(options_.max_num_seqs, c.num_heads, c.head_dim,
-                                                          options_.max_model_len);
+  // Largest workspace over the partition-size regimes (each regime's largest batch).
+  decode_ws_bytes_ = 0;
+  for (int32_t rows_limit : {64, 256, INT32_MAX}) {
+    const int32_t seqs = static_cast<int32_t>(
+        std::min<int64_t>(options_.max_num_seqs, std::max<int64_t>(1, rows_limit / c.num_kv_heads)));
+    decode_ws_bytes_ = std::max(
+        decode_ws_bytes_, kc::decode_attention_workspace_bytes(seqs, c.num_heads, c.head_dim, options_.max_model_len,
+                                                               decode_partition_tokens_for(seqs, c.num_kv_heads)));
+  }
   decode_ws_ = alloc(decode_ws_bytes_);
   max_blocks_per_seq_ = ceil_div(options_.max_model_len, options_.block_size);
   size_t off = 0;
@@ -370,6 +384,8 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   dec.num_seqs = shape.num_decode;
   dec.max_query_len = 1;
   dec.max_context_len = shape.max_context;
+  dec.decode_partition_tokens = decode_partition_tokens_for(shape.num_decode, hkv);
+  dec.decode_kernel = options_.decode_kernel;
   kc::AttentionArgs pre = base;
   pre.query_start = ints + off_qstart_ + shape.num_decode;
   pre.context_lens = ints + off_ctx_ + shape.num_decode;

@@ -34,6 +34,7 @@ struct CudaRunnerOptions {
   double gpu_memory_utilization = 0.9;  // share of the device's memory this process may hold
   int32_t num_kv_blocks = 0;            // > 0: exactly this many blocks (overrides the utilization sizing)
   bool enable_cuda_graphs = true;
+  kernels::cuda::DecodeKernel decode_kernel = kernels::cuda::DecodeKernel::kTensorCore;
   uint64_t dummy_seed = 0;
 };
 
@@ -87,7 +88,6 @@ class CudaModelRunner final : public ModelRunner {
     int32_t max_context = 0;
     int32_t num_sample = 0;
   };
-  struct HostStep;
 
   CudaModelRunner() = default;
   Status init(model::ModelConfig config, const model::ModelWeights* host_weights, CudaRunnerOptions options);

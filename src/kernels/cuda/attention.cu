@@ -6,7 +6,7 @@
 // shared memory; online softmax in registers using the documented fragment
 // layout of m16n8k16 (row = lane/4 and lane/4 + 8, columns 2*(lane%4) + {0,1}).
 //
-// Decode: one CTA = (sequence, kv head, partition of 256 tokens) serving all
+// Decode: one CTA = (sequence, kv head, partition of 16..256 tokens) serving all
 // q heads of the GQA group, so each K/V byte is read once per step. A warp
 // takes chunks of tokens; each token is split over head_dim/8 lanes holding
 // 16 bytes each. Partial (max, sum, output) go to a workspace; a second kernel
@@ -34,6 +34,24 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ldmatrix: lanes 8m..8m+7 give the row addresses of 8x8 matrix m; each lane
+// receives (row lane/4, columns 2*(lane%4) + {0,1}) of every matrix (of its
+// transpose with .trans), which is the m16n8k16 B-fragment layout.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
 }
 
 constexpr int kPrefillRows = 64;   // query rows per CTA
@@ -119,13 +137,16 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(A
     float s[kSTiles][4];
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    // Lane's ldmatrix row: matrix m = lane / 8 covers n-tile (nt + m / 2), k half (m % 2).
+    const int lm = lane >> 3, lr = lane & 7;
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
 #pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt) {
-        const bf16* krow = &k_s[nt * 8 + g][kk * 16 + 2 * tq];
-        mma_bf16_16816(s[nt], qa[kk], *reinterpret_cast<const uint32_t*>(krow),
-                       *reinterpret_cast<const uint32_t*>(krow + 8));
+      for (int nt = 0; nt < kSTiles; nt += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, &k_s[(nt + (lm >> 1)) * 8 + lr][kk * 16 + (lm & 1) * 8]);
+        mma_bf16_16816(s[nt], qa[kk], b[0], b[1]);
+        mma_bf16_16816(s[nt + 1], qa[kk], b[2], b[3]);
       }
     }
 
@@ -177,16 +198,13 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(A
       const uint32_t pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
                               pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                               pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const int key_row = kk * 16 + 2 * tq;
 #pragma unroll
-      for (int nt = 0; nt < kOTiles; ++nt) {
-        const int d = nt * 8 + g;
-        __nv_bfloat162 b0, b1;
-        b0.x = v_s[key_row][d];
-        b0.y = v_s[key_row + 1][d];
-        b1.x = v_s[key_row + 8][d];
-        b1.y = v_s[key_row + 9][d];
-        mma_bf16_16816(o[nt], pa, *reinterpret_cast<uint32_t*>(&b0), *reinterpret_cast<uint32_t*>(&b1));
+      for (int nt = 0; nt < kOTiles; nt += 2) {
+        // Matrix m: keys kk*16 + (m % 2) * 8 .., head-dim columns (nt + m / 2) * 8 .., transposed.
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, &v_s[kk * 16 + (lm & 1) * 8 + lr][(nt + (lm >> 1)) * 8]);
+        mma_bf16_16816(o[nt], pa, b[0], b[1]);
+        mma_bf16_16816(o[nt + 1], pa, b[2], b[3]);
       }
     }
   }
@@ -238,9 +256,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int kv_head = blockIdx.y;
   const int part = blockIdx.x;
   const int ctx = a.context_lens[seq];
-  const int part_begin = part * kDecodePartitionTokens;
+  const int part_tokens = a.decode_partition_tokens;
+  const int part_begin = part * part_tokens;
   if (part_begin >= ctx) return;  // the reduce reads only partitions below ctx
-  const int part_end = min(ctx, part_begin + kDecodePartitionTokens);
+  const int part_end = min(ctx, part_begin + part_tokens);
   const int group = a.num_q_heads / a.num_kv_heads;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -386,6 +405,182 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   }
 }
 
+// ------------------------------------------------ decode on tensor cores
+// One CTA = (partition, kv head, sequence). The G q heads of the group are the
+// rows of a 16-row m16n8k16 A operand (rows >= G are zero), so S = Q K^T and
+// O += P V run on tensor cores and each K/V byte is read once per step. Key
+// tiles of 64 tokens (4 paged blocks) arrive in shared memory through cp.async
+// (zero-filled past the partition); warp w owns keys [16w, 16w + 16) of every
+// tile with its own online softmax, merged across warps at the end.
+constexpr int kMmaDecodeKeys = 64;
+constexpr int kMmaDecodeWarps = 4;
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int src_bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(kMmaDecodeWarps * 32)
+    decode_attention_mma_kernel(AttentionArgs a, float* __restrict__ part_lse, float* __restrict__ part_out,
+                                int32_t num_partitions) {
+  constexpr int kStride = kHeadDim + kSmemPad;
+  constexpr int kKSteps = kHeadDim / 16;
+  constexpr int kOTiles = kHeadDim / 8;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kMaxRows = 8;  // group bucket: only A rows 0..7 carry heads
+  __shared__ alignas(16) bf16 k_s[kMmaDecodeKeys][kStride];
+  __shared__ alignas(16) bf16 v_s[kMmaDecodeKeys][kStride];
+  __shared__ float m_s[kMmaDecodeWarps][kMaxRows];
+  __shared__ float l_s[kMmaDecodeWarps][kMaxRows];
+
+  const int seq = blockIdx.z;
+  const int kv_head = blockIdx.y;
+  const int part = blockIdx.x;
+  const int ctx = a.context_lens[seq];
+  const int part_tokens = a.decode_partition_tokens;
+  const int part_begin = part * part_tokens;
+  if (part_begin >= ctx) return;
+  const int part_end = min(ctx, part_begin + part_tokens);
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int tq = lane & 3;
+  const int lm = lane >> 3, lr = lane & 7;
+  const int q_row = a.query_start[seq];
+
+  uint32_t qa[kKSteps][4];
+  {
+    const bool has = g < group;
+    const bf16* qp = a.q + (static_cast<int64_t>(q_row) * a.num_q_heads + kv_head * group + (has ? g : 0)) * kHeadDim;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      const int c = kk * 16 + 2 * tq;
+      qa[kk][0] = has ? *reinterpret_cast<const uint32_t*>(qp + c) : 0u;
+      qa[kk][1] = 0u;
+      qa[kk][2] = has ? *reinterpret_cast<const uint32_t*>(qp + c + 8) : 0u;
+      qa[kk][3] = 0u;
+    }
+  }
+  const float scale_log2 = a.scale * kLog2e;
+  float m0 = -FLT_MAX, l0 = 0.0f;
+  float o[kOTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+
+  const int64_t block_elems = 2LL * a.block_size * a.num_kv_heads * kHeadDim;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+
+  for (int kb = part_begin; kb < part_end; kb += kMmaDecodeKeys) {
+    __syncthreads();  // the previous tile is consumed
+    for (int idx = threadIdx.x; idx < kMmaDecodeKeys * kChunksPerRow; idx += kMmaDecodeWarps * 32) {
+      const int row = idx / kChunksPerRow;
+      const int chunk = idx % kChunksPerRow;
+      const int key = kb + row;
+      const bool valid = key < part_end;
+      const int block = table[(valid ? key : part_begin) / a.block_size];
+      const bf16* src = a.kv_cache + block * block_elems +
+                        (static_cast<int64_t>((valid ? key : 0) % a.block_size) * a.num_kv_heads + kv_head) * kHeadDim +
+                        chunk * 8;
+      cp_async_16(&k_s[row][chunk * 8], src, valid);
+      cp_async_16(&v_s[row][chunk * 8], src + block_elems / 2, valid);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+
+    // S for this warp's 16 keys: two n-tiles.
+    float sc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+    const int key0 = warp * 16;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t b[4];
+      ldmatrix_x4(b, &k_s[key0 + (lm >> 1) * 8 + lr][kk * 16 + (lm & 1) * 8]);
+      mma_bf16_16816(sc[0], qa[kk], b[0], b[1]);
+      mma_bf16_16816(sc[1], qa[kk], b[2], b[3]);
+    }
+    float mx = -FLT_MAX;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = kb + key0 + nt * 8 + 2 * tq + e;
+        sc[nt][e] = key < part_end ? sc[nt][e] * scale_log2 : -FLT_MAX;
+        mx = fmaxf(mx, sc[nt][e]);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m0, mx);
+    const float alpha = exp2f(m0 - m_new);
+    m0 = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sc[nt][e] = sc[nt][e] == -FLT_MAX ? 0.0f : exp2f(sc[nt][e] - m_new);
+        sum += sc[nt][e];
+      }
+    }
+    l0 = l0 * alpha + sum;
+#pragma unroll
+    for (int nt = 0; nt < kOTiles; ++nt) {
+      o[nt][0] *= alpha;
+      o[nt][1] *= alpha;
+    }
+    const uint32_t pa[4] = {pack_bf16x2(sc[0][0], sc[0][1]), 0u, pack_bf16x2(sc[1][0], sc[1][1]), 0u};
+#pragma unroll
+    for (int nt = 0; nt < kOTiles; nt += 2) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, &v_s[key0 + (lm & 1) * 8 + lr][(nt + (lm >> 1)) * 8]);
+      mma_bf16_16816(o[nt], pa, b[0], b[1]);
+      mma_bf16_16816(o[nt + 1], pa, b[2], b[3]);
+    }
+  }
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  __syncthreads();  // k_s is reused below for the per-warp outputs
+  float* o_s = reinterpret_cast<float*>(&k_s[0][0]);  // [warps][kMaxRows][kHeadDim]
+  static_assert(sizeof(k_s) >= sizeof(float) * kMmaDecodeWarps * kMaxRows * kHeadDim, "o_s must fit in k_s");
+  if (g < group) {
+#pragma unroll
+    for (int nt = 0; nt < kOTiles; ++nt) {
+      float* dst = o_s + (warp * kMaxRows + g) * kHeadDim + nt * 8 + 2 * tq;
+      dst[0] = o[nt][0];
+      dst[1] = o[nt][1];
+    }
+    if (tq == 0) {
+      m_s[warp][g] = m0;
+      l_s[warp][g] = l0;
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < group * kHeadDim; idx += kMmaDecodeWarps * 32) {
+    const int h = idx / kHeadDim;
+    const int d = idx % kHeadDim;
+    float mm = -FLT_MAX;
+#pragma unroll
+    for (int w = 0; w < kMmaDecodeWarps; ++w) mm = fmaxf(mm, m_s[w][h]);
+    float sum = 0.0f, out = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaDecodeWarps; ++w) {
+      const float f = m_s[w][h] == -FLT_MAX ? 0.0f : exp2f(m_s[w][h] - mm);
+      sum += l_s[w][h] * f;
+      out += o_s[(w * kMaxRows + h) * kHeadDim + d] * f;
+    }
+    const int q_head = kv_head * group + h;
+    const int64_t pidx = (static_cast<int64_t>(seq) * a.num_q_heads + q_head) * num_partitions + part;
+    part_out[pidx * kHeadDim + d] = out / sum;
+    if (d == 0) part_lse[pidx] = mm + log2f(sum);
+  }
+}
+
 template <int kHeadDim>
 __global__ void decode_reduce_kernel(AttentionArgs a, const float* __restrict__ part_lse,
                                      const float* __restrict__ part_out, int32_t num_partitions) {
@@ -393,7 +588,7 @@ __global__ void decode_reduce_kernel(AttentionArgs a, const float* __restrict__ 
   const int q_head = blockIdx.x;
   const int d = threadIdx.x;
   const int ctx = a.context_lens[seq];
-  const int used = min(num_partitions, (ctx + kDecodePartitionTokens - 1) / kDecodePartitionTokens);
+  const int used = min(num_partitions, (ctx + a.decode_partition_tokens - 1) / a.decode_partition_tokens);
   const int64_t base = (static_cast<int64_t>(seq) * a.num_q_heads + q_head) * num_partitions;
   float mm = -FLT_MAX;
   for (int p = 0; p < used; ++p) mm = fmaxf(mm, part_lse[base + p]);
@@ -424,8 +619,26 @@ cudaError_t launch_decode_t(const AttentionArgs& args, float* workspace, int32_t
 }
 
 template <int kHeadDim>
+cudaError_t launch_decode_mma(const AttentionArgs& args, float* workspace, int32_t num_partitions,
+                              cudaStream_t stream) {
+  float* lse = workspace;
+  float* out = workspace + static_cast<size_t>(args.num_seqs) * args.num_q_heads * num_partitions;
+  decode_attention_mma_kernel<kHeadDim>
+      <<<dim3(num_partitions, args.num_kv_heads, args.num_seqs), kMmaDecodeWarps * 32, 0, stream>>>(args, lse, out,
+                                                                                                    num_partitions);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  decode_reduce_kernel<kHeadDim><<<dim3(args.num_q_heads, args.num_seqs), kHeadDim, 0, stream>>>(args, lse, out,
+                                                                                                  num_partitions);
+  return cudaGetLastError();
+}
+
+template <int kHeadDim>
 cudaError_t launch_decode_d(const AttentionArgs& args, float* workspace, int32_t num_partitions,
                             cudaStream_t stream) {
+  if (args.decode_kernel == DecodeKernel::kTensorCore) {
+    return launch_decode_mma<kHeadDim>(args, workspace, num_partitions, stream);
+  }
   const int group = args.num_q_heads / args.num_kv_heads;
   if (group <= 1) return launch_decode_t<kHeadDim, 1>(args, workspace, num_partitions, stream);
   if (group <= 2) return launch_decode_t<kHeadDim, 2>(args, workspace, num_partitions, stream);

@@ -1,6 +1,8 @@
 // The dispatch table: every shape check lives here, before any launch.
 // Supported: head_dim in {64, 128}, KV block size 16, GQA group <= 8, row
 // widths that are multiples of 8 (16-byte vectors), hidden <= 16384.
+#include <algorithm>
+
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/launch.h"
 
@@ -107,26 +109,35 @@ Status prefill_attention(const AttentionArgs& args, cudaStream_t stream) {
 }
 
 namespace {
-int32_t decode_partitions(int32_t max_context_len) {
-  return std::max<int32_t>(1, (max_context_len + kDecodePartitionTokens - 1) / kDecodePartitionTokens);
+int32_t decode_partitions(int32_t max_context_len, int32_t partition_tokens) {
+  return std::max<int32_t>(1, (max_context_len + partition_tokens - 1) / partition_tokens);
 }
 }  // namespace
 
 size_t decode_attention_workspace_bytes(int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
-                                        int32_t max_context_len) {
-  const size_t rows = static_cast<size_t>(num_seqs) * num_q_heads * decode_partitions(max_context_len);
+                                        int32_t max_context_len, int32_t partition_tokens) {
+  const size_t rows =
+      static_cast<size_t>(num_seqs) * num_q_heads * decode_partitions(max_context_len, partition_tokens);
   return rows * (1 + static_cast<size_t>(head_dim)) * sizeof(float);
 }
 
-Status decode_attention(const AttentionArgs& args, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  PD_RETURN_IF_ERROR(check_attention(args, "decode_attention"));
-  const size_t need =
-      decode_attention_workspace_bytes(args.num_seqs, args.num_q_heads, args.head_dim, args.max_context_len);
+Status decode_attention(const AttentionArgs& args_in, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  PD_RETURN_IF_ERROR(check_attention(args_in, "decode_attention"));
+  AttentionArgs args = args_in;
+  if (args.decode_partition_tokens == 0) args.decode_partition_tokens = kDecodePartitionTokens;
+  if (args.decode_partition_tokens < kKvBlockSize || args.decode_partition_tokens > kDecodePartitionTokens ||
+      args.decode_partition_tokens % kKvBlockSize != 0) {
+    return unimplemented("decode_attention: partition of {} tokens (need a multiple of {} up to {})",
+                         args.decode_partition_tokens, kKvBlockSize, kDecodePartitionTokens);
+  }
+  const size_t need = decode_attention_workspace_bytes(args.num_seqs, args.num_q_heads, args.head_dim,
+                                                       args.max_context_len, args.decode_partition_tokens);
   if (workspace_bytes < need) {
     return invalid_argument("decode_attention: workspace {} bytes < {} needed", workspace_bytes, need);
   }
   return cuda_status(detail::launch_decode_attention(args, static_cast<float*>(workspace),
-                                                     decode_partitions(args.max_context_len), stream),
+                                                     decode_partitions(args.max_context_len, args.decode_partition_tokens),
+                                                     stream),
                      "decode_attention launch");
 }
 

@@ -13,7 +13,8 @@ using bf16 = __nv_bfloat16;
 
 inline constexpr int32_t kKvBlockSize = 16;
 inline constexpr int32_t kDecodeTokensPerBlock = kKvBlockSize;
-// Decode attention splits each context into partitions of this many tokens.
+// Decode attention splits each context into partitions of this many tokens
+// by default (AttentionArgs::decode_partition_tokens picks 16..256).
 inline constexpr int32_t kDecodePartitionTokens = 256;
 
 // Per token t of qkv [num_tokens][(num_q_heads + 2*num_kv_heads) * head_dim]:
@@ -46,6 +47,10 @@ struct RopeKvArgs {
 // with q_len queries sits at position context_len - q_len + i). Its blocks are
 // block_tables[s * max_blocks_per_seq + j]. GQA: q head h reads kv head
 // h / (num_q_heads / num_kv_heads).
+// Decode attention variants: tensor cores (the GQA group as the rows of an
+// m16n8k16 tile) or CUDA cores (dot products split over lanes + shuffles).
+enum class DecodeKernel : uint8_t { kTensorCore, kCudaCore };
+
 struct AttentionArgs {
   const bf16* q = nullptr;
   bf16* out = nullptr;
@@ -62,6 +67,10 @@ struct AttentionArgs {
   int32_t head_dim = 0;
   int32_t block_size = kKvBlockSize;
   float scale = 0.0f;  // softmax scale, usually 1/sqrt(head_dim)
+  // Decode only: tokens per split-K partition, a multiple of 16 up to 256
+  // (0 = kDecodePartitionTokens). Smaller partitions give small batches more CTAs.
+  int32_t decode_partition_tokens = 0;
+  DecodeKernel decode_kernel = DecodeKernel::kTensorCore;
 };
 
 // Per-row sampling parameters for sample_rows (device array).

@@ -51,10 +51,11 @@ Status rope_kv_write(const RopeKvArgs& args, cudaStream_t stream);
 Status prefill_attention(const AttentionArgs& args, cudaStream_t stream);
 
 // Decode: exactly one query per sequence; split-K over the context in
-// partitions of kDecodePartitionTokens, then a reduce. A sequence with
+// partitions (AttentionArgs::decode_partition_tokens), then a reduce. A sequence with
 // context_len 0 (graph padding) gets a zero output row.
 size_t decode_attention_workspace_bytes(int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
-                                        int32_t max_context_len);
+                                        int32_t max_context_len,
+                                        int32_t partition_tokens = kDecodePartitionTokens);
 Status decode_attention(const AttentionArgs& args, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Samples one token from each row of fp32 logits [num_rows][vocab] with the
