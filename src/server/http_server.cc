@@ -16,7 +16,9 @@
 #include <boost/beast/http/write.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
+#include <vector>
 
 #include "common/log.h"
 #include "common/metrics.h"
@@ -316,6 +318,21 @@ net::awaitable<void> write_raw_error(beast::tcp_stream& stream, const ApiError& 
   co_await http::async_write(stream, response, net::redirect_error(use_awaitable, ec));
 }
 
+// Lingering close after an early error response: a client still sending its
+// (too large) body would otherwise get a reset instead of our answer. Reads
+// and discards for a bounded time and byte count, then the caller closes.
+net::awaitable<void> drain_before_close(beast::tcp_stream& stream, size_t max_body_bytes) {
+  error_code ec;
+  stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+  const size_t max_drain_bytes = std::max<size_t>(4 * max_body_bytes, 16u << 20);
+  std::vector<char> sink(64 * 1024);
+  size_t drained = 0;
+  stream.expires_after(std::chrono::seconds(2));
+  while (!ec && drained < max_drain_bytes) {
+    drained += co_await stream.async_read_some(net::buffer(sink), net::redirect_error(use_awaitable, ec));
+  }
+}
+
 }  // namespace
 
 net::awaitable<void> HttpServer::serve_connection(tcp::socket socket) {
@@ -344,6 +361,7 @@ net::awaitable<void> HttpServer::serve_connection(tcp::socket socket) {
       count_request("invalid", 413);
       ApiError error = body_too_large(options_.max_body_bytes);
       co_await write_raw_error(stream, error, options_.write_timeout_ms);
+      co_await drain_before_close(stream, options_.max_body_bytes);
       break;
     }
     if (ec == http::error::end_of_stream || ec == net::error::eof || ec == beast::error::timeout ||
