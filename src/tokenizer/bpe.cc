@@ -10,16 +10,18 @@ namespace pd::tokenizer {
 namespace {
 
 struct ByteTables {
+  static constexpr uint32_t kMaxCodepoint = 0x200;  // the alphabet is U+0021..U+0143
   std::array<std::string, 256> to_unicode;
-  std::unordered_map<uint32_t, uint8_t> from_codepoint;
+  std::array<int16_t, kMaxCodepoint> from_codepoint;  // -1 when not in the alphabet
   ByteTables() {
     // Printable Latin-1 bytes map to themselves; the rest to 256 + n in byte order (GPT-2's table).
+    from_codepoint.fill(-1);
     uint32_t next = 256;
     for (uint32_t b = 0; b < 256; ++b) {
       const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
       const uint32_t cp = printable ? b : next++;
       utf8_append(to_unicode[b], cp);
-      from_codepoint[cp] = static_cast<uint8_t>(b);
+      from_codepoint[cp] = static_cast<int16_t>(b);
     }
   }
 };
@@ -52,9 +54,8 @@ std::optional<std::string> unicode_to_bytes(std::string_view token) {
   size_t i = 0;
   while (i < token.size()) {
     const uint32_t cp = utf8_next(token, i);
-    auto it = table.find(cp);
-    if (it == table.end()) return std::nullopt;
-    out.push_back(static_cast<char>(it->second));
+    if (cp >= ByteTables::kMaxCodepoint || table[cp] < 0) return std::nullopt;
+    out.push_back(static_cast<char>(table[cp]));
   }
   return out;
 }

@@ -19,6 +19,13 @@ namespace pd::tokenizer::jinja {
 
 struct Node;
 
+// Bounds on one render, so a hostile or buggy template cannot hang or exhaust a server thread.
+struct RenderLimits {
+  uint64_t max_steps = 2'000'000;  // evaluation steps; real templates need well under 100k
+  size_t max_output_bytes = 64u << 20;
+  int max_call_depth = 100;  // macro recursion
+};
+
 class Template {
  public:
   // Errors: kInvalidArgument for a syntax error, kUnimplemented for a construct, filter or test this
@@ -29,7 +36,7 @@ class Template {
   // context: the template's top-level variables (messages, tools, add_generation_prompt, ...).
   // Errors: kInvalidArgument for raise_exception (with its message) and for runtime type errors
   // (what went wrong, at which line), kResourceExhausted past the output / step limits.
-  Result<std::string> render(const nlohmann::ordered_json& context) const;
+  Result<std::string> render(const nlohmann::ordered_json& context, const RenderLimits& limits = {}) const;
 
  private:
   Template() = default;

@@ -14,10 +14,6 @@
 namespace pd::tokenizer::jinja {
 namespace {
 
-constexpr size_t kMaxOutputBytes = 64u << 20;
-// Real chat templates take well under 100k steps even for long conversations.
-constexpr uint64_t kMaxSteps = 2'000'000;
-constexpr int kMaxCallDepth = 100;
 constexpr int64_t kMaxRange = 100000;  // jinja2's sandbox MAX_RANGE
 
 const std::set<std::string>& filter_names() {
@@ -308,7 +304,7 @@ enum class Flow { kNormal, kBreak, kContinue };
 
 class Interpreter {
  public:
-  explicit Interpreter(const nlohmann::ordered_json& context) {
+  Interpreter(const nlohmann::ordered_json& context, const RenderLimits& limits) : limits_(limits) {
     install_globals();
     root_.parent = &globals_;
     if (context.is_object()) {
@@ -331,10 +327,10 @@ class Interpreter {
   }
 
   void step() {
-    if (++steps_ > kMaxSteps) throw TemplateError(TemplateError::Kind::kLimit, "template ran too many steps");
+    if (++steps_ > limits_.max_steps) throw TemplateError(TemplateError::Kind::kLimit, "template ran too many steps");
   }
-  static void append_output(std::string& out, const std::string& s) {
-    if (out.size() + s.size() > kMaxOutputBytes) {
+  void append_output(std::string& out, const std::string& s) const {
+    if (out.size() + s.size() > limits_.max_output_bytes) {
       throw TemplateError(TemplateError::Kind::kLimit, "template output exceeds the size limit");
     }
     out += s;
@@ -683,7 +679,7 @@ class Interpreter {
       if (a.positional.size() > node->targets.size()) {
         fail(fmt::format("macro '{}' takes not more than {} argument(s)", node->text, node->targets.size()));
       }
-      if (++call_depth_ > kMaxCallDepth) {
+      if (++call_depth_ > limits_.max_call_depth) {
         --call_depth_;
         throw TemplateError(TemplateError::Kind::kLimit, "macro recursion too deep");
       }
@@ -879,7 +875,7 @@ class Interpreter {
       if (seq != nullptr && (times->kind() == Value::Kind::kInt || times->kind() == Value::Kind::kBool)) {
         const int64_t n = std::max<int64_t>(0, times->as_int());
         if (seq->is_string()) {
-          if (static_cast<double>(seq->as_string().size()) * static_cast<double>(n) > kMaxOutputBytes) {
+          if (static_cast<double>(seq->as_string().size()) * static_cast<double>(n) > 64.0 * (1 << 20)) {
             throw TemplateError(TemplateError::Kind::kLimit, "string repetition too large");
           }
           std::string out;
@@ -1422,6 +1418,7 @@ class Interpreter {
     return Flow::kNormal;
   }
 
+  RenderLimits limits_;
   Frame globals_;
   Frame root_;
   uint64_t steps_ = 0;
@@ -1433,9 +1430,9 @@ class Interpreter {
 bool has_filter(const std::string& name) { return filter_names().count(name) != 0; }
 bool has_test(const std::string& name) { return test_names().count(name) != 0; }
 
-Result<std::string> Template::render(const nlohmann::ordered_json& context) const {
+Result<std::string> Template::render(const nlohmann::ordered_json& context, const RenderLimits& limits) const {
   try {
-    Interpreter interp(context);
+    Interpreter interp(context, limits);
     return interp.run(*root_);
   } catch (const TemplateError& e) {
     switch (e.kind) {

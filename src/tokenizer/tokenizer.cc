@@ -229,15 +229,114 @@ Status TokenizerLoader::load_tokenizer_json(Tokenizer& tok, const nlohmann::json
   return Status::Ok();
 }
 
+// vocab.json is one flat {"token": id, ...} object of ~150k entries; reading it directly is several
+// times faster than building a JSON DOM (it dominates model load, and debug/sanitizer test runs).
+// Falls back to the general parser for anything it does not expect.
+static bool parse_flat_vocab(std::string_view text, std::vector<std::pair<std::string, int32_t>>& out) {
+  size_t i = 0;
+  auto skip_ws = [&] {
+    while (i < text.size() && (text[i] == ' ' || text[i] == '\n' || text[i] == '\r' || text[i] == '\t')) ++i;
+  };
+  auto hex4 = [&](uint32_t& v) {
+    if (i + 4 > text.size()) return false;
+    v = 0;
+    for (int k = 0; k < 4; ++k) {
+      const char c = text[i++];
+      v <<= 4;
+      if (c >= '0' && c <= '9') v |= static_cast<uint32_t>(c - '0');
+      else if (c >= 'a' && c <= 'f') v |= static_cast<uint32_t>(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F') v |= static_cast<uint32_t>(c - 'A' + 10);
+      else return false;
+    }
+    return true;
+  };
+  skip_ws();
+  if (i >= text.size() || text[i++] != '{') return false;
+  skip_ws();
+  if (i < text.size() && text[i] == '}') return true;
+  while (true) {
+    skip_ws();
+    if (i >= text.size() || text[i++] != '"') return false;
+    std::string key;
+    while (true) {
+      if (i >= text.size()) return false;
+      const char c = text[i++];
+      if (c == '"') break;
+      if (c != '\\') {
+        key.push_back(c);
+        continue;
+      }
+      if (i >= text.size()) return false;
+      const char e = text[i++];
+      switch (e) {
+        case '"': key.push_back('"'); break;
+        case '\\': key.push_back('\\'); break;
+        case '/': key.push_back('/'); break;
+        case 'b': key.push_back('\b'); break;
+        case 'f': key.push_back('\f'); break;
+        case 'n': key.push_back('\n'); break;
+        case 'r': key.push_back('\r'); break;
+        case 't': key.push_back('\t'); break;
+        case 'u': {
+          uint32_t cp;
+          if (!hex4(cp)) return false;
+          if (cp >= 0xD800 && cp <= 0xDBFF) {
+            uint32_t low;
+            if (i + 2 > text.size() || text[i] != '\\' || text[i + 1] != 'u') return false;
+            i += 2;
+            if (!hex4(low) || low < 0xDC00 || low > 0xDFFF) return false;
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+            return false;
+          }
+          utf8_append(key, cp);
+          break;
+        }
+        default: return false;
+      }
+    }
+    skip_ws();
+    if (i >= text.size() || text[i++] != ':') return false;
+    skip_ws();
+    int64_t id = 0;
+    size_t digits = 0;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9' && digits < 10) {
+      id = id * 10 + (text[i++] - '0');
+      ++digits;
+    }
+    if (digits == 0 || id > INT32_MAX) return false;
+    out.emplace_back(std::move(key), static_cast<int32_t>(id));
+    skip_ws();
+    if (i >= text.size()) return false;
+    if (text[i] == ',') {
+      ++i;
+      continue;
+    }
+    if (text[i++] != '}') return false;
+    skip_ws();
+    return i == text.size();
+  }
+}
+
 Status TokenizerLoader::load_vocab_merges(Tokenizer& tok, const fs::path& dir, const ojson& config) {
-  PD_ASSIGN_OR_RETURN(nlohmann::json vocab_json, read_json<nlohmann::json>(dir / "vocab.json"));
+  PD_ASSIGN_OR_RETURN(std::string vocab_text, read_file(dir / "vocab.json"));
+  std::vector<std::pair<std::string, int32_t>> entries;
+  entries.reserve(vocab_text.size() / 16);
+  if (!parse_flat_vocab(vocab_text, entries)) {
+    entries.clear();
+    nlohmann::json vocab_json = nlohmann::json::parse(vocab_text, nullptr, false);
+    if (vocab_json.is_discarded() || !vocab_json.is_object()) return data_loss("vocab.json is not a JSON object");
+    for (const auto& [token, id] : vocab_json.items()) {
+      if (!id.is_number_integer()) return data_loss("vocab.json: token '{}' has a non-integer id", token);
+      entries.emplace_back(token, id.get<int32_t>());
+    }
+  }
   std::vector<std::pair<std::string, int32_t>> vocab;
-  vocab.reserve(vocab_json.size());
-  for (const auto& [token, id] : vocab_json.items()) {
+  vocab.reserve(entries.size());
+  for (auto& [token, id] : entries) {
     auto bytes = unicode_to_bytes(token);
     if (!bytes) return data_loss("vocab.json: token '{}' is not byte-level text", token);
-    if (!id.is_number_integer()) return data_loss("vocab.json: token '{}' has a non-integer id", token);
-    vocab.emplace_back(std::move(*bytes), id.get<int32_t>());
+    vocab.emplace_back(std::move(*bytes), id);
   }
   PD_ASSIGN_OR_RETURN(std::string merges_text, read_file(dir / "merges.txt"));
   std::vector<std::pair<std::string, std::string>> merges;
@@ -362,9 +461,14 @@ Result<std::shared_ptr<Tokenizer>> TokenizerLoader::load(const fs::path& dir) {
   tok->vocab_size_ = max_id + 1;
   tok->id_to_added_.assign(static_cast<size_t>(tok->vocab_size_), std::string());
   tok->special_.assign(static_cast<size_t>(tok->vocab_size_), 0);
+  tok->added_bytes_.assign(static_cast<size_t>(tok->vocab_size_), std::string());
   for (const auto& added : tok->added_tokens_) {
     if (added.id < 0) return data_loss("{}: added token '{}' has a negative id", dir.string(), added.content);
     tok->id_to_added_[static_cast<size_t>(added.id)] = added.content;
+    // HF's ByteLevel decoder maps a token char by char through the byte alphabet when every char is
+    // in it, else emits its UTF-8 text ("<|im_end|>" is the same either way).
+    auto mapped = unicode_to_bytes(added.content);
+    tok->added_bytes_[static_cast<size_t>(added.id)] = mapped ? std::move(*mapped) : added.content;
     tok->special_[static_cast<size_t>(added.id)] = added.special ? 1 : 0;
     tok->added_to_id_[added.content] = added.id;
   }
@@ -467,17 +571,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view raw_text, bool add_speci
 
 std::string_view Tokenizer::token_bytes(int32_t id) const {
   if (id < 0 || id >= vocab_size_) return {};
-  const std::string& added = id_to_added_[static_cast<size_t>(id)];
-  if (!added.empty()) {
-    // HF's ByteLevel decoder maps a token char-by-char through the byte alphabet when every char is
-    // in it; added tokens like "<|im_end|>" (all in it) keep their text either way.
-    thread_local std::string converted;
-    if (auto bytes = unicode_to_bytes(added)) {
-      converted = std::move(*bytes);
-      return converted;
-    }
-    return added;
-  }
+  if (!id_to_added_[static_cast<size_t>(id)].empty()) return added_bytes_[static_cast<size_t>(id)];
   const std::string* bytes = bpe_->bytes_of(id);
   return bytes == nullptr ? std::string_view() : std::string_view(*bytes);
 }

@@ -56,7 +56,8 @@ class Tokenizer {
   bool is_special(int32_t id) const;
   const std::vector<AddedToken>& added_tokens() const { return added_tokens_; }
 
-  // Raw bytes of one token as decode() would emit them (empty for unknown ids).
+  // Raw bytes of one token as decode() would emit them (empty for unknown ids). The view lives as
+  // long as the Tokenizer.
   std::string_view token_bytes(int32_t id) const;
 
   bool has_chat_template() const { return chat_template_ != nullptr; }
@@ -94,6 +95,7 @@ class Tokenizer {
   std::vector<std::vector<uint32_t>> added_by_first_byte_;
   std::unordered_map<std::string, int32_t> added_to_id_;
   std::vector<std::string> id_to_added_;  // by id; empty when not an added token
+  std::vector<std::string> added_bytes_;  // by id: what decode() emits for an added token
   std::vector<uint8_t> special_;          // by id
   std::vector<int32_t> prefix_ids_;       // added when add_special_tokens
   std::vector<int32_t> suffix_ids_;

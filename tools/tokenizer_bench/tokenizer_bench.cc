@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
   };
   using Clock = std::chrono::steady_clock;
   double best_encode_cpu_s = 1e30;
+  double first_encode_cpu_s = 0;  // the first pass runs with a cold per-thread word cache
   double best_encode_s = 1e30, best_decode_s = 1e30;
   size_t num_tokens = 0;
   std::vector<std::vector<int32_t>> encoded(chunks.size());
@@ -70,7 +71,9 @@ int main(int argc, char** argv) {
       tokens += encoded[i].size();
     }
     const auto t1 = Clock::now();
-    best_encode_cpu_s = std::min(best_encode_cpu_s, cpu_now() - c0);
+    const double pass_cpu_s = cpu_now() - c0;
+    if (r == 0) first_encode_cpu_s = pass_cpu_s;
+    best_encode_cpu_s = std::min(best_encode_cpu_s, pass_cpu_s);
     size_t decoded_bytes = 0;
     for (const auto& ids : encoded) decoded_bytes += tok->decode(ids, false).size();
     const auto t2 = Clock::now();
@@ -86,7 +89,8 @@ int main(int argc, char** argv) {
   std::cout << "{\"impl\":\"pd_tokenizer\",\"bytes\":" << text.size() << ",\"chunks\":" << chunks.size()
             << ",\"tokens\":" << num_tokens << ",\"encode_s\":" << best_encode_s
             << ",\"encode_cpu_s\":" << best_encode_cpu_s << ",\"encode_mb_per_s\":" << mb / best_encode_s
-            << ",\"encode_mb_per_cpu_s\":" << mb / best_encode_cpu_s << ",\"decode_mb_per_s\":" << mb / best_decode_s
+            << ",\"encode_mb_per_cpu_s\":" << mb / best_encode_cpu_s
+            << ",\"cold_cache_encode_mb_per_cpu_s\":" << mb / first_encode_cpu_s << ",\"decode_mb_per_s\":" << mb / best_decode_s
             << "}" << std::endl;
   return 0;
 }

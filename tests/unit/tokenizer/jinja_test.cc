@@ -100,9 +100,17 @@ TEST(JinjaTest, RunawayTemplatesHitLimitsInsteadOfHanging) {
   EXPECT_EQ(recursion.status().code(), ErrorCode::kResourceExhausted);
   auto big_range = render("{% for i in range(1000000000) %}x{% endfor %}");
   ASSERT_FALSE(big_range.ok());
-  auto nested = render("{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}");
+  auto tmpl = Template::parse("{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}");
+  ASSERT_TRUE(tmpl.ok());
+  RenderLimits limits;
+  limits.max_steps = 20'000;
+  auto nested = (*tmpl)->render(ojson::object(), limits);
   ASSERT_FALSE(nested.ok());
   EXPECT_EQ(nested.status().code(), ErrorCode::kResourceExhausted);
+  limits.max_output_bytes = 10;
+  auto long_output = (*Template::parse("{{ 'x' * 11 }}"))->render(ojson::object(), limits);
+  ASSERT_FALSE(long_output.ok());
+  EXPECT_EQ(long_output.status().code(), ErrorCode::kResourceExhausted);
 }
 
 TEST(JinjaTest, StrftimeNowFormatsTheCurrentDate) {
