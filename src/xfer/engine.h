@@ -65,8 +65,8 @@ class Engine {
   Result<MemDesc> register_memory(void* ptr, size_t bytes, MemKind kind, int device = -1);
   // Allocates `bytes` of host memory through the ucx backend and registers it: on one
   // host this is shared memory that peers write with direct RMA (a plain memcpy), where
-  // registered malloc memory goes through UCX's emulated RMA (much slower). Zeroed? No:
-  // contents are unspecified. The memory lives until deregister(desc.region_id).
+  // registered malloc memory goes through UCX's emulated RMA (much slower). The contents
+  // start unspecified. The memory lives until deregister(desc.region_id).
   Result<MemDesc> allocate_host_memory(size_t bytes, void** ptr);
   // Fails with kFailedPrecondition while a batch on the region is in flight. Frees memory
   // that allocate_host_memory() allocated.

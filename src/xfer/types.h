@@ -38,6 +38,9 @@ struct EngineConfig {
   uint32_t cuda_chunk_bytes = 64 * 1024;
   uint32_t cuda_ctas_per_sm = 4;
   uint32_t cuda_threads_per_cta = 512;
+  // Batches of more ops than fit in launch parameters (1,000): several launch-parameter
+  // launches (true) or one launch after uploading the table (false).
+  bool cuda_split_large_batches = true;
   // Wrap every enabled backend in the fault backend (tests only).
   bool enable_fault_injection = false;
 };

@@ -64,6 +64,7 @@ struct Options {
   bool b2b = true;
   bool ucx_busy_poll = false;
   bool host_malloc = false;
+  bool cuda_upload_table = false;
   int gpu_warmup_ms = 300;
   // Target engine on a thread of this process instead of a forked process (cuda:
   // pointers instead of IPC, for machines where CUDA IPC is not available).
@@ -107,6 +108,7 @@ xfer::EngineConfig engine_config(const Options& o, const std::string& name) {
   c.cuda_chunk_bytes = o.cuda_chunk_bytes;
   c.cuda_ctas_per_sm = o.cuda_ctas_per_sm;
   c.cuda_threads_per_cta = o.cuda_threads;
+  c.cuda_split_large_batches = !o.cuda_upload_table;
   c.batch_timeout_ms = 60'000;
   return c;
 }
@@ -683,6 +685,8 @@ int main(int argc, char** argv) {
   app.add_flag("--ucx-busy-poll", o.ucx_busy_poll, "UCX progress threads spin instead of sleeping");
   app.add_flag("--host-malloc", o.host_malloc,
                "ucx: register malloc'd host memory instead of Engine::allocate_host_memory");
+  app.add_flag("--cuda-upload-table", o.cuda_upload_table,
+               "cuda: one launch per large batch after uploading its op table (instead of sub-launches)");
   app.add_flag("!--no-b2b", o.b2b, "skip the back-to-back timing rows");
   app.add_flag("--same-process", o.same_process, "run the target engine on a thread instead of a second process");
   CLI11_PARSE(app, argc, argv);

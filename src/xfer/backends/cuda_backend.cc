@@ -38,9 +38,13 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
     cudaGetDevice(&previous_);
-    status_ = cudaSetDevice(device);
+    if (previous_ != device) status_ = cudaSetDevice(device);  // each runtime call costs µs here
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  ~DeviceGuard() {
+    int now = previous_;
+    cudaGetDevice(&now);
+    if (now != previous_) cudaSetDevice(previous_);
+  }
   cudaError_t status() const { return status_; }
 
  private:
@@ -354,7 +358,30 @@ class CudaBackend : public Backend {
       host_table.resize(ops.size());
       CopyOp* table = host_table.data();
       const bool inline_ops = ops.size() <= kMaxInlineOps;
-      if (!inline_ops) {
+      if (!inline_ops && config_.cuda_split_large_batches) {
+        // Launch-parameter sub-launches of <= kMaxInlineOps ops each: no table upload, and
+        // the GPU starts on the first group while the host builds the next. Work items are
+        // sized for about four waves per group so that group boundaries cost little.
+        for (size_t begin = 0; begin < ops.size() && status.ok(); begin += kMaxInlineOps) {
+          const size_t n = std::min<size_t>(kMaxInlineOps, ops.size() - begin);
+          uint64_t group_bytes = 0;
+          for (size_t i = begin; i < begin + n; ++i) group_bytes += ops[i].bytes;
+          const uint64_t share = (group_bytes / (4 * max_ctas) + 4095) / 4096 * 4096;
+          const uint64_t group_chunk = std::clamp<uint64_t>(share, 4096, config_.cuda_chunk_bytes);
+          uint64_t group_chunks = 0;
+          for (size_t i = 0; i < n; ++i) {
+            const Op& op = ops[begin + i];
+            table[i] = {reinterpret_cast<uint64_t>(src_of(op)), reinterpret_cast<uint64_t>(dst_of(op)), op.bytes,
+                        group_chunks};
+            group_chunks += (op.bytes + group_chunk - 1) / group_chunk;
+          }
+          const unsigned group_grid = static_cast<unsigned>(std::min<uint64_t>(group_chunks, max_ctas));
+          status = cuda_status(launch_gather_scatter_inline(table, static_cast<uint32_t>(n), group_chunks,
+                                                            static_cast<uint32_t>(group_chunk), group_grid,
+                                                            config_.cuda_threads_per_cta, state->stream),
+                               "launching the copy kernel");
+        }
+      } else if (!inline_ops) {
         auto taken = take_slot(route.device, ops.size());
         if (!taken.ok()) {
           pool_->give_back(nullptr, event);
@@ -362,14 +389,17 @@ class CudaBackend : public Backend {
         }
         slot = *taken;
       }
+      const bool single_launch = inline_ops || !config_.cuda_split_large_batches;
       uint64_t num_chunks = 0;
-      for (size_t i = 0; i < ops.size(); ++i) {
+      for (size_t i = 0; single_launch && i < ops.size(); ++i) {
         table[i] = {reinterpret_cast<uint64_t>(src_of(ops[i])), reinterpret_cast<uint64_t>(dst_of(ops[i])),
                     ops[i].bytes, num_chunks};
         num_chunks += (ops[i].bytes + chunk_bytes - 1) / chunk_bytes;
       }
       const unsigned grid = static_cast<unsigned>(std::min<uint64_t>(num_chunks, max_ctas));
-      if (inline_ops) {
+      if (!single_launch) {
+        // posted above, group by group
+      } else if (inline_ops) {
         status = cuda_status(launch_gather_scatter_inline(table, static_cast<uint32_t>(ops.size()), num_chunks,
                                                           static_cast<uint32_t>(chunk_bytes), grid,
                                                           config_.cuda_threads_per_cta, state->stream),
