@@ -13,6 +13,10 @@ namespace pd::engine {
 namespace {
 
 constexpr char kBuiltinTiny[] = "builtin:tiny";
+// HF's 0.02 leaves a 64-wide model dominated by the current token's embedding
+// (greedy then repeats one token forever); 0.3 lets attention and MLP move the
+// hidden state, so the demo's greedy stream changes from step to step.
+constexpr float kBuiltinTinyWeightStd = 0.3f;
 
 bool is_dir(const std::filesystem::path& p) {
   std::error_code ec;
@@ -106,7 +110,9 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
   }
 
   // Weights last: every cheap check above fails before the expensive part.
-  if (options.model == kBuiltinTiny || options.load_format == "dummy") {
+  if (options.model == kBuiltinTiny) {
+    weights = model::dummy_weights(config, options.seed, kBuiltinTinyWeightStd);
+  } else if (options.load_format == "dummy") {
     weights = model::dummy_weights(config, options.seed);
   } else {
     PD_ASSIGN_OR_RETURN(weights, model::load_safetensors_weights(config, std::filesystem::path(options.model)));

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -91,6 +92,12 @@ TEST_F(BuiltinTiny, GreedyOutputDependsOnThePromptAndIsReproducible) {
   auto a2 = greedy(m->runner.get(), {9707, 11, 1879, 0}, 6);
   EXPECT_NE(a, b);
   EXPECT_EQ(a, a2);
+}
+
+TEST_F(BuiltinTiny, GreedyOutputIsNotOneRepeatedToken) {
+  auto out = greedy(model_->runner.get(), {9707, 11, 1879, 0}, 8);
+  std::sort(out.begin(), out.end());
+  EXPECT_GE(std::unique(out.begin(), out.end()) - out.begin(), 3);
 }
 
 TEST_F(BuiltinTiny, DummySeedChangesTheWeights) {
