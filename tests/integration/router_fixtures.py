@@ -248,7 +248,7 @@ def raise_fd_limit(wanted: int = 8192) -> int:
 def pdserve_flags(role: str, *, router: Router | None = None, mode: str = "write", extra: dict | None = None,
                   model: str = TINY_MODEL) -> list[str]:
     """pdserve flags for one instance of a P/D deployment (the connector's --kv-transfer-config)."""
-    flags = ["--model", model, "--max-model-len", "256"]
+    flags = ["--model", model, "--max-model-len", "2048"]
     kv_role = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}[role]
     config = {"kv_connector": "PdConnector", "kv_role": kv_role,
               "kv_connector_extra_config": {"read_mode": mode == "read", **(extra or {})}}

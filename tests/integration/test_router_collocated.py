@@ -133,10 +133,11 @@ def blocks_used(engine) -> float:
 
 
 def test_client_disconnect_aborts_the_engine_request_and_frees_its_blocks(procs):
-    engine = start_pdserve(procs, *ENGINE_FLAGS)
+    # Long enough that the generation (~1 s on builtin:tiny) outlives the client that closes early.
+    engine = start_pdserve(procs, "--model", TINY_MODEL, "--max-model-len", "2048")
     router = start_router(procs, "--collocated", engine.base_url, registration=False)
     router.wait_for_instances(1)
-    body = (b'{"model":"%s","prompt":"%s","max_tokens":200,"ignore_eos":true,"stream":true}'
+    body = (b'{"model":"%s","prompt":"%s","max_tokens":1900,"ignore_eos":true,"stream":true}'
             % (TINY_MODEL.encode(), b"word " * 60))
     sock = socket.create_connection((router.host, router.port), timeout=60)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -146,10 +147,8 @@ def test_client_disconnect_aborts_the_engine_request_and_frees_its_blocks(procs)
     wait_for(lambda: blocks_used(engine) > 0, 30, "the request holds KV blocks")
     sock.close()
     wait_for(lambda: blocks_used(engine) == 0, 30, "blocks back to 0 after the client went away")
-    wait_for(lambda: router.metric("pd_router_client_disconnects_total") >= 1 or
-             router.metric("pd_router_instance_outstanding", {"instance": router.instances()[0]["instance_id"],
-                                                              "role": "both"}) == 0, 10, "router released the leg")
-    assert router.instances()[0]["outstanding"] == 0
+    wait_for(lambda: router.instances()[0]["outstanding"] == 0, 10, "router released the leg")
+    assert router.metric("pd_router_requests_total", {"route": "/v1/completions", "status": "200"}) == 1
 
 
 def test_killed_instance_expires_traffic_moves_away_and_restart_is_readmitted(procs):
@@ -194,10 +193,13 @@ def test_thousand_concurrent_streaming_clients(procs):
     num_clients = 1000
 
     async def run() -> list:
-        import httpx  # noqa: PLC0415 - the openai client's transport; a big pool for one client
-        limits = httpx.Limits(max_connections=num_clients + 10, max_keepalive_connections=num_clients + 10)
+        # The openai client's own transport, with a pool large enough for every client at once.
+        transport = openai._base_client  # noqa: SLF001 - where the client keeps its default Limits type
+        limits = type(transport.DEFAULT_CONNECTION_LIMITS)(max_connections=num_clients + 10,
+                                                           max_keepalive_connections=num_clients + 10)
+        http_client = openai.DefaultAsyncHttpxClient(limits=limits, timeout=120)
         async with openai.AsyncOpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=120, http_client=httpx.AsyncClient(limits=limits, timeout=120)) as client:
+                                      timeout=120, http_client=http_client) as client:
             async def one(i: int):
                 stream = await client.completions.create(model=TINY_MODEL, prompt=f"client {i}", max_tokens=2,
                                                          temperature=0, stream=True,

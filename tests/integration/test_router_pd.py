@@ -29,7 +29,7 @@ def blocks_used(engine) -> float:
 @pytest.fixture(scope="module")
 def reference(module_procs):
     """A plain collocated engine: the greedy answers P/D must reproduce."""
-    return start_pdserve(module_procs, "--model", TINY_MODEL, "--max-model-len", "256")
+    return start_pdserve(module_procs, "--model", TINY_MODEL, "--max-model-len", "2048")
 
 
 def deploy(procs, mode: str):
@@ -95,7 +95,7 @@ def test_pd_chat_stream(deployment, reference):
 
 def test_client_disconnect_frees_blocks_on_both_sides(deployment):
     mode, router, producer, consumer = deployment
-    body = (b'{"model":"%s","prompt":"%s","max_tokens":200,"ignore_eos":true,"stream":true}'
+    body = (b'{"model":"%s","prompt":"%s","max_tokens":1900,"ignore_eos":true,"stream":true}'
             % (TINY_MODEL.encode(), b"word " * 60))
     sock = socket.create_connection((router.host, router.port), timeout=60)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
