@@ -48,7 +48,9 @@ def deployment(request, module_procs):
 
 
 def transfers_done(engine) -> float:
-    return metric_value(engine.metrics(), "pd_connector_transfers_done_total") or 0.0
+    text = engine.metrics()
+    return sum(metric_value(text, "pd_connector_transfers_done_total", {"side": side}) or 0.0
+               for side in ("producer", "consumer"))
 
 
 def test_registered_instances_carry_contract_fields(deployment):
