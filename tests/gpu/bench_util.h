@@ -38,10 +38,10 @@ float time_ms(Fn&& fn, int reps = 20) {
 inline double measure_copy_gbs() {
   const size_t bytes = 4ull << 30;
   DeviceBuffer<uint8_t> src(bytes), dst(bytes);
-  PD_STATUS_CHECK(kernels::cuda::fill_uniform(reinterpret_cast<__nv_bfloat16*>(src.get()), bytes / 2, 1, 1.0f, nullptr));
-  const float ms = time_ms([&] {
-    PD_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice));
-  });
+  PD_STATUS_CHECK(
+      kernels::cuda::fill_uniform(reinterpret_cast<__nv_bfloat16*>(src.get()), bytes / 2, 1, 1.0f, nullptr));
+  const float ms =
+      time_ms([&] { PD_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice)); });
   return 2.0 * static_cast<double>(bytes) / (ms * 1e6);
 }
 
@@ -54,9 +54,8 @@ inline double measure_gemm_tflops() {
   PD_STATUS_CHECK(kc::fill_uniform(b.get(), b.count(), 3, 1.0f, nullptr));
   auto gemm = kc::Gemm::create();
   PD_STATUS_CHECK(gemm.status());
-  const float ms = time_ms([&] {
-    PD_STATUS_CHECK((*gemm)->run(c.get(), kc::GemmOut::kBFloat16, a.get(), b.get(), n, n, n, nullptr));
-  });
+  const float ms = time_ms(
+      [&] { PD_STATUS_CHECK((*gemm)->run(c.get(), kc::GemmOut::kBFloat16, a.get(), b.get(), n, n, n, nullptr)); });
   return 2.0 * n * n * static_cast<double>(n) / (ms * 1e9);
 }
 

@@ -116,7 +116,8 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
               total_b / 1e9);
   // Decode reads every weight except the embedding table (B rows of it).
   const double h = cfg.hidden_size;
-  const double weights_read = static_cast<double>(runner.weight_bytes()) - (cfg.tie_word_embeddings ? 0.0 : cfg.vocab_size * h * 2);
+  const double weights_read =
+      static_cast<double>(runner.weight_bytes()) - (cfg.tie_word_embeddings ? 0.0 : cfg.vocab_size * h * 2);
   std::mt19937_64 rng(7);
   for (int b : batches) {
     const auto in = make_step(b, 1, ctx - 1, cfg.vocab_size, rng);
@@ -126,9 +127,10 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
     rows->push_back({std::string(name) + " decode b" + std::to_string(b) + " ctx" + std::to_string(ctx), floor_ms, ms,
                      "HBM floor " + std::to_string(static_cast<int>(bytes / 1e6)) + " MB"});
   }
-  const double linear_params = static_cast<double>(cfg.num_layers) *
-                               (h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim +
-                                static_cast<double>(cfg.num_heads) * cfg.head_dim * h + 3.0 * h * cfg.intermediate_size);
+  const double linear_params =
+      static_cast<double>(cfg.num_layers) *
+      (h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim +
+       static_cast<double>(cfg.num_heads) * cfg.head_dim * h + 3.0 * h * cfg.intermediate_size);
   for (int n : prefill_prompts) {
     const auto in = make_step(n, prefill_tokens, 0, cfg.vocab_size, rng);
     const double ms = time_step(runner, in, 2, 5);
@@ -163,9 +165,8 @@ int main(int argc, char** argv) {
   PD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const double copy_gbs = measure_copy_gbs();
   const double gemm_tflops = measure_gemm_tflops();
-  std::printf("device %s: d2d copy %.1f GB/s, bf16 GEMM 8192^3 %.1f TFLOP/s, decode attention on %s cores\n",
-              prop.name, copy_gbs, gemm_tflops,
-              decode_kernel == pd::kernels::cuda::DecodeKernel::kTensorCore ? "tensor" : "CUDA");
+  std::printf("device %s: d2d copy %.1f GB/s, bf16 GEMM 8192^3 %.1f TFLOP/s, decode attention on %s cores\n", prop.name,
+              copy_gbs, gemm_tflops, decode_kernel == pd::kernels::cuda::DecodeKernel::kTensorCore ? "tensor" : "CUDA");
   std::vector<Row> rows;
   if (which == "all" || which == "qwen3-8b") bench_model(false, ctx, copy_gbs, gemm_tflops, decode_kernel, &rows);
   if (which == "all" || which == "qwen3-32b") bench_model(true, ctx, copy_gbs, gemm_tflops, decode_kernel, &rows);

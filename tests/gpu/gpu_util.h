@@ -16,22 +16,22 @@
 
 namespace pd::gpu_test {
 
-#define PD_CUDA_CHECK(expr)                                                                          \
-  do {                                                                                               \
-    cudaError_t pd_err_ = (expr);                                                                    \
-    if (pd_err_ != cudaSuccess) {                                                                    \
+#define PD_CUDA_CHECK(expr)                                                                                   \
+  do {                                                                                                        \
+    cudaError_t pd_err_ = (expr);                                                                             \
+    if (pd_err_ != cudaSuccess) {                                                                             \
       std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(pd_err_)); \
-      std::exit(2);                                                                                  \
-    }                                                                                                \
+      std::exit(2);                                                                                           \
+    }                                                                                                         \
   } while (0)
 
-#define PD_STATUS_CHECK(expr)                                                                       \
-  do {                                                                                              \
-    ::pd::Status pd_st_ = (expr);                                                                   \
-    if (!pd_st_.ok()) {                                                                             \
+#define PD_STATUS_CHECK(expr)                                                                         \
+  do {                                                                                                \
+    ::pd::Status pd_st_ = (expr);                                                                     \
+    if (!pd_st_.ok()) {                                                                               \
       std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, pd_st_.to_string().c_str()); \
-      std::exit(2);                                                                                 \
-    }                                                                                               \
+      std::exit(2);                                                                                   \
+    }                                                                                                 \
   } while (0)
 
 template <typename T>
@@ -66,7 +66,9 @@ class DeviceBuffer {
   size_t count_ = 0;
 };
 
-inline float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
+inline float bf16_round(float x) {
+  return __bfloat162float(__float2bfloat16(x));
+}
 
 // Random bf16 data: returns the device copy and fills `exact` with the bf16 values as floats.
 inline std::vector<__nv_bfloat16> random_bf16(size_t n, float scale, std::mt19937_64& rng, std::vector<float>* exact) {
@@ -87,9 +89,9 @@ inline std::vector<float> to_float(const std::vector<__nv_bfloat16>& v) {
 }
 
 struct ErrorStats {
-  double rel_l2 = 0.0;   // ||out - ref|| / ||ref||
+  double rel_l2 = 0.0;  // ||out - ref|| / ||ref||
   double max_abs = 0.0;
-  size_t num_nan = 0;    // NaN or inf in the output (also unwritten, poisoned elements)
+  size_t num_nan = 0;  // NaN or inf in the output (also unwritten, poisoned elements)
   size_t count = 0;
 };
 

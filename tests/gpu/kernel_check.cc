@@ -150,7 +150,9 @@ struct PagedCache {
   std::vector<float> host;  // exact bf16 values
   DeviceBuffer<bf16> dev;
   PagedCache(int blocks, int kv_heads, int dim)
-      : num_blocks(blocks), num_kv_heads(kv_heads), head_dim(dim),
+      : num_blocks(blocks),
+        num_kv_heads(kv_heads),
+        head_dim(dim),
         dev(static_cast<size_t>(blocks) * 2 * kc::kKvBlockSize * kv_heads * dim) {
     auto data = random_bf16(dev.count(), 1.0f, rng(), &host);
     dev.upload(data);
@@ -361,8 +363,8 @@ void check_sampling() {
   d_supp.upload(supp);
   d_tok.poison();
   d_lp.poison();
-  PD_STATUS_CHECK(kc::sample_rows(d_logits.get(), rows, vocab, d_params.get(), d_supp.get(), d_tok.get(), d_lp.get(),
-                                  nullptr));
+  PD_STATUS_CHECK(
+      kc::sample_rows(d_logits.get(), rows, vocab, d_params.get(), d_supp.get(), d_tok.get(), d_lp.get(), nullptr));
   const auto tok = d_tok.download();
   const auto lp = d_lp.download();
   int mismatches = 0;
@@ -408,7 +410,6 @@ void check_dispatch_rejects() {
                     s.ok() ? "accepted!" : s.message()});
 }
 
-
 // ---------------------------------------------------------------- timing
 struct BenchRow {
   std::string name;
@@ -426,36 +427,47 @@ void run_benchmarks() {
   rows.push_back({"gemm 8192^3 bf16", 0.0, gemm_tf, gemm_tf, "TFLOP/s"});
   // Decode attention, Qwen3-8B layer shape (32/8 heads, D128), batch x 2048 context.
   for (auto variant : {kc::DecodeKernel::kTensorCore, kc::DecodeKernel::kCudaCore}) {
-  for (int batch : {1, 16, 64, 128}) {
-    for (int q_heads : {32, 64}) {
-      const int ctx = 2048, kvh = 8, d = 128, nb = ctx / 16;
-      const size_t cache_elems = static_cast<size_t>(batch) * nb * 2 * 16 * kvh * d;
-      DeviceBuffer<bf16> cache(cache_elems), q(static_cast<size_t>(batch) * q_heads * d), out(q.count());
-      PD_STATUS_CHECK(kc::fill_uniform(cache.get(), cache_elems, 4, 1.0f, nullptr));
-      PD_STATUS_CHECK(kc::fill_uniform(q.get(), q.count(), 5, 1.0f, nullptr));
-      std::vector<int32_t> tables(static_cast<size_t>(batch) * nb), qs(batch + 1), cl(batch, ctx);
-      std::iota(tables.begin(), tables.end(), 0);
-      std::shuffle(tables.begin(), tables.end(), rng());
-      std::iota(qs.begin(), qs.end(), 0);
-      DeviceBuffer<int32_t> d_t(tables.size()), d_qs(qs.size()), d_cl(cl.size());
-      d_t.upload(tables);
-      d_qs.upload(qs);
-      d_cl.upload(cl);
-      kc::AttentionArgs a;
-      a.q = q.get(); a.out = out.get(); a.kv_cache = cache.get(); a.query_start = d_qs.get(); a.context_lens = d_cl.get();
-      a.block_tables = d_t.get(); a.num_seqs = batch; a.max_blocks_per_seq = nb; a.max_query_len = 1; a.max_context_len = ctx;
-      a.num_q_heads = q_heads; a.num_kv_heads = kvh; a.head_dim = d; a.scale = 0.088f;
-      a.decode_partition_tokens = batch * kvh <= 64 ? 64 : batch * kvh <= 256 ? 128 : 256;
-      a.decode_kernel = variant;
-      const size_t ws = kc::decode_attention_workspace_bytes(batch, q_heads, d, ctx, a.decode_partition_tokens);
-      DeviceBuffer<uint8_t> d_ws(ws);
-      const float ms = time_ms([&] { PD_STATUS_CHECK(kc::decode_attention(a, d_ws.get(), ws, nullptr)); });
-      const double gbs = cache_elems * 2.0 / (ms * 1e6);
-      rows.push_back({std::string(variant == kc::DecodeKernel::kTensorCore ? "tc" : "simt") + " decode attn b" +
-                          std::to_string(batch) + " ctx2048 " + std::to_string(q_heads) + "/8",
-                      ms, gbs, copy_gbs, "GB/s"});
+    for (int batch : {1, 16, 64, 128}) {
+      for (int q_heads : {32, 64}) {
+        const int ctx = 2048, kvh = 8, d = 128, nb = ctx / 16;
+        const size_t cache_elems = static_cast<size_t>(batch) * nb * 2 * 16 * kvh * d;
+        DeviceBuffer<bf16> cache(cache_elems), q(static_cast<size_t>(batch) * q_heads * d), out(q.count());
+        PD_STATUS_CHECK(kc::fill_uniform(cache.get(), cache_elems, 4, 1.0f, nullptr));
+        PD_STATUS_CHECK(kc::fill_uniform(q.get(), q.count(), 5, 1.0f, nullptr));
+        std::vector<int32_t> tables(static_cast<size_t>(batch) * nb), qs(batch + 1), cl(batch, ctx);
+        std::iota(tables.begin(), tables.end(), 0);
+        std::shuffle(tables.begin(), tables.end(), rng());
+        std::iota(qs.begin(), qs.end(), 0);
+        DeviceBuffer<int32_t> d_t(tables.size()), d_qs(qs.size()), d_cl(cl.size());
+        d_t.upload(tables);
+        d_qs.upload(qs);
+        d_cl.upload(cl);
+        kc::AttentionArgs a;
+        a.q = q.get();
+        a.out = out.get();
+        a.kv_cache = cache.get();
+        a.query_start = d_qs.get();
+        a.context_lens = d_cl.get();
+        a.block_tables = d_t.get();
+        a.num_seqs = batch;
+        a.max_blocks_per_seq = nb;
+        a.max_query_len = 1;
+        a.max_context_len = ctx;
+        a.num_q_heads = q_heads;
+        a.num_kv_heads = kvh;
+        a.head_dim = d;
+        a.scale = 0.088f;
+        a.decode_partition_tokens = batch * kvh <= 64 ? 64 : batch * kvh <= 256 ? 128 : 256;
+        a.decode_kernel = variant;
+        const size_t ws = kc::decode_attention_workspace_bytes(batch, q_heads, d, ctx, a.decode_partition_tokens);
+        DeviceBuffer<uint8_t> d_ws(ws);
+        const float ms = time_ms([&] { PD_STATUS_CHECK(kc::decode_attention(a, d_ws.get(), ws, nullptr)); });
+        const double gbs = cache_elems * 2.0 / (ms * 1e6);
+        rows.push_back({std::string(variant == kc::DecodeKernel::kTensorCore ? "tc" : "simt") + " decode attn b" +
+                            std::to_string(batch) + " ctx2048 " + std::to_string(q_heads) + "/8",
+                        ms, gbs, copy_gbs, "GB/s"});
+      }
     }
-  }
   }
   // Prefill attention: one 2000-token prompt, 32/8 heads, D128 (causal flops 4*T*T/2*D*H).
   for (int nseq : {1, 8}) {
@@ -472,9 +484,20 @@ void run_benchmarks() {
     d_qs.upload(qs);
     d_cl.upload(cl);
     kc::AttentionArgs a;
-    a.q = q.get(); a.out = out.get(); a.kv_cache = cache.get(); a.query_start = d_qs.get(); a.context_lens = d_cl.get();
-    a.block_tables = d_t.get(); a.num_seqs = nseq; a.max_blocks_per_seq = nb; a.max_query_len = t; a.max_context_len = t;
-    a.num_q_heads = hq; a.num_kv_heads = kvh; a.head_dim = d; a.scale = 0.088f;
+    a.q = q.get();
+    a.out = out.get();
+    a.kv_cache = cache.get();
+    a.query_start = d_qs.get();
+    a.context_lens = d_cl.get();
+    a.block_tables = d_t.get();
+    a.num_seqs = nseq;
+    a.max_blocks_per_seq = nb;
+    a.max_query_len = t;
+    a.max_context_len = t;
+    a.num_q_heads = hq;
+    a.num_kv_heads = kvh;
+    a.head_dim = d;
+    a.scale = 0.088f;
     const float ms = time_ms([&] { PD_STATUS_CHECK(kc::prefill_attention(a, nullptr)); });
     const double flops = nseq * 4.0 * t * (t + 1) / 2.0 * d * hq;
     rows.push_back({"prefill attn " + std::to_string(nseq) + "x2000 32/8", ms, flops / (ms * 1e9), gemm_tf, "TFLOP/s"});
@@ -526,8 +549,8 @@ int main(int argc, char** argv) {
   int failures = 0;
   std::printf("\n%-22s %-36s %10s %10s %6s  %s\n", "kernel", "shape", "rel_l2", "max_abs", "nan", "result");
   for (const auto& r : g_rows) {
-    std::printf("%-22s %-36s %10.2e %10.2e %6zu  %s %s\n", r.name.c_str(), r.shape.c_str(), r.err.rel_l2,
-                r.err.max_abs, r.err.num_nan, r.pass ? "PASS" : "FAIL", r.note.c_str());
+    std::printf("%-22s %-36s %10.2e %10.2e %6zu  %s %s\n", r.name.c_str(), r.shape.c_str(), r.err.rel_l2, r.err.max_abs,
+                r.err.num_nan, r.pass ? "PASS" : "FAIL", r.note.c_str());
     if (!r.pass) ++failures;
   }
   std::printf("%d checks, %d failed\n", static_cast<int>(g_rows.size()), failures);

@@ -16,7 +16,9 @@ using bf16 = __nv_bfloat16;
 constexpr int32_t kGraphBuckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
 constexpr float kDummyStdDev = 0.02f;
 
-int32_t ceil_div(int32_t a, int32_t b) { return (a + b - 1) / b; }
+int32_t ceil_div(int32_t a, int32_t b) {
+  return (a + b - 1) / b;
+}
 
 // A row needs the CPU sampler when it asks for something the GPU kernel does not do.
 bool needs_host_sampling(const SeqStep& s) {
@@ -94,8 +96,8 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
 
 Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) {
   const auto& c = config_;
-  const int64_t h = c.hidden_size, d = c.head_dim, hq = c.num_heads, hkv = c.num_kv_heads,
-                inter = c.intermediate_size, vocab = c.vocab_size;
+  const int64_t h = c.hidden_size, d = c.head_dim, hq = c.num_heads, hkv = c.num_kv_heads, inter = c.intermediate_size,
+                vocab = c.vocab_size;
   const int64_t qkv_rows = (hq + 2 * hkv) * d;
   uint64_t tensor_index = 0;
 
@@ -117,8 +119,8 @@ Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) 
       }
       for (float v : t->data) staging.push_back(__float2bfloat16(v));
     }
-    return kc::cuda_status(
-        cudaMemcpy(dst, staging.data(), staging.size() * sizeof(bf16), cudaMemcpyHostToDevice), "weight upload");
+    return kc::cuda_status(cudaMemcpy(dst, staging.data(), staging.size() * sizeof(bf16), cudaMemcpyHostToDevice),
+                           "weight upload");
   };
   const float uniform_scale = kDummyStdDev * std::sqrt(3.0f);  // uniform with the same std dev
   auto dummy = [&](bf16* dst, int64_t count) {
@@ -168,7 +170,8 @@ Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) 
                                         {p + "self_attn.k_proj.weight", hkv * d * h},
                                         {p + "self_attn.v_proj.weight", hkv * d * h}}));
       PD_RETURN_IF_ERROR(upload(w.o_proj, {{p + "self_attn.o_proj.weight", h * hq * d}}));
-      PD_RETURN_IF_ERROR(upload(w.gate_up, {{p + "mlp.gate_proj.weight", inter * h}, {p + "mlp.up_proj.weight", inter * h}}));
+      PD_RETURN_IF_ERROR(
+          upload(w.gate_up, {{p + "mlp.gate_proj.weight", inter * h}, {p + "mlp.up_proj.weight", inter * h}}));
       PD_RETURN_IF_ERROR(upload(w.down, {{p + "mlp.down_proj.weight", h * inter}}));
       if (w.qkv_bias != nullptr) {
         PD_RETURN_IF_ERROR(upload(w.qkv_bias, {{p + "self_attn.q_proj.bias", hq * d},
@@ -256,11 +259,11 @@ Status CudaModelRunner::allocate_buffers() {
   d_ints_ = static_cast<int32_t*>(alloc(ints_count_ * sizeof(int32_t)));
   d_sampling_ = static_cast<kc::RowSampling*>(alloc(s * sizeof(kc::RowSampling)));
   d_logprobs_ = static_cast<float*>(alloc(s * sizeof(float)));
-  for (void* p : {static_cast<void*>(residual_), static_cast<void*>(x_), static_cast<void*>(qkv_buf_),
-                  static_cast<void*>(q_buf_), static_cast<void*>(attn_buf_), static_cast<void*>(gate_up_buf_),
-                  static_cast<void*>(act_buf_), static_cast<void*>(sample_hidden_), static_cast<void*>(logits_),
-                  decode_ws_, static_cast<void*>(d_ints_), static_cast<void*>(d_sampling_),
-                  static_cast<void*>(d_logprobs_)}) {
+  for (void* p :
+       {static_cast<void*>(residual_), static_cast<void*>(x_), static_cast<void*>(qkv_buf_), static_cast<void*>(q_buf_),
+        static_cast<void*>(attn_buf_), static_cast<void*>(gate_up_buf_), static_cast<void*>(act_buf_),
+        static_cast<void*>(sample_hidden_), static_cast<void*>(logits_), decode_ws_, static_cast<void*>(d_ints_),
+        static_cast<void*>(d_sampling_), static_cast<void*>(d_logprobs_)}) {
     if (p == nullptr) return resource_exhausted("cuda runner: out of device memory for activation buffers");
   }
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaMallocHost(reinterpret_cast<void**>(&h_ints_), ints_count_ * sizeof(int32_t)),
@@ -289,7 +292,8 @@ Status CudaModelRunner::allocate_kv_pool() {
                           static_cast<double>(total_bytes - free_bytes);
     // Leave room for cuBLASLt, graphs and the CUDA context's own growth.
     const double reserve = 512.0 * (1 << 20);
-    blocks = budget > reserve ? static_cast<int64_t>((budget - reserve) / static_cast<double>(per_block_all_layers)) : 0;
+    blocks =
+        budget > reserve ? static_cast<int64_t>((budget - reserve) / static_cast<double>(per_block_all_layers)) : 0;
   }
   if (blocks <= 0) {
     return resource_exhausted("cuda runner: no memory left for the KV cache after {} bytes of weights (utilization {})",
@@ -346,7 +350,8 @@ Status CudaModelRunner::validate(const StepInput& input) const {
     }
     const int32_t ctx = s.num_computed_tokens + s.num_new_tokens;
     if (ctx > options_.max_model_len) {
-      return invalid_argument("cuda runner: seq {} reaches {} tokens > max_model_len {}", i, ctx, options_.max_model_len);
+      return invalid_argument("cuda runner: seq {} reaches {} tokens > max_model_len {}", i, ctx,
+                              options_.max_model_len);
     }
     const int32_t need = ceil_div(ctx, options_.block_size);
     if (static_cast<int32_t>(s.block_table.size()) < need) {
@@ -436,8 +441,7 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
     PD_RETURN_IF_ERROR(
         gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, x_, w.gate_up, t, 2 * c.intermediate_size, h, stream_));
     PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
-    PD_RETURN_IF_ERROR(
-        gemm_->run(x_, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size, stream_));
+    PD_RETURN_IF_ERROR(gemm_->run(x_, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size, stream_));
   }
   if (shape.num_sample == 0) return Status::Ok();
   // Final residual add + norm only for the rows that are sampled.
@@ -518,8 +522,8 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
       const int32_t p = s.num_computed_tokens + j;
       tok[t] = input.token_ids[static_cast<size_t>(s.token_offset + j)];
       pos[t] = p;
-      slot[t] = s.block_table[static_cast<size_t>(p / options_.block_size)] * options_.block_size +
-                p % options_.block_size;
+      slot[t] =
+          s.block_table[static_cast<size_t>(p / options_.block_size)] * options_.block_size + p % options_.block_size;
       ++t;
     }
     qstart[i + 1] = t;
@@ -572,9 +576,9 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
   }
   // Copy the used part of each input section.
   auto h2d = [&](size_t off, size_t count) {
-    return kc::cuda_status(cudaMemcpyAsync(d_ints_ + off, h_ints_ + off, count * sizeof(int32_t),
-                                           cudaMemcpyHostToDevice, stream_),
-                           "step input copy");
+    return kc::cuda_status(
+        cudaMemcpyAsync(d_ints_ + off, h_ints_ + off, count * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
+        "step input copy");
   };
   PD_RETURN_IF_ERROR(h2d(off_tokens_, static_cast<size_t>(t)));
   PD_RETURN_IF_ERROR(h2d(off_positions_, static_cast<size_t>(t)));

@@ -72,11 +72,11 @@ class CudaModelRunner final : public ModelRunner {
     __nv_bfloat16* qkv_bias = nullptr;  // Qwen2
     __nv_bfloat16* q_norm = nullptr;    // Qwen3
     __nv_bfloat16* k_norm = nullptr;
-    __nv_bfloat16* o_proj = nullptr;    // [H][Hq D]
+    __nv_bfloat16* o_proj = nullptr;  // [H][Hq D]
     __nv_bfloat16* o_bias = nullptr;
     __nv_bfloat16* post_norm = nullptr;
-    __nv_bfloat16* gate_up = nullptr;   // [2 I][H]: gate rows then up rows
-    __nv_bfloat16* down = nullptr;      // [H][I]
+    __nv_bfloat16* gate_up = nullptr;  // [2 I][H]: gate rows then up rows
+    __nv_bfloat16* down = nullptr;     // [H][I]
   };
   // Shapes of one forward pass over the internal token order: decode
   // sequences (one token each) first, then prefill sequences.

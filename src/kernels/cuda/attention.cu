@@ -54,18 +54,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "memory");
 }
 
-constexpr int kPrefillRows = 64;   // query rows per CTA
-constexpr int kPrefillKeys = 64;   // keys per tile (4 KV blocks)
+constexpr int kPrefillRows = 64;  // query rows per CTA
+constexpr int kPrefillKeys = 64;  // keys per tile (4 KV blocks)
 constexpr int kPrefillWarps = 4;
 constexpr int kSmemPad = 8;  // bf16 per row: breaks the bank pattern of 32-bit fragment loads
 
 template <int kHeadDim>
 __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(AttentionArgs a) {
   constexpr int kStride = kHeadDim + kSmemPad;
-  constexpr int kKSteps = kHeadDim / 16;      // k-steps of Q K^T
-  constexpr int kSTiles = kPrefillKeys / 8;   // n-tiles of S
-  constexpr int kOTiles = kHeadDim / 8;       // n-tiles of O
-  constexpr int kChunksPerRow = kHeadDim / 8; // 16-byte chunks per K/V row
+  constexpr int kKSteps = kHeadDim / 16;       // k-steps of Q K^T
+  constexpr int kSTiles = kPrefillKeys / 8;    // n-tiles of S
+  constexpr int kOTiles = kHeadDim / 8;        // n-tiles of O
+  constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per K/V row
   __shared__ alignas(16) bf16 k_s[kPrefillKeys][kStride];
   __shared__ alignas(16) bf16 v_s[kPrefillKeys][kStride];
 
@@ -221,8 +221,10 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(A
 #pragma unroll
   for (int nt = 0; nt < kOTiles; ++nt) {
     const int c = nt * 8 + 2 * tq;
-    if (r0 < q_len) *reinterpret_cast<__nv_bfloat162*>(out0 + c) = __floats2bfloat162_rn(o[nt][0] * inv0, o[nt][1] * inv0);
-    if (r1 < q_len) *reinterpret_cast<__nv_bfloat162*>(out1 + c) = __floats2bfloat162_rn(o[nt][2] * inv1, o[nt][3] * inv1);
+    if (r0 < q_len)
+      *reinterpret_cast<__nv_bfloat162*>(out0 + c) = __floats2bfloat162_rn(o[nt][0] * inv0, o[nt][1] * inv0);
+    if (r1 < q_len)
+      *reinterpret_cast<__nv_bfloat162*>(out1 + c) = __floats2bfloat162_rn(o[nt][2] * inv1, o[nt][3] * inv1);
   }
 }
 
@@ -298,8 +300,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   for (int c = warp; c < num_chunks; c += kDecodeWarps) {
     const int chunk_begin = part_begin + c * kChunkTokens;  // never crosses a block: kChunkTokens | 16
     const int block = table[chunk_begin / kDecodeTokensPerBlock];
-    const bf16* kbase = a.kv_cache + block * block_elems +
-                        (chunk_begin % kDecodeTokensPerBlock) * token_stride + kv_head * kHeadDim + dl * 8;
+    const bf16* kbase = a.kv_cache + block * block_elems + (chunk_begin % kDecodeTokensPerBlock) * token_stride +
+                        kv_head * kHeadDim + dl * 8;
     uint4 kr[kSteps], vr[kSteps];
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
@@ -545,7 +547,7 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
 
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  __syncthreads();  // k_s is reused below for the per-warp outputs
+  __syncthreads();                                    // k_s is reused below for the per-warp outputs
   float* o_s = reinterpret_cast<float*>(&k_s[0][0]);  // [warps][kMaxRows][kHeadDim]
   static_assert(sizeof(k_s) >= sizeof(float) * kMmaDecodeWarps * kMaxRows * kHeadDim, "o_s must fit in k_s");
   if (g < group) {
@@ -604,8 +606,7 @@ __global__ void decode_reduce_kernel(AttentionArgs a, const float* __restrict__ 
 }
 
 template <int kHeadDim, int kMaxGroup>
-cudaError_t launch_decode_t(const AttentionArgs& args, float* workspace, int32_t num_partitions,
-                            cudaStream_t stream) {
+cudaError_t launch_decode_t(const AttentionArgs& args, float* workspace, int32_t num_partitions, cudaStream_t stream) {
   float* lse = workspace;
   float* out = workspace + static_cast<size_t>(args.num_seqs) * args.num_q_heads * num_partitions;
   decode_attention_kernel<kHeadDim, kMaxGroup>
@@ -613,8 +614,8 @@ cudaError_t launch_decode_t(const AttentionArgs& args, float* workspace, int32_t
                                                                                                  num_partitions);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  decode_reduce_kernel<kHeadDim><<<dim3(args.num_q_heads, args.num_seqs), kHeadDim, 0, stream>>>(args, lse, out,
-                                                                                                  num_partitions);
+  decode_reduce_kernel<kHeadDim>
+      <<<dim3(args.num_q_heads, args.num_seqs), kHeadDim, 0, stream>>>(args, lse, out, num_partitions);
   return cudaGetLastError();
 }
 
@@ -628,14 +629,13 @@ cudaError_t launch_decode_mma(const AttentionArgs& args, float* workspace, int32
                                                                                                     num_partitions);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  decode_reduce_kernel<kHeadDim><<<dim3(args.num_q_heads, args.num_seqs), kHeadDim, 0, stream>>>(args, lse, out,
-                                                                                                  num_partitions);
+  decode_reduce_kernel<kHeadDim>
+      <<<dim3(args.num_q_heads, args.num_seqs), kHeadDim, 0, stream>>>(args, lse, out, num_partitions);
   return cudaGetLastError();
 }
 
 template <int kHeadDim>
-cudaError_t launch_decode_d(const AttentionArgs& args, float* workspace, int32_t num_partitions,
-                            cudaStream_t stream) {
+cudaError_t launch_decode_d(const AttentionArgs& args, float* workspace, int32_t num_partitions, cudaStream_t stream) {
   if (args.decode_kernel == DecodeKernel::kTensorCore) {
     return launch_decode_mma<kHeadDim>(args, workspace, num_partitions, stream);
   }

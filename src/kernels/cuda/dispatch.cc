@@ -21,8 +21,7 @@ Status check_head_dim(int32_t head_dim, const char* kernel) {
 
 Status check_block_size(int32_t block_size, const char* kernel) {
   if (block_size != kKvBlockSize) {
-    return unimplemented("{}: KV block size {} has no instantiation (supported: {})", kernel, block_size,
-                         kKvBlockSize);
+    return unimplemented("{}: KV block size {} has no instantiation (supported: {})", kernel, block_size, kKvBlockSize);
   }
   return Status::Ok();
 }
@@ -54,8 +53,8 @@ Status check_attention(const AttentionArgs& a, const char* kernel) {
                             a.max_blocks_per_seq, a.max_query_len, a.max_context_len);
   }
   if (a.max_context_len > a.max_blocks_per_seq * a.block_size) {
-    return invalid_argument("{}: max context {} exceeds the block table ({} blocks of {})", kernel,
-                            a.max_context_len, a.max_blocks_per_seq, a.block_size);
+    return invalid_argument("{}: max context {} exceeds the block table ({} blocks of {})", kernel, a.max_context_len,
+                            a.max_blocks_per_seq, a.block_size);
   }
   if (!(a.scale > 0.0f)) return invalid_argument("{}: softmax scale {} must be > 0", kernel, a.scale);
   return Status::Ok();
@@ -68,7 +67,9 @@ Status cuda_status(cudaError_t err, const char* what) {
   return internal_error("{} failed: {} ({})", what, cudaGetErrorName(err), cudaGetErrorString(err));
 }
 
-Status last_launch_status(const char* kernel_name) { return cuda_status(cudaGetLastError(), kernel_name); }
+Status last_launch_status(const char* kernel_name) {
+  return cuda_status(cudaGetLastError(), kernel_name);
+}
 
 Status embedding_lookup(bf16* out, const bf16* table, const int32_t* ids, int32_t num_rows, int32_t num_table_rows,
                         int32_t hidden, cudaStream_t stream) {
@@ -135,10 +136,10 @@ Status decode_attention(const AttentionArgs& args_in, void* workspace, size_t wo
   if (workspace_bytes < need) {
     return invalid_argument("decode_attention: workspace {} bytes < {} needed", workspace_bytes, need);
   }
-  return cuda_status(detail::launch_decode_attention(args, static_cast<float*>(workspace),
-                                                     decode_partitions(args.max_context_len, args.decode_partition_tokens),
-                                                     stream),
-                     "decode_attention launch");
+  return cuda_status(
+      detail::launch_decode_attention(args, static_cast<float*>(workspace),
+                                      decode_partitions(args.max_context_len, args.decode_partition_tokens), stream),
+      "decode_attention launch");
 }
 
 Status sample_rows(float* logits, int32_t num_rows, int32_t vocab, const RowSampling* params,

@@ -61,9 +61,9 @@ __global__ void embedding_kernel(bf16* __restrict__ out, const bf16* __restrict_
 constexpr int kNormThreads = 256;
 constexpr int kNormMaxVecPerThread = 8;  // 256 * 8 * 8 = 16384 elements
 
-__global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(bf16* out, const bf16* x, bf16* residual,
-                                                               const bf16* __restrict__ weight, int32_t hidden,
-                                                               float eps) {
+__global__ void __launch_bounds__(kNormThreads)
+    rmsnorm_kernel(bf16* out, const bf16* x, bf16* residual, const bf16* __restrict__ weight, int32_t hidden,
+                   float eps) {
   const int64_t row = blockIdx.x;
   const int num_vec = hidden / kVec;
   const auto* xv = reinterpret_cast<const Bf16x8*>(x + row * hidden);
@@ -181,10 +181,10 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_kv_kernel(RopeKvArgs a) 
       for (int p = 0; p < kPairs; ++p) {
         const int i = lane * kPairs + p;
         // Rounded to bf16 like HF's q_norm/k_norm output, then rotated.
-        lo[p] = __bfloat162float(__float2bfloat16(
-            __bfloat162float(__float2bfloat16(lo[p] * inv_rms)) * __bfloat162float(norm_w[i])));
-        hi[p] = __bfloat162float(__float2bfloat16(
-            __bfloat162float(__float2bfloat16(hi[p] * inv_rms)) * __bfloat162float(norm_w[i + kHalf])));
+        lo[p] = __bfloat162float(
+            __float2bfloat16(__bfloat162float(__float2bfloat16(lo[p] * inv_rms)) * __bfloat162float(norm_w[i])));
+        hi[p] = __bfloat162float(__float2bfloat16(__bfloat162float(__float2bfloat16(hi[p] * inv_rms)) *
+                                                  __bfloat162float(norm_w[i + kHalf])));
       }
     }
     const float pos = static_cast<float>(a.positions[t]);
@@ -238,8 +238,8 @@ __global__ void fill_uniform_kernel(bf16* out, size_t n, uint64_t seed, float sc
 
 }  // namespace
 
-cudaError_t launch_embedding(bf16* out, const bf16* table, const int32_t* ids, int32_t num_rows,
-                             int32_t num_table_rows, int32_t hidden, cudaStream_t stream) {
+cudaError_t launch_embedding(bf16* out, const bf16* table, const int32_t* ids, int32_t num_rows, int32_t num_table_rows,
+                             int32_t hidden, cudaStream_t stream) {
   if (num_rows == 0) return cudaSuccess;
   embedding_kernel<<<num_rows, 128, 0, stream>>>(out, table, ids, num_table_rows, hidden);
   return cudaGetLastError();

@@ -43,9 +43,9 @@ Result<Gemm::Plan*> Gemm::plan_for(int32_t m, int32_t n, int32_t k, GemmOut out_
   const cublasOperation_t trans = CUBLAS_OP_T, no_trans = CUBLAS_OP_N;
   PD_RETURN_IF_ERROR(lt_status(
       cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)), "set TRANSA"));
-  PD_RETURN_IF_ERROR(lt_status(
-      cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &no_trans, sizeof(no_trans)),
-      "set TRANSB"));
+  PD_RETURN_IF_ERROR(
+      lt_status(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &no_trans, sizeof(no_trans)),
+                "set TRANSB"));
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, k, n, k), "layout A"));
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, k, m, k), "layout B"));
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.c, c_type, n, m, n), "layout C"));
@@ -55,8 +55,8 @@ Result<Gemm::Plan*> Gemm::plan_for(int32_t m, int32_t n, int32_t k, GemmOut out_
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, pref,
-                                                           1, &result, &found);
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   PD_RETURN_IF_ERROR(lt_status(st, "cublasLtMatmulAlgoGetHeuristic"));
   if (found == 0) return internal_error("cuBLASLt has no algorithm for bf16 GEMM m={} n={} k={}", m, n, k);

@@ -26,16 +26,16 @@ Status last_launch_status(const char* kernel_name);
 // out[t][:] = table[ids[t]][:] for t < num_rows; an id outside [0, num_table_rows)
 // writes a zero row (the runner validates ids on the host first). Also used to
 // gather rows of a hidden-state matrix (ids = row indices).
-Status embedding_lookup(bf16* out, const bf16* table, const int32_t* ids, int32_t num_rows,
-                        int32_t num_table_rows, int32_t hidden, cudaStream_t stream);
+Status embedding_lookup(bf16* out, const bf16* table, const int32_t* ids, int32_t num_rows, int32_t num_table_rows,
+                        int32_t hidden, cudaStream_t stream);
 
 // Fused residual add + RMSNorm over rows of `hidden` elements:
 //   if residual_in_out != nullptr: residual = x + residual (stored in bf16);
 //   else                          : residual is not touched and the norm reads x.
 //   out = rmsnorm(residual or x) * weight, computed in fp32 from the bf16 sum.
 // out may alias x.
-Status rmsnorm(bf16* out, const bf16* x, bf16* residual_in_out, const bf16* weight, int32_t num_rows,
-               int32_t hidden, float eps, cudaStream_t stream);
+Status rmsnorm(bf16* out, const bf16* x, bf16* residual_in_out, const bf16* weight, int32_t num_rows, int32_t hidden,
+               float eps, cudaStream_t stream);
 
 // x[t][n] += bias[n] (Qwen2's qkv bias).
 Status add_bias(bf16* x, const bf16* bias, int32_t num_rows, int32_t width, cudaStream_t stream);
@@ -54,8 +54,7 @@ Status prefill_attention(const AttentionArgs& args, cudaStream_t stream);
 // partitions (AttentionArgs::decode_partition_tokens), then a reduce. A sequence with
 // context_len 0 (graph padding) gets a zero output row.
 size_t decode_attention_workspace_bytes(int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
-                                        int32_t max_context_len,
-                                        int32_t partition_tokens = kDecodePartitionTokens);
+                                        int32_t max_context_len, int32_t partition_tokens = kDecodePartitionTokens);
 Status decode_attention(const AttentionArgs& args, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Samples one token from each row of fp32 logits [num_rows][vocab] with the

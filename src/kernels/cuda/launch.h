@@ -16,8 +16,8 @@ namespace pd::kernels::cuda::detail {
 
 using bf16 = __nv_bfloat16;
 
-cudaError_t launch_embedding(bf16* out, const bf16* table, const int32_t* ids, int32_t num_rows,
-                             int32_t num_table_rows, int32_t hidden, cudaStream_t stream);
+cudaError_t launch_embedding(bf16* out, const bf16* table, const int32_t* ids, int32_t num_rows, int32_t num_table_rows,
+                             int32_t hidden, cudaStream_t stream);
 cudaError_t launch_rmsnorm(bf16* out, const bf16* x, bf16* residual, const bf16* weight, int32_t num_rows,
                            int32_t hidden, float eps, cudaStream_t stream);
 cudaError_t launch_add_bias(bf16* x, const bf16* bias, int32_t num_rows, int32_t width, cudaStream_t stream);
@@ -28,8 +28,7 @@ cudaError_t launch_prefill_attention(const AttentionArgs& args, cudaStream_t str
 cudaError_t launch_decode_attention(const AttentionArgs& args, float* workspace, int32_t num_partitions,
                                     cudaStream_t stream);
 cudaError_t launch_sample_rows(float* logits, int32_t num_rows, int32_t vocab, const RowSampling* params,
-                               const int32_t* suppressed_ids, int32_t* tokens, float* logprobs,
-                               cudaStream_t stream);
+                               const int32_t* suppressed_ids, int32_t* tokens, float* logprobs, cudaStream_t stream);
 cudaError_t launch_fill_uniform(bf16* out, size_t n, uint64_t seed, float scale, cudaStream_t stream);
 
 }  // namespace pd::kernels::cuda::detail

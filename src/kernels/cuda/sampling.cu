@@ -180,11 +180,9 @@ __global__ void __launch_bounds__(kSampleThreads)
 }  // namespace
 
 cudaError_t launch_sample_rows(float* logits, int32_t num_rows, int32_t vocab, const RowSampling* params,
-                               const int32_t* suppressed_ids, int32_t* tokens, float* logprobs,
-                               cudaStream_t stream) {
+                               const int32_t* suppressed_ids, int32_t* tokens, float* logprobs, cudaStream_t stream) {
   if (num_rows == 0) return cudaSuccess;
-  sample_rows_kernel<<<num_rows, kSampleThreads, 0, stream>>>(logits, vocab, params, suppressed_ids, tokens,
-                                                              logprobs);
+  sample_rows_kernel<<<num_rows, kSampleThreads, 0, stream>>>(logits, vocab, params, suppressed_ids, tokens, logprobs);
   return cudaGetLastError();
 }
 
