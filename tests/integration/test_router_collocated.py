@@ -216,3 +216,30 @@ def test_thousand_concurrent_streaming_clients(procs):
     assert not errors, f"{len(errors)} of {num_clients} failed, first: {errors[0]!r}"
     assert router.metric("pd_router_requests_total", {"route": "/v1/completions", "status": "200"}) == num_clients
     print(f"1000 concurrent streams in {elapsed:.1f}s")
+
+
+def test_least_outstanding_counts_a_stream_for_its_whole_life(procs):
+    long_flags = ["--model", TINY_MODEL, "--max-model-len", "2048"]
+    engines = [start_pdserve(procs, *long_flags) for _ in range(2)]
+    router = start_router(procs, "--collocated", engines[0].base_url, "--collocated", engines[1].base_url,
+                          "--decode-policy", "least_outstanding", registration=False)
+    router.wait_for_instances(2)
+    body = (b'{"model":"%s","prompt":"long","max_tokens":1900,"ignore_eos":true,"stream":true}' % TINY_MODEL.encode())
+    sock = socket.create_connection((router.host, router.port), timeout=60)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the stream is live and counted
+        busy = {i["http"] for i in router.instances() if i["outstanding"] == 1}
+        assert len(busy) == 1
+        idle_engine = next(e for e in engines if f"{e.host}:{e.port}" not in busy)
+        before = metric_value(idle_engine.metrics(), "pd_generation_tokens_total") or 0.0
+        client = client_for(router.base_url)
+        for _ in range(5):  # every short request goes to the instance without the stream
+            client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
+        after = metric_value(idle_engine.metrics(), "pd_generation_tokens_total") or 0.0
+        assert after - before == 10
+        assert {i["http"] for i in router.instances() if i["outstanding"] == 1} == busy
+    finally:
+        sock.close()
+    wait_for(lambda: all(i["outstanding"] == 0 for i in router.instances()), 30, "stream leg released")

@@ -152,3 +152,15 @@ def test_prefill_failure_retries_on_another_producer(procs, reference):
         assert router.metric("pd_router_fallbacks_total", {"reason": "prefill_failed"}) == 0
     finally:
         registrar.close()
+
+
+def test_consumer_error_reaches_the_client_as_an_error_status_not_a_200_stream(deployment):
+    """max_tokens beyond the model length: the producer leg (max_tokens=1) is fine, the consumer refuses.
+    The client must see the consumer's 400, even when it asked for a stream."""
+    mode, router, producer, consumer = deployment
+    client = client_for(router.base_url)
+    with pytest.raises(openai.BadRequestError):
+        stream = client.completions.create(model=TINY_MODEL, prompt=PROMPT, max_tokens=100_000, stream=True)
+        list(stream)
+    wait_for(lambda: all(i["outstanding"] == 0 for i in router.instances()), 10, "legs released")
+    wait_for(lambda: blocks_used(producer) == 0 and blocks_used(consumer) == 0, 60, "no blocks left held")
