@@ -44,7 +44,9 @@ uint64_t mix(uint64_t x) {
 
 }  // namespace
 
-const std::string& byte_to_unicode(uint8_t byte) { return byte_tables().to_unicode[byte]; }
+const std::string& byte_to_unicode(uint8_t byte) {
+  return byte_tables().to_unicode[byte];
+}
 
 std::optional<std::string> unicode_to_bytes(std::string_view token) {
   if (!is_valid_utf8(token)) return std::nullopt;
@@ -166,7 +168,7 @@ void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) con
   symbols.back().next = -1;
   heap_storage.clear();
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap(std::greater<>{},
-                                                                               std::move(heap_storage));
+                                                                              std::move(heap_storage));
   auto consider = [&](int32_t pos) {
     const int32_t next = symbols[static_cast<size_t>(pos)].next;
     if (next < 0) return;
@@ -190,7 +192,8 @@ void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) con
     if (left.prev >= 0) consider(left.prev);
     consider(c.pos);
   }
-  for (int32_t i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next) out.push_back(symbols[static_cast<size_t>(i)].id);
+  for (int32_t i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next)
+    out.push_back(symbols[static_cast<size_t>(i)].id);
 }
 
 }  // namespace pd::tokenizer

@@ -18,8 +18,7 @@ class Template;
 class ChatTemplate {
  public:
   // Parses source; kUnimplemented / kInvalidArgument name the construct and its line:column.
-  static Result<std::unique_ptr<ChatTemplate>> create(std::string source, std::string bos_token,
-                                                      std::string eos_token);
+  static Result<std::unique_ptr<ChatTemplate>> create(std::string source, std::string bos_token, std::string eos_token);
   // The template of a model folder: chat_template.jinja if present (it wins, as in transformers),
   // else tokenizer_config.json's chat_template (a string, or the "default" of a named list).
   // Returns nullptr when the folder has none.

@@ -11,18 +11,36 @@ namespace pd::tokenizer::jinja {
 
 struct Expr {
   enum class Kind {
-    kLiteral, kName, kAttr, kItem, kSlice, kCall, kFilter, kTest, kNeg, kPos, kNot, kBinary, kAnd, kOr,
-    kCompare, kCond, kList, kTuple, kDict, kConcat
+    kLiteral,
+    kName,
+    kAttr,
+    kItem,
+    kSlice,
+    kCall,
+    kFilter,
+    kTest,
+    kNeg,
+    kPos,
+    kNot,
+    kBinary,
+    kAnd,
+    kOr,
+    kCompare,
+    kCond,
+    kList,
+    kTuple,
+    kDict,
+    kConcat
   };
   Kind kind;
   int line = 0;
   int col = 0;
-  Value literal;                               // kLiteral
-  std::string name;                            // kName, kAttr (attribute), kFilter/kTest (name), kBinary (op)
+  Value literal;                                // kLiteral
+  std::string name;                             // kName, kAttr (attribute), kFilter/kTest (name), kBinary (op)
   std::vector<std::unique_ptr<Expr>> children;  // operands; null entries for omitted slice parts / else
-  std::vector<std::string> kwarg_names;        // kCall/kFilter/kTest: names of the trailing keyword args
-  std::vector<std::string> compare_ops;        // kCompare: ops between consecutive children
-  bool negated = false;                        // kTest: "is not"
+  std::vector<std::string> kwarg_names;         // kCall/kFilter/kTest: names of the trailing keyword args
+  std::vector<std::string> compare_ops;         // kCompare: ops between consecutive children
+  bool negated = false;                         // kTest: "is not"
   size_t num_positional() const { return children.size() - 1 - kwarg_names.size(); }
 };
 

@@ -18,18 +18,21 @@ constexpr int64_t kMaxRange = 100000;  // jinja2's sandbox MAX_RANGE
 
 const std::set<std::string>& filter_names() {
   static const std::set<std::string> names = {
-      "length", "count", "join", "tojson", "string", "trim", "replace", "items", "reject", "select", "rejectattr",
-      "selectattr", "map", "list", "first", "last", "default", "d", "lower", "upper", "title", "capitalize", "safe",
-      "e", "escape", "forceescape", "int", "float", "abs", "round", "reverse", "sort", "unique", "dictsort", "indent",
-      "min", "max", "sum", "wordcount", "attr", "batch", "center", "truncate", "format", "striptags", "bool"};
+      "length",  "count",       "join",       "tojson",     "string",    "trim",       "replace",   "items",
+      "reject",  "select",      "rejectattr", "selectattr", "map",       "list",       "first",     "last",
+      "default", "d",           "lower",      "upper",      "title",     "capitalize", "safe",      "e",
+      "escape",  "forceescape", "int",        "float",      "abs",       "round",      "reverse",   "sort",
+      "unique",  "dictsort",    "indent",     "min",        "max",       "sum",        "wordcount", "attr",
+      "batch",   "center",      "truncate",   "format",     "striptags", "bool"};
   return names;
 }
 const std::set<std::string>& test_names() {
   static const std::set<std::string> names = {
-      "defined", "undefined", "none", "boolean", "true", "false", "integer", "float", "number", "string", "mapping",
-      "iterable", "sequence", "callable", "sameas", "escaped", "in", "eq", "equalto", "==", "ne", "!=", "lt",
-      "lessthan", "<", "gt", "greaterthan", ">", "le", "<=", "ge", ">=", "odd", "even", "divisibleby", "lower",
-      "upper", "filter", "test"};
+      "defined", "undefined", "none",        "boolean",  "true",     "false",    "integer", "float",
+      "number",  "string",    "mapping",     "iterable", "sequence", "callable", "sameas",  "escaped",
+      "in",      "eq",        "equalto",     "==",       "ne",       "!=",       "lt",      "lessthan",
+      "<",       "gt",        "greaterthan", ">",        "le",       "<=",       "ge",      ">=",
+      "odd",     "even",      "divisibleby", "lower",    "upper",    "filter",   "test"};
   return names;
 }
 
@@ -40,8 +43,7 @@ const std::set<std::string>& test_names() {
 
 bool is_py_space(uint32_t cp) {
   return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
-         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
-         cp == 0x3000;
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
 }
 
 std::vector<uint32_t> codepoints(const std::string& s) {
@@ -172,7 +174,8 @@ std::vector<std::string> py_split(const std::string& s, const Value* sep, int64_
       size_t b = 0;
       while (b < cps.size() && is_py_space(cps[b])) ++b;
       parts.push_back(from_codepoints(cps, b, words[first_kept - 1].second));
-      for (size_t k = first_kept; k < words.size(); ++k) parts.push_back(from_codepoints(cps, words[k].first, words[k].second));
+      for (size_t k = first_kept; k < words.size(); ++k)
+        parts.push_back(from_codepoints(cps, words[k].first, words[k].second));
     }
     return parts;
   }
@@ -212,12 +215,23 @@ std::string html_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out.push_back(c);
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out.push_back(c);
     }
   }
   return out;
@@ -346,33 +360,33 @@ class Interpreter {
 
   void install_globals() {
     globals_.set("range", Value::callable(make_fn("range", [](CallArgs& a) {
-      if (!a.keyword.empty()) fail("range() takes no keyword arguments");
-      int64_t start = 0, stop = 0, stp = 1;
-      auto as_int = [](const Value& v) {
-        if (v.kind() != Value::Kind::kInt && v.kind() != Value::Kind::kBool) {
-          fail("'" + v.type_name() + "' object cannot be interpreted as an integer");
-        }
-        return v.as_int();
-      };
-      if (a.positional.size() == 1) {
-        stop = as_int(a.positional[0]);
-      } else if (a.positional.size() == 2 || a.positional.size() == 3) {
-        start = as_int(a.positional[0]);
-        stop = as_int(a.positional[1]);
-        if (a.positional.size() == 3) stp = as_int(a.positional[2]);
-      } else {
-        fail("range expected 1 to 3 arguments");
-      }
-      if (stp == 0) fail("range() arg 3 must not be zero");
-      int64_t n = 0;
-      if (stp > 0 && stop > start) n = (stop - start + stp - 1) / stp;
-      if (stp < 0 && stop < start) n = (start - stop - stp - 1) / -stp;
-      if (n > kMaxRange) fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
-      ValueList items;
-      items.reserve(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) items.push_back(Value::integer(start + i * stp));
-      return Value::list(std::move(items));
-    })));
+                   if (!a.keyword.empty()) fail("range() takes no keyword arguments");
+                   int64_t start = 0, stop = 0, stp = 1;
+                   auto as_int = [](const Value& v) {
+                     if (v.kind() != Value::Kind::kInt && v.kind() != Value::Kind::kBool) {
+                       fail("'" + v.type_name() + "' object cannot be interpreted as an integer");
+                     }
+                     return v.as_int();
+                   };
+                   if (a.positional.size() == 1) {
+                     stop = as_int(a.positional[0]);
+                   } else if (a.positional.size() == 2 || a.positional.size() == 3) {
+                     start = as_int(a.positional[0]);
+                     stop = as_int(a.positional[1]);
+                     if (a.positional.size() == 3) stp = as_int(a.positional[2]);
+                   } else {
+                     fail("range expected 1 to 3 arguments");
+                   }
+                   if (stp == 0) fail("range() arg 3 must not be zero");
+                   int64_t n = 0;
+                   if (stp > 0 && stop > start) n = (stop - start + stp - 1) / stp;
+                   if (stp < 0 && stop < start) n = (start - stop - stp - 1) / -stp;
+                   if (n > kMaxRange) fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
+                   ValueList items;
+                   items.reserve(static_cast<size_t>(n));
+                   for (int64_t i = 0; i < n; ++i) items.push_back(Value::integer(start + i * stp));
+                   return Value::list(std::move(items));
+                 })));
     auto make_dict = [](CallArgs& a, bool is_namespace) {
       auto d = std::make_shared<ValueDict>();
       d->is_namespace = is_namespace;
@@ -390,22 +404,23 @@ class Interpreter {
       }
       return Value::dict(std::move(d));
     };
-    globals_.set("namespace", Value::callable(make_fn("namespace", [make_dict](CallArgs& a) { return make_dict(a, true); })));
+    globals_.set("namespace",
+                 Value::callable(make_fn("namespace", [make_dict](CallArgs& a) { return make_dict(a, true); })));
     globals_.set("dict", Value::callable(make_fn("dict", [make_dict](CallArgs& a) { return make_dict(a, false); })));
     globals_.set("raise_exception", Value::callable(make_fn("raise_exception", [](CallArgs& a) -> Value {
-      const Value* msg = a.get(0, "message");
-      throw TemplateError(TemplateError::Kind::kRaised, msg == nullptr ? std::string() : msg->str());
-    })));
+                   const Value* msg = a.get(0, "message");
+                   throw TemplateError(TemplateError::Kind::kRaised, msg == nullptr ? std::string() : msg->str());
+                 })));
     globals_.set("strftime_now", Value::callable(make_fn("strftime_now", [](CallArgs& a) {
-      const Value* format = a.get(0, "format");
-      if (format == nullptr || !format->is_string()) fail("strftime_now() needs a format string");
-      const std::time_t now = std::time(nullptr);
-      std::tm local{};
-      localtime_r(&now, &local);
-      char buf[512];
-      const size_t n = std::strftime(buf, sizeof(buf), format->as_string().c_str(), &local);
-      return Value::string(std::string(buf, n));
-    })));
+                   const Value* format = a.get(0, "format");
+                   if (format == nullptr || !format->is_string()) fail("strftime_now() needs a format string");
+                   const std::time_t now = std::time(nullptr);
+                   std::tm local{};
+                   localtime_r(&now, &local);
+                   char buf[512];
+                   const size_t n = std::strftime(buf, sizeof(buf), format->as_string().c_str(), &local);
+                   return Value::string(std::string(buf, n));
+                 })));
   }
 
   // ---- lookup / assignment ----
@@ -419,7 +434,8 @@ class Interpreter {
   // ---- iteration ----
   static ValueList iterate(const Value& v) {
     switch (v.kind()) {
-      case Value::Kind::kList: return v.items();
+      case Value::Kind::kList:
+        return v.items();
       case Value::Kind::kDict: {
         if (v.dict_ref().is_namespace) fail("'Namespace' object is not iterable");
         ValueList keys;
@@ -435,18 +451,25 @@ class Interpreter {
         }
         return chars;
       }
-      case Value::Kind::kUndefined: return {};
-      default: fail("'" + v.type_name() + "' object is not iterable");
+      case Value::Kind::kUndefined:
+        return {};
+      default:
+        fail("'" + v.type_name() + "' object is not iterable");
     }
   }
 
   static int64_t length_of(const Value& v) {
     switch (v.kind()) {
-      case Value::Kind::kString: return static_cast<int64_t>(utf8_length(v.as_string()));
-      case Value::Kind::kList: return static_cast<int64_t>(v.items().size());
-      case Value::Kind::kDict: return static_cast<int64_t>(v.dict_ref().entries.size());
-      case Value::Kind::kUndefined: return 0;
-      default: fail("object of type '" + v.type_name() + "' has no len()");
+      case Value::Kind::kString:
+        return static_cast<int64_t>(utf8_length(v.as_string()));
+      case Value::Kind::kList:
+        return static_cast<int64_t>(v.items().size());
+      case Value::Kind::kDict:
+        return static_cast<int64_t>(v.dict_ref().entries.size());
+      case Value::Kind::kUndefined:
+        return 0;
+      default:
+        fail("object of type '" + v.type_name() + "' has no len()");
     }
   }
 
@@ -467,7 +490,8 @@ class Interpreter {
     if (obj.is_dict()) {
       if (key.is_string()) {
         if (const Value* v = obj.dict_ref().find(key.as_string())) return *v;
-        if (!obj.dict_ref().is_namespace && is_method_name(obj, key.as_string())) return bound_method(obj, key.as_string());
+        if (!obj.dict_ref().is_namespace && is_method_name(obj, key.as_string()))
+          return bound_method(obj, key.as_string());
         return Value::undefined(key.as_string());
       }
       return Value::undefined();
@@ -491,14 +515,14 @@ class Interpreter {
   }
 
   static bool is_method_name(const Value& obj, const std::string& name) {
-    static const std::set<std::string> kStr = {"startswith", "endswith", "split", "rsplit", "strip", "lstrip",
-                                               "rstrip", "upper", "lower", "title", "capitalize", "replace",
-                                               "find", "rfind", "count", "join", "isdigit", "isalpha", "isspace",
-                                               "isalnum", "isupper", "islower", "splitlines", "format", "index"};
-    static const std::set<std::string> kList = {"index", "count", "append", "extend", "insert", "pop", "remove",
-                                                "reverse", "sort", "clear", "copy"};
-    static const std::set<std::string> kDict = {"items", "keys", "values", "get", "copy", "update", "pop",
-                                                "popitem", "setdefault", "clear"};
+    static const std::set<std::string> kStr = {
+        "startswith", "endswith",   "split",   "rsplit",  "strip",      "lstrip", "rstrip", "upper",   "lower",
+        "title",      "capitalize", "replace", "find",    "rfind",      "count",  "join",   "isdigit", "isalpha",
+        "isspace",    "isalnum",    "isupper", "islower", "splitlines", "format", "index"};
+    static const std::set<std::string> kList = {"index",  "count",   "append", "extend", "insert", "pop",
+                                                "remove", "reverse", "sort",   "clear",  "copy"};
+    static const std::set<std::string> kDict = {"items",  "keys", "values",  "get",        "copy",
+                                                "update", "pop",  "popitem", "setdefault", "clear"};
     if (obj.is_string()) return kStr.count(name) != 0;
     if (obj.is_list()) return kList.count(name) != 0;
     if (obj.is_dict()) return kDict.count(name) != 0;
@@ -534,9 +558,12 @@ class Interpreter {
       if (name == "items" || name == "keys" || name == "values") {
         ValueList out;
         for (const auto& [k, v] : d.entries) {
-          if (name == "items") out.push_back(Value::list({Value::string(k), v}, true));
-          else if (name == "keys") out.push_back(Value::string(k));
-          else out.push_back(v);
+          if (name == "items")
+            out.push_back(Value::list({Value::string(k), v}, true));
+          else if (name == "keys")
+            out.push_back(Value::string(k));
+          else
+            out.push_back(v);
         }
         return Value::list(std::move(out));
       }
@@ -589,7 +616,8 @@ class Interpreter {
       const Value* old = a.get(0, "old");
       const Value* repl = a.get(1, "new");
       const Value* count = a.get(2, "count");
-      if (old == nullptr || repl == nullptr || !old->is_string() || !repl->is_string()) fail("replace() needs two strings");
+      if (old == nullptr || repl == nullptr || !old->is_string() || !repl->is_string())
+        fail("replace() needs two strings");
       return Value::string(py_replace(s, old->as_string(), repl->as_string(), count == nullptr ? -1 : count->as_int()));
     }
     if (name == "find" || name == "rfind" || name == "index" || name == "count") {
@@ -719,14 +747,18 @@ class Interpreter {
   Value eval(const Expr& e, Frame& frame) {
     step();
     switch (e.kind) {
-      case Expr::Kind::kLiteral: return e.literal;
-      case Expr::Kind::kName: return lookup(e.name, frame);
-      case Expr::Kind::kAttr: return get_attr(eval(*e.children[0], frame), e.name);
+      case Expr::Kind::kLiteral:
+        return e.literal;
+      case Expr::Kind::kName:
+        return lookup(e.name, frame);
+      case Expr::Kind::kAttr:
+        return get_attr(eval(*e.children[0], frame), e.name);
       case Expr::Kind::kItem: {
         Value obj = eval(*e.children[0], frame);
         return get_item(obj, eval(*e.children[1], frame));
       }
-      case Expr::Kind::kSlice: return eval_slice(e, frame);
+      case Expr::Kind::kSlice:
+        return eval_slice(e, frame);
       case Expr::Kind::kCall: {
         const Expr& callee = *e.children[0];
         if (callee.kind == Expr::Kind::kAttr) {
@@ -760,13 +792,16 @@ class Interpreter {
       case Expr::Kind::kPos: {
         Value v = eval(*e.children[0], frame);
         if (v.is_undefined()) raise_undefined(v);
-        if (v.kind() == Value::Kind::kFloat) return Value::real(e.kind == Expr::Kind::kNeg ? -v.as_number() : v.as_number());
+        if (v.kind() == Value::Kind::kFloat)
+          return Value::real(e.kind == Expr::Kind::kNeg ? -v.as_number() : v.as_number());
         if (v.kind() == Value::Kind::kInt || v.kind() == Value::Kind::kBool) {
           return Value::integer(e.kind == Expr::Kind::kNeg ? -v.as_int() : v.as_int());
         }
-        fail("bad operand type for unary " + std::string(e.kind == Expr::Kind::kNeg ? "-" : "+") + ": '" + v.type_name() + "'");
+        fail("bad operand type for unary " + std::string(e.kind == Expr::Kind::kNeg ? "-" : "+") + ": '" +
+             v.type_name() + "'");
       }
-      case Expr::Kind::kNot: return Value::boolean(!eval(*e.children[0], frame).truthy());
+      case Expr::Kind::kNot:
+        return Value::boolean(!eval(*e.children[0], frame).truthy());
       case Expr::Kind::kAnd: {
         Value l = eval(*e.children[0], frame);
         return l.truthy() ? eval(*e.children[1], frame) : l;
@@ -821,7 +856,9 @@ class Interpreter {
   Value eval_slice(const Expr& e, Frame& frame) {
     Value obj = eval(*e.children[0], frame);
     Value parts[3];
-    for (int i = 0; i < 3; ++i) parts[i] = e.children[static_cast<size_t>(i) + 1] ? eval(*e.children[static_cast<size_t>(i) + 1], frame) : Value::none();
+    for (int i = 0; i < 3; ++i)
+      parts[i] =
+          e.children[static_cast<size_t>(i) + 1] ? eval(*e.children[static_cast<size_t>(i) + 1], frame) : Value::none();
     if (obj.is_undefined()) raise_undefined(obj);
     int64_t start, stop, stp;
     if (obj.is_list()) {
@@ -938,8 +975,10 @@ class Interpreter {
       case Value::Kind::kDict:
         if (container.dict_ref().is_namespace) fail("argument of type 'Namespace' is not iterable");
         return item.is_string() && container.dict_ref().find(item.as_string()) != nullptr;
-      case Value::Kind::kUndefined: return false;
-      default: fail("argument of type '" + container.type_name() + "' is not iterable");
+      case Value::Kind::kUndefined:
+        return false;
+      default:
+        fail("argument of type '" + container.type_name() + "' is not iterable");
     }
   }
 
@@ -976,20 +1015,28 @@ class Interpreter {
     if (name == "number") return v.is_number();
     if (name == "string") return v.is_string();
     if (name == "mapping") return v.is_dict() && !v.dict_ref().is_namespace;
-    if (name == "iterable") return v.is_string() || v.is_list() || (v.is_dict() && !v.dict_ref().is_namespace) || v.is_undefined();
-    if (name == "sequence") return v.is_string() || v.is_list() || (v.is_dict() && !v.dict_ref().is_namespace) || v.is_undefined();
+    if (name == "iterable")
+      return v.is_string() || v.is_list() || (v.is_dict() && !v.dict_ref().is_namespace) || v.is_undefined();
+    if (name == "sequence")
+      return v.is_string() || v.is_list() || (v.is_dict() && !v.dict_ref().is_namespace) || v.is_undefined();
     if (name == "callable") return k == Value::Kind::kCallable;
     if (name == "escaped") return false;
     if (name == "sameas") {
       const Value& o = need_arg();
       if (v.kind() != o.kind()) return false;
       switch (k) {
-        case Value::Kind::kNone: return true;
-        case Value::Kind::kBool: return v.as_bool() == o.as_bool();
-        case Value::Kind::kInt: return v.as_int() == o.as_int() && v.as_int() >= -5 && v.as_int() <= 256;
-        case Value::Kind::kList: return v.list_ptr() == o.list_ptr();
-        case Value::Kind::kDict: return v.dict_ptr() == o.dict_ptr();
-        default: return false;
+        case Value::Kind::kNone:
+          return true;
+        case Value::Kind::kBool:
+          return v.as_bool() == o.as_bool();
+        case Value::Kind::kInt:
+          return v.as_int() == o.as_int() && v.as_int() >= -5 && v.as_int() <= 256;
+        case Value::Kind::kList:
+          return v.list_ptr() == o.list_ptr();
+        case Value::Kind::kDict:
+          return v.dict_ptr() == o.dict_ptr();
+        default:
+          return false;
       }
     }
     if (name == "in") return contains(need_arg(), v);
@@ -1009,7 +1056,8 @@ class Interpreter {
     }
     if (name == "lower" || name == "upper") {
       if (!v.is_string()) fail("test '" + name + "' needs a string");
-      return name == "lower" ? ascii_lower(v.as_string()) == v.as_string() : ascii_upper(v.as_string()) == v.as_string();
+      return name == "lower" ? ascii_lower(v.as_string()) == v.as_string()
+                             : ascii_upper(v.as_string()) == v.as_string();
     }
     if (name == "filter") return v.is_string() && has_filter(v.as_string());
     if (name == "test") return v.is_string() && has_test(v.as_string());
@@ -1023,7 +1071,8 @@ class Interpreter {
     while (true) {
       const size_t dot = path.find('.', pos);
       const std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
-      bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+      bool numeric = !part.empty() && std::all_of(part.begin(), part.end(),
+                                                  [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
       cur = numeric ? get_item(cur, Value::integer(std::stoll(part))) : get_item(cur, Value::string(part));
       if (dot == std::string::npos) break;
       pos = dot + 1;
@@ -1079,8 +1128,8 @@ class Interpreter {
       const Value* repl = a.get(1, "new");
       const Value* count = a.get(2, "count");
       if (old == nullptr || repl == nullptr) fail("replace filter needs two arguments");
-      return Value::string(py_replace(v.str(), old->str(), repl->str(),
-                                      count == nullptr || count->is_none() ? -1 : count->as_int()));
+      return Value::string(
+          py_replace(v.str(), old->str(), repl->str(), count == nullptr || count->is_none() ? -1 : count->as_int()));
     }
     if (name == "join") {
       const Value* sep = a.get(0, "d");
@@ -1162,7 +1211,8 @@ class Interpreter {
       const Value* fallback = a.get(0, "default");
       const Value zero = fallback == nullptr ? Value::integer(0) : *fallback;
       if (v.kind() == Value::Kind::kInt || v.kind() == Value::Kind::kBool) return Value::integer(v.as_int());
-      if (v.kind() == Value::Kind::kFloat) return std::isfinite(v.as_number()) ? Value::integer(static_cast<int64_t>(v.as_number())) : zero;
+      if (v.kind() == Value::Kind::kFloat)
+        return std::isfinite(v.as_number()) ? Value::integer(static_cast<int64_t>(v.as_number())) : zero;
       if (v.is_string()) {
         const std::string s = py_strip(v.as_string(), nullptr, true, true);
         char* end = nullptr;
@@ -1170,7 +1220,8 @@ class Interpreter {
         const long long parsed = std::strtoll(s.c_str(), &end, 10);
         if (!s.empty() && end == s.c_str() + s.size() && errno == 0) return Value::integer(parsed);
         const double d = std::strtod(s.c_str(), &end);
-        if (!s.empty() && end == s.c_str() + s.size() && std::isfinite(d)) return Value::integer(static_cast<int64_t>(d));
+        if (!s.empty() && end == s.c_str() + s.size() && std::isfinite(d))
+          return Value::integer(static_cast<int64_t>(d));
       }
       return zero;
     }
@@ -1186,7 +1237,8 @@ class Interpreter {
       return fallback == nullptr ? Value::real(0.0) : *fallback;
     }
     if (name == "abs") {
-      if (v.kind() == Value::Kind::kInt || v.kind() == Value::Kind::kBool) return Value::integer(std::llabs(v.as_int()));
+      if (v.kind() == Value::Kind::kInt || v.kind() == Value::Kind::kBool)
+        return Value::integer(std::llabs(v.as_int()));
       if (v.kind() == Value::Kind::kFloat) return Value::real(std::fabs(v.as_number()));
       fail("bad operand type for abs(): '" + v.type_name() + "'");
     }
@@ -1237,7 +1289,8 @@ class Interpreter {
         if (items.empty()) return Value::undefined();
         size_t best = 0;
         for (size_t i = 1; i < items.size(); ++i) {
-          const bool better = name == "min" ? value_less(key(items[i]), key(items[best])) : value_less(key(items[best]), key(items[i]));
+          const bool better =
+              name == "min" ? value_less(key(items[i]), key(items[best])) : value_less(key(items[best]), key(items[i]));
           if (better) best = i;
         }
         return items[best];
@@ -1254,7 +1307,8 @@ class Interpreter {
       const Value* start = a.get(1, "start");
       Value total = start == nullptr ? Value::integer(0) : *start;
       for (const Value& item : iterate(v)) {
-        total = binary("+", total, attribute != nullptr && !attribute->is_none() ? attr_path(item, attribute->str()) : item);
+        total = binary("+", total,
+                       attribute != nullptr && !attribute->is_none() ? attr_path(item, attribute->str()) : item);
       }
       return total;
     }
@@ -1262,8 +1316,10 @@ class Interpreter {
       const Value* width_v = a.get(0, "width");
       const Value* first_v = a.get(1, "first");
       const Value* blank_v = a.get(2, "blank");
-      std::string pad = width_v == nullptr ? "    " : width_v->is_string() ? width_v->as_string()
-                                                                         : std::string(static_cast<size_t>(std::clamp<int64_t>(width_v->as_int(), 0, 256)), ' ');
+      std::string pad = width_v == nullptr ? "    "
+                        : width_v->is_string()
+                            ? width_v->as_string()
+                            : std::string(static_cast<size_t>(std::clamp<int64_t>(width_v->as_int(), 0, 256)), ' ');
       const bool first = first_v != nullptr && first_v->truthy();
       const bool blank = blank_v != nullptr && blank_v->truthy();
       std::string s = v.str();
@@ -1297,7 +1353,8 @@ class Interpreter {
       if (width <= len) return Value::string(s);
       const int64_t total = width - len;
       const int64_t left = total / 2 + (total & width & 1);
-      return Value::string(std::string(static_cast<size_t>(left), ' ') + s + std::string(static_cast<size_t>(total - left), ' '));
+      return Value::string(std::string(static_cast<size_t>(left), ' ') + s +
+                           std::string(static_cast<size_t>(total - left), ' '));
     }
     fail("filter '" + name + "' is not supported at runtime");
   }
@@ -1333,15 +1390,20 @@ class Interpreter {
           if (f != Flow::kNormal) return f;
         }
         return Flow::kNormal;
-      case Node::Kind::kText: append_output(out, n.text); return Flow::kNormal;
-      case Node::Kind::kOutput: append_output(out, eval(*n.expr, frame).str()); return Flow::kNormal;
+      case Node::Kind::kText:
+        append_output(out, n.text);
+        return Flow::kNormal;
+      case Node::Kind::kOutput:
+        append_output(out, eval(*n.expr, frame).str());
+        return Flow::kNormal;
       case Node::Kind::kIf:
         for (size_t i = 0; i < n.conds.size(); ++i) {
           if (eval(*n.conds[i], frame).truthy()) return exec(*n.children[i], frame, out);
         }
         if (n.children.size() > n.conds.size()) return exec(*n.children.back(), frame, out);
         return Flow::kNormal;
-      case Node::Kind::kFor: return exec_for(n, frame, out);
+      case Node::Kind::kFor:
+        return exec_for(n, frame, out);
       case Node::Kind::kSet: {
         Value value = eval(*n.expr, frame);
         if (!n.attr.empty()) {
@@ -1362,9 +1424,13 @@ class Interpreter {
         frame.set(n.targets[0], Value::string(std::move(captured)));
         return Flow::kNormal;
       }
-      case Node::Kind::kMacro: frame.set(n.text, define_macro(n)); return Flow::kNormal;
-      case Node::Kind::kBreak: return Flow::kBreak;
-      case Node::Kind::kContinue: return Flow::kContinue;
+      case Node::Kind::kMacro:
+        frame.set(n.text, define_macro(n));
+        return Flow::kNormal;
+      case Node::Kind::kBreak:
+        return Flow::kBreak;
+      case Node::Kind::kContinue:
+        return Flow::kContinue;
     }
     return Flow::kNormal;
   }
@@ -1405,10 +1471,11 @@ class Interpreter {
       if (i > 0) loop->entries.emplace_back("previtem", items[static_cast<size_t>(i - 1)]);
       if (i + 1 < length) loop->entries.emplace_back("nextitem", items[static_cast<size_t>(i + 1)]);
       const int64_t index0 = i;
-      loop->entries.emplace_back("cycle", Value::callable(make_fn("cycle", [index0](CallArgs& a) {
-        if (a.positional.empty()) fail("no items for cycling given");
-        return a.positional[static_cast<size_t>(index0 % static_cast<int64_t>(a.positional.size()))];
-      })));
+      loop->entries.emplace_back(
+          "cycle", Value::callable(make_fn("cycle", [index0](CallArgs& a) {
+            if (a.positional.empty()) fail("no items for cycling given");
+            return a.positional[static_cast<size_t>(index0 % static_cast<int64_t>(a.positional.size()))];
+          })));
       // Loop metadata lives in the namespace-like "loop" object; it is not a Mapping in jinja2.
       loop->is_namespace = true;
       loop_frame.set("loop", Value::dict(std::move(loop)));
@@ -1427,8 +1494,12 @@ class Interpreter {
 
 }  // namespace
 
-bool has_filter(const std::string& name) { return filter_names().count(name) != 0; }
-bool has_test(const std::string& name) { return test_names().count(name) != 0; }
+bool has_filter(const std::string& name) {
+  return filter_names().count(name) != 0;
+}
+bool has_test(const std::string& name) {
+  return test_names().count(name) != 0;
+}
 
 Result<std::string> Template::render(const nlohmann::ordered_json& context, const RenderLimits& limits) const {
   try {
@@ -1436,8 +1507,10 @@ Result<std::string> Template::render(const nlohmann::ordered_json& context, cons
     return interp.run(*root_);
   } catch (const TemplateError& e) {
     switch (e.kind) {
-      case TemplateError::Kind::kRaised: return invalid_argument("chat template raised an exception: {}", e.what());
-      case TemplateError::Kind::kLimit: return resource_exhausted("chat template: {}", e.what());
+      case TemplateError::Kind::kRaised:
+        return invalid_argument("chat template raised an exception: {}", e.what());
+      case TemplateError::Kind::kLimit:
+        return resource_exhausted("chat template: {}", e.what());
       case TemplateError::Kind::kRuntime:
         if (e.line > 0) return invalid_argument("chat template error at line {}: {}", e.line, e.what());
         return invalid_argument("chat template error: {}", e.what());

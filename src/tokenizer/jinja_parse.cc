@@ -38,7 +38,9 @@ struct ParseError {
   throw ParseError{true, fmt::format("unsupported template construct {} at line {} column {}", what, line, col)};
 }
 
-bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+bool is_ws(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 
 class Lexer {
  public:
@@ -121,7 +123,7 @@ class Lexer {
       tokens_.push_back(make(is_block ? Tok::kBlockBegin : Tok::kVarBegin, "", tag));
       pos = lex_tag(inner, is_block, pending_marker_);
       if (is_block) {
-        pending = pending_marker_ == '-' ? Pending::kStripAll
+        pending = pending_marker_ == '-'   ? Pending::kStripAll
                   : pending_marker_ == '+' ? Pending::kNone
                                            : Pending::kStripNewline;
       } else {
@@ -160,7 +162,9 @@ class Lexer {
     const size_t n = src_.size();
     while (true) {
       while (pos < n && is_ws(src_[pos])) ++pos;
-      if (pos >= n) syntax_error_at(pos, is_block ? "unexpected end of template, expected '%}'" : "unexpected end of template, expected '}}'");
+      if (pos >= n)
+        syntax_error_at(
+            pos, is_block ? "unexpected end of template, expected '%}'" : "unexpected end of template, expected '}}'");
       const char c = src_[pos];
       auto ends_at = [&](size_t p) {
         if (is_block) return src_.compare(p, 2, "%}") == 0;
@@ -222,7 +226,7 @@ class Lexer {
         continue;
       }
       static const char* const kOps[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%", "~", "<",
-                                         ">", "=", "(", ")", "[", "]", "{", "}", ",", ".", ":", "|"};
+                                         ">",  "=",  "(",  ")",  "[",  "]",  "{", "}", ",", ".", ":", "|"};
       bool matched = false;
       for (const char* op : kOps) {
         const size_t len = std::strlen(op);
@@ -265,23 +269,47 @@ class Lexer {
             syntax_error_at(start, "truncated \\x/\\u escape in string literal");
           }
           const char h = src_[pos++];
-          v = v * 16 + static_cast<uint32_t>(std::isdigit(static_cast<unsigned char>(h)) ? h - '0' : (std::tolower(h) - 'a' + 10));
+          v = v * 16 + static_cast<uint32_t>(
+                           std::isdigit(static_cast<unsigned char>(h)) ? h - '0' : (std::tolower(h) - 'a' + 10));
         }
         return v;
       };
       switch (e) {
-        case '\n': break;
-        case '\\': value.push_back('\\'); break;
-        case '\'': value.push_back('\''); break;
-        case '"': value.push_back('"'); break;
-        case 'a': value.push_back('\a'); break;
-        case 'b': value.push_back('\b'); break;
-        case 'f': value.push_back('\f'); break;
-        case 'n': value.push_back('\n'); break;
-        case 'r': value.push_back('\r'); break;
-        case 't': value.push_back('\t'); break;
-        case 'v': value.push_back('\v'); break;
-        case 'x': utf8_append(value, hex(2)); break;
+        case '\n':
+          break;
+        case '\\':
+          value.push_back('\\');
+          break;
+        case '\'':
+          value.push_back('\'');
+          break;
+        case '"':
+          value.push_back('"');
+          break;
+        case 'a':
+          value.push_back('\a');
+          break;
+        case 'b':
+          value.push_back('\b');
+          break;
+        case 'f':
+          value.push_back('\f');
+          break;
+        case 'n':
+          value.push_back('\n');
+          break;
+        case 'r':
+          value.push_back('\r');
+          break;
+        case 't':
+          value.push_back('\t');
+          break;
+        case 'v':
+          value.push_back('\v');
+          break;
+        case 'x':
+          utf8_append(value, hex(2));
+          break;
         case 'u': {
           const uint32_t cp = hex(4);
           if (cp >= 0xD800 && cp <= 0xDFFF) syntax_error_at(start, "surrogate escape in string literal");
@@ -346,20 +374,27 @@ class Parser {
     next();
   }
   std::string expect_name() {
-    if (peek().type != Tok::kName) syntax_error(peek().line, peek().col, fmt::format("expected a name, got '{}'", describe(peek())));
+    if (peek().type != Tok::kName)
+      syntax_error(peek().line, peek().col, fmt::format("expected a name, got '{}'", describe(peek())));
     return next().text;
   }
   void expect_block_end() {
-    if (peek().type != Tok::kBlockEnd) syntax_error(peek().line, peek().col, fmt::format("expected '%}}', got '{}'", describe(peek())));
+    if (peek().type != Tok::kBlockEnd)
+      syntax_error(peek().line, peek().col, fmt::format("expected '%}}', got '{}'", describe(peek())));
     next();
   }
   static std::string describe(const Token& t) {
     switch (t.type) {
-      case Tok::kEof: return "end of template";
-      case Tok::kBlockEnd: return "%}";
-      case Tok::kVarEnd: return "}}";
-      case Tok::kText: return "text";
-      default: return t.text;
+      case Tok::kEof:
+        return "end of template";
+      case Tok::kBlockEnd:
+        return "%}";
+      case Tok::kVarEnd:
+        return "}}";
+      case Tok::kText:
+        return "text";
+      default:
+        return t.text;
     }
   }
 
@@ -402,7 +437,8 @@ class Parser {
         auto out = node(Node::Kind::kOutput, t);
         next();
         out->expr = parse_expression();
-        if (peek().type != Tok::kVarEnd) syntax_error(peek().line, peek().col, fmt::format("expected '}}}}', got '{}'", describe(peek())));
+        if (peek().type != Tok::kVarEnd)
+          syntax_error(peek().line, peek().col, fmt::format("expected '}}}}', got '{}'", describe(peek())));
         next();
         body->children.push_back(std::move(out));
         continue;
@@ -657,7 +693,8 @@ class Parser {
     }
     return cmp ? std::move(cmp) : std::move(first);
   }
-  std::unique_ptr<Expr> binary(const Token& at, const std::string& op, std::unique_ptr<Expr> l, std::unique_ptr<Expr> r) {
+  std::unique_ptr<Expr> binary(const Token& at, const std::string& op, std::unique_ptr<Expr> l,
+                               std::unique_ptr<Expr> r) {
     auto e = expr(Expr::Kind::kBinary, at);
     e->name = op;
     e->children.push_back(std::move(l));
@@ -733,8 +770,12 @@ class Parser {
         while (peek().type == Tok::kString) s += next().text;
         return literal(t, Value::string(std::move(s)));
       }
-      case Tok::kInt: next(); return literal(t, Value::integer(t.int_value));
-      case Tok::kFloat: next(); return literal(t, Value::real(t.float_value));
+      case Tok::kInt:
+        next();
+        return literal(t, Value::integer(t.int_value));
+      case Tok::kFloat:
+        next();
+        return literal(t, Value::real(t.float_value));
       case Tok::kOp:
         if (t.text == "(") {
           next();
@@ -803,7 +844,8 @@ class Parser {
         next();
         call.children.push_back(parse_expression());
       } else {
-        if (!call.kwarg_names.empty()) syntax_error(peek().line, peek().col, "positional argument follows keyword argument");
+        if (!call.kwarg_names.empty())
+          syntax_error(peek().line, peek().col, "positional argument follows keyword argument");
         call.children.push_back(parse_expression());
       }
       if (!is_op(",")) break;

@@ -83,15 +83,24 @@ bool Value::truthy() const {
 
 std::string Value::type_name() const {
   switch (kind_) {
-    case Kind::kUndefined: return "Undefined";
-    case Kind::kNone: return "NoneType";
-    case Kind::kBool: return "bool";
-    case Kind::kInt: return "int";
-    case Kind::kFloat: return "float";
-    case Kind::kString: return "str";
-    case Kind::kList: return tuple_ ? "tuple" : "list";
-    case Kind::kDict: return dict_->is_namespace ? "Namespace" : "dict";
-    case Kind::kCallable: return "function";
+    case Kind::kUndefined:
+      return "Undefined";
+    case Kind::kNone:
+      return "NoneType";
+    case Kind::kBool:
+      return "bool";
+    case Kind::kInt:
+      return "int";
+    case Kind::kFloat:
+      return "float";
+    case Kind::kString:
+      return "str";
+    case Kind::kList:
+      return tuple_ ? "tuple" : "list";
+    case Kind::kDict:
+      return dict_->is_namespace ? "Namespace" : "dict";
+    case Kind::kCallable:
+      return "function";
   }
   return "object";
 }
@@ -201,13 +210,27 @@ void json_string(std::string& out, const std::string& s) {
   out.push_back('"');
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -230,17 +253,28 @@ void dump_json(std::string& out, const Value& v, int indent, int depth, bool sor
     out.append(static_cast<size_t>(indent) * static_cast<size_t>(d), ' ');
   };
   switch (v.kind()) {
-    case Value::Kind::kNone: out += "null"; return;
-    case Value::Kind::kBool: out += v.as_bool() ? "true" : "false"; return;
-    case Value::Kind::kInt: out += std::to_string(v.as_int()); return;
+    case Value::Kind::kNone:
+      out += "null";
+      return;
+    case Value::Kind::kBool:
+      out += v.as_bool() ? "true" : "false";
+      return;
+    case Value::Kind::kInt:
+      out += std::to_string(v.as_int());
+      return;
     case Value::Kind::kFloat: {
       const double d = v.as_number();
-      if (std::isnan(d)) out += "NaN";
-      else if (std::isinf(d)) out += d > 0 ? "Infinity" : "-Infinity";
-      else out += python_float_repr(d);
+      if (std::isnan(d))
+        out += "NaN";
+      else if (std::isinf(d))
+        out += d > 0 ? "Infinity" : "-Infinity";
+      else
+        out += python_float_repr(d);
       return;
     }
-    case Value::Kind::kString: json_string(out, v.as_string()); return;
+    case Value::Kind::kString:
+      json_string(out, v.as_string());
+      return;
     case Value::Kind::kList: {
       const auto& items = v.items();
       if (items.empty()) {
@@ -280,8 +314,10 @@ void dump_json(std::string& out, const Value& v, int indent, int depth, bool sor
       out.push_back('}');
       return;
     }
-    case Value::Kind::kUndefined: fail("Object of type Undefined is not JSON serializable");
-    case Value::Kind::kCallable: fail("Object of type function is not JSON serializable");
+    case Value::Kind::kUndefined:
+      fail("Object of type Undefined is not JSON serializable");
+    case Value::Kind::kCallable:
+      fail("Object of type function is not JSON serializable");
   }
 }
 
@@ -296,7 +332,8 @@ std::string to_python_json(const Value& value, int indent, bool sort_keys, const
 
 std::string Value::repr() const {
   switch (kind_) {
-    case Kind::kString: return string_repr(str_);
+    case Kind::kString:
+      return string_repr(str_);
     case Kind::kList: {
       std::string out(tuple_ ? "(" : "[");
       for (size_t i = 0; i < list_->size(); ++i) {
@@ -318,21 +355,31 @@ std::string Value::repr() const {
       out += dict_->is_namespace ? "}>" : "}";
       return out;
     }
-    case Kind::kUndefined: return "Undefined";
-    default: return str();
+    case Kind::kUndefined:
+      return "Undefined";
+    default:
+      return str();
   }
 }
 
 std::string Value::str() const {
   switch (kind_) {
-    case Kind::kUndefined: return "";
-    case Kind::kNone: return "None";
-    case Kind::kBool: return int_ != 0 ? "True" : "False";
-    case Kind::kInt: return std::to_string(int_);
-    case Kind::kFloat: return python_float_repr(float_);
-    case Kind::kString: return str_;
-    case Kind::kCallable: return "<function " + callable_->name + ">";
-    default: return repr();
+    case Kind::kUndefined:
+      return "";
+    case Kind::kNone:
+      return "None";
+    case Kind::kBool:
+      return int_ != 0 ? "True" : "False";
+    case Kind::kInt:
+      return std::to_string(int_);
+    case Kind::kFloat:
+      return python_float_repr(float_);
+    case Kind::kString:
+      return str_;
+    case Kind::kCallable:
+      return "<function " + callable_->name + ">";
+    default:
+      return repr();
   }
 }
 
@@ -344,8 +391,10 @@ bool values_equal(const Value& a, const Value& b) {
   if (a.kind() != b.kind()) return false;
   switch (a.kind()) {
     case Value::Kind::kUndefined:
-    case Value::Kind::kNone: return true;
-    case Value::Kind::kString: return a.as_string() == b.as_string();
+    case Value::Kind::kNone:
+      return true;
+    case Value::Kind::kString:
+      return a.as_string() == b.as_string();
     case Value::Kind::kList: {
       if (a.is_tuple() != b.is_tuple()) return false;
       const auto& x = a.items();
@@ -367,8 +416,10 @@ bool values_equal(const Value& a, const Value& b) {
       }
       return true;
     }
-    case Value::Kind::kCallable: return &a.callable_ref() == &b.callable_ref();
-    default: return false;
+    case Value::Kind::kCallable:
+      return &a.callable_ref() == &b.callable_ref();
+    default:
+      return false;
   }
 }
 

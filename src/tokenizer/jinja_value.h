@@ -21,7 +21,9 @@ struct TemplateError : std::runtime_error {
   int line = 0;  // template line the error happened on, once known
   TemplateError(Kind k, const std::string& message) : std::runtime_error(message), kind(k) {}
 };
-[[noreturn]] inline void fail(const std::string& message) { throw TemplateError(TemplateError::Kind::kRuntime, message); }
+[[noreturn]] inline void fail(const std::string& message) {
+  throw TemplateError(TemplateError::Kind::kRuntime, message);
+}
 
 class Value;
 using ValueList = std::vector<Value>;

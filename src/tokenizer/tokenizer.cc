@@ -61,7 +61,9 @@ bool json_bool(const Json& obj, const char* key, bool fallback) {
   return it != obj.end() && it->is_boolean() ? it->template get<bool>() : fallback;
 }
 
-bool is_space_byte(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+bool is_space_byte(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 
 // Per-thread memo of word -> ids. Words repeat heavily in real text; BPE is the costly step.
 struct WordCache {
@@ -139,7 +141,8 @@ Status TokenizerLoader::build_pre_tokenizer(Tokenizer& tok, const nlohmann::json
 
 Status TokenizerLoader::load_tokenizer_json(Tokenizer& tok, const nlohmann::json& root, bool& has_post_processor) {
   const nlohmann::json& model = field(root, "model");
-  if (!model.is_object() || model.value("type", "BPE") != "BPE") return unimplemented("tokenizer.json: model type is not BPE");
+  if (!model.is_object() || model.value("type", "BPE") != "BPE")
+    return unimplemented("tokenizer.json: model type is not BPE");
   if (json_bool(model, "byte_fallback", false)) return unimplemented("tokenizer.json: BPE byte_fallback");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     if (model.contains(key) && model[key].is_string() && !model[key].get<std::string>().empty()) {
@@ -243,10 +246,14 @@ static bool parse_flat_vocab(std::string_view text, std::vector<std::pair<std::s
     for (int k = 0; k < 4; ++k) {
       const char c = text[i++];
       v <<= 4;
-      if (c >= '0' && c <= '9') v |= static_cast<uint32_t>(c - '0');
-      else if (c >= 'a' && c <= 'f') v |= static_cast<uint32_t>(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') v |= static_cast<uint32_t>(c - 'A' + 10);
-      else return false;
+      if (c >= '0' && c <= '9')
+        v |= static_cast<uint32_t>(c - '0');
+      else if (c >= 'a' && c <= 'f')
+        v |= static_cast<uint32_t>(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F')
+        v |= static_cast<uint32_t>(c - 'A' + 10);
+      else
+        return false;
     }
     return true;
   };
@@ -269,14 +276,30 @@ static bool parse_flat_vocab(std::string_view text, std::vector<std::pair<std::s
       if (i >= text.size()) return false;
       const char e = text[i++];
       switch (e) {
-        case '"': key.push_back('"'); break;
-        case '\\': key.push_back('\\'); break;
-        case '/': key.push_back('/'); break;
-        case 'b': key.push_back('\b'); break;
-        case 'f': key.push_back('\f'); break;
-        case 'n': key.push_back('\n'); break;
-        case 'r': key.push_back('\r'); break;
-        case 't': key.push_back('\t'); break;
+        case '"':
+          key.push_back('"');
+          break;
+        case '\\':
+          key.push_back('\\');
+          break;
+        case '/':
+          key.push_back('/');
+          break;
+        case 'b':
+          key.push_back('\b');
+          break;
+        case 'f':
+          key.push_back('\f');
+          break;
+        case 'n':
+          key.push_back('\n');
+          break;
+        case 'r':
+          key.push_back('\r');
+          break;
+        case 't':
+          key.push_back('\t');
+          break;
         case 'u': {
           uint32_t cp;
           if (!hex4(cp)) return false;
@@ -292,7 +315,8 @@ static bool parse_flat_vocab(std::string_view text, std::vector<std::pair<std::s
           utf8_append(key, cp);
           break;
         }
-        default: return false;
+        default:
+          return false;
       }
     }
     skip_ws();
@@ -365,9 +389,8 @@ Status TokenizerLoader::load_vocab_merges(Tokenizer& tok, const fs::path& dir, c
   const std::string tokenizer_class = config.value("tokenizer_class", "");
   const bool qwen = tokenizer_class.find("Qwen2") != std::string::npos;
   tok.nfc_ = qwen;
-  PD_ASSIGN_OR_RETURN(tok.pre_tokenizer_,
-                      PreTokenizer::create(qwen ? kQwen2SplitPattern : kGpt2SplitPattern,
-                                           json_bool(config, "add_prefix_space", false)));
+  PD_ASSIGN_OR_RETURN(tok.pre_tokenizer_, PreTokenizer::create(qwen ? kQwen2SplitPattern : kGpt2SplitPattern,
+                                                               json_bool(config, "add_prefix_space", false)));
   return Status::Ok();
 }
 
@@ -516,7 +539,8 @@ void Tokenizer::encode_plain(std::string_view text, std::vector<int32_t>& ids) c
     const size_t before = ids.size();
     bpe_->encode_word(word, ids);
     if (cache.entries.size() >= kMaxCacheEntries) cache.entries.clear();
-    cache.entries.emplace(std::string(word), std::vector<int32_t>(ids.begin() + static_cast<ptrdiff_t>(before), ids.end()));
+    cache.entries.emplace(std::string(word),
+                          std::vector<int32_t>(ids.begin() + static_cast<ptrdiff_t>(before), ids.end()));
   });
 }
 

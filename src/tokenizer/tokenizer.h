@@ -71,10 +71,9 @@ class Tokenizer {
                                           const nlohmann::json& extra = nlohmann::json::object()) const;
   // Same, keeping the callers' object key order (Python dicts keep insertion order, and templates
   // print tool schemas with tojson; nlohmann::json sorts keys). Prefer this one when parsing requests.
-  Result<std::string> apply_chat_template_ordered(const nlohmann::ordered_json& messages, bool add_generation_prompt,
-                                                  const nlohmann::ordered_json& tools = nullptr,
-                                                  const nlohmann::ordered_json& extra =
-                                                      nlohmann::ordered_json::object()) const;
+  Result<std::string> apply_chat_template_ordered(
+      const nlohmann::ordered_json& messages, bool add_generation_prompt, const nlohmann::ordered_json& tools = nullptr,
+      const nlohmann::ordered_json& extra = nlohmann::ordered_json::object()) const;
 
   ~Tokenizer();
   Tokenizer(const Tokenizer&) = delete;

@@ -24,7 +24,8 @@ using ojson = nlohmann::ordered_json;
 
 std::string from_hex(const std::string& hex) {
   std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
   return out;
 }
 
@@ -42,8 +43,8 @@ ojson handle(const ojson& req, const std::shared_ptr<pd::tokenizer::Tokenizer>& 
   }
   if (!tok) return {{"error", "no tokenizer loaded"}};
   if (op == "encode") {
-    const std::string text = req.contains("text_hex") ? from_hex(req["text_hex"].get<std::string>())
-                                                      : req.value("text", std::string());
+    const std::string text =
+        req.contains("text_hex") ? from_hex(req["text_hex"].get<std::string>()) : req.value("text", std::string());
     return {{"ids", tok->encode(text, req.value("add_special_tokens", true))}};
   }
   if (op == "decode" || op == "stream") {
@@ -71,8 +72,10 @@ int main(int argc, char** argv) {
   std::string dir, template_dir;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--dir") dir = argv[i + 1];
-    else if (flag == "--template-dir") template_dir = argv[i + 1];
+    if (flag == "--dir")
+      dir = argv[i + 1];
+    else if (flag == "--template-dir")
+      template_dir = argv[i + 1];
   }
   if (dir.empty() == template_dir.empty()) {
     std::cerr << "usage: pd_tokenizer_cli --dir <tokenizer folder> | --template-dir <folder>\n";

@@ -14,7 +14,8 @@ namespace {
 
 std::shared_ptr<const pd::tokenizer::Tokenizer> load() {
   const char* root = std::getenv("PDSERVE_SOURCE_DIR");
-  const std::filesystem::path dir = std::filesystem::path(root != nullptr ? root : PD_SOURCE_DIR) / "assets/tokenizers/qwen3";
+  const std::filesystem::path dir =
+      std::filesystem::path(root != nullptr ? root : PD_SOURCE_DIR) / "assets/tokenizers/qwen3";
   auto loaded = pd::tokenizer::Tokenizer::load(dir);
   if (!loaded.ok()) {
     fprintf(stderr, "fuzz_tokenizer: %s\n", loaded.status().to_string().c_str());
@@ -41,7 +42,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The same bytes read as token ids: arbitrary sequences must stream exactly like decode().
   std::vector<int32_t> raw_ids(size / 4);
   if (!raw_ids.empty()) std::memcpy(raw_ids.data(), data, raw_ids.size() * 4);
-  for (int32_t& id : raw_ids) id = static_cast<int32_t>(static_cast<uint32_t>(id) % static_cast<uint32_t>(tok->vocab_size() + 3)) - 1;
+  for (int32_t& id : raw_ids)
+    id = static_cast<int32_t>(static_cast<uint32_t>(id) % static_cast<uint32_t>(tok->vocab_size() + 3)) - 1;
   for (bool skip : {true, false}) {
     pd::tokenizer::IncrementalDetokenizer detok(tok, {}, skip);
     std::string streamed;

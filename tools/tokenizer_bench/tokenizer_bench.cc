@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
             << ",\"tokens\":" << num_tokens << ",\"encode_s\":" << best_encode_s
             << ",\"encode_cpu_s\":" << best_encode_cpu_s << ",\"encode_mb_per_s\":" << mb / best_encode_s
             << ",\"encode_mb_per_cpu_s\":" << mb / best_encode_cpu_s
-            << ",\"cold_cache_encode_mb_per_cpu_s\":" << mb / first_encode_cpu_s << ",\"decode_mb_per_s\":" << mb / best_decode_s
-            << "}" << std::endl;
+            << ",\"cold_cache_encode_mb_per_cpu_s\":" << mb / first_encode_cpu_s
+            << ",\"decode_mb_per_s\":" << mb / best_decode_s << "}" << std::endl;
   return 0;
 }

@@ -61,14 +61,19 @@ TEST(IncrementalDetokenizerTest, ChunksConcatenateToDecodeOnRandomSequences) {
   std::mt19937 rng(42);
   std::vector<int32_t> byte_ids;
   for (const char* t : {"ä", "¸", "Ń", "ð", "Ł", "ĺ", "Ģ", "í", "ķ"}) byte_ids.push_back(*tok->token_to_id(t));
-  const std::vector<std::string> texts = {"中文分词测试，我们今天去北京", "😀👍🏽👨‍👩‍👧‍👦 emoji", "한국어 텍스트", "plain ascii"};
+  const std::vector<std::string> texts = {"中文分词测试，我们今天去北京", "😀👍🏽👨‍👩‍👧‍👦 emoji",
+                                          "한국어 텍스트", "plain ascii"};
   for (int trial = 0; trial < 300; ++trial) {
     std::vector<int32_t> ids;
     const int n = 1 + static_cast<int>(rng() % 40);
     for (int i = 0; i < n; ++i) {
       switch (rng() % 3) {
-        case 0: ids.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(tok->vocab_size()))); break;
-        case 1: ids.push_back(byte_ids[rng() % byte_ids.size()]); break;
+        case 0:
+          ids.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(tok->vocab_size())));
+          break;
+        case 1:
+          ids.push_back(byte_ids[rng() % byte_ids.size()]);
+          break;
         default: {
           const auto more = tok->encode(texts[rng() % texts.size()], false);
           ids.insert(ids.end(), more.begin(), more.end());

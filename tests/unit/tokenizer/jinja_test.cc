@@ -26,7 +26,8 @@ std::string render_ok(std::string_view source, const ojson& context = ojson::obj
 // as transformers configures it] (see make_jinja_reference_cases.py).
 TEST(JinjaTest, MatchesJinja2OnReferenceCases) {
   const char* root = std::getenv("PDSERVE_SOURCE_DIR");
-  std::ifstream in(std::filesystem::path(root != nullptr ? root : ".") / "tests/unit/tokenizer/jinja_reference_cases.jsonl");
+  std::ifstream in(std::filesystem::path(root != nullptr ? root : ".") /
+                   "tests/unit/tokenizer/jinja_reference_cases.jsonl");
   ASSERT_TRUE(in.good());
   std::string line;
   int checked = 0;

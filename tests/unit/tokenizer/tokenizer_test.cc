@@ -35,7 +35,8 @@ const std::shared_ptr<Tokenizer>& qwen3() {
 class TinyTokenizerDir {
  public:
   explicit TinyTokenizerDir(bool with_version_header) {
-    path_ = fs::temp_directory_path() / ("pd_tok_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
+    path_ =
+        fs::temp_directory_path() / ("pd_tok_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
     fs::create_directories(path_);
     // Bytes 'a','b','c',' ' ("Ġ") plus merges "a b" -> "ab", "ab c" -> "abc".
     std::ofstream(path_ / "vocab.json") << R"({"a":0,"b":1,"c":2,"Ġ":3,"ab":4,"abc":5})";
@@ -135,7 +136,8 @@ TEST(TokenizerTest, ConcurrentEncodesGiveTheSameIds) {
   for (int w = 0; w < 4; ++w) {
     threads.emplace_back([&, w] {
       for (int round = 0; round < 5; ++round) {
-        for (size_t i = 0; i < texts.size(); ++i) mismatches[static_cast<size_t>(w)] += qwen3()->encode(texts[i]) != expected[i];
+        for (size_t i = 0; i < texts.size(); ++i)
+          mismatches[static_cast<size_t>(w)] += qwen3()->encode(texts[i]) != expected[i];
       }
     });
   }

@@ -30,7 +30,10 @@ TEST(Utf8Test, StepReportsTruncationOnlyAtTheEnd) {
   const Utf8Step cut = utf8_step("\xF0\x9F", 0);
   EXPECT_FALSE(cut.valid);
   EXPECT_TRUE(cut.truncated);
-  const Utf8Step broken = utf8_step("\xF0\x9F" "a", 0);
+  const Utf8Step broken = utf8_step(
+      "\xF0\x9F"
+      "a",
+      0);
   EXPECT_FALSE(broken.valid);
   EXPECT_FALSE(broken.truncated);
   EXPECT_EQ(broken.num_bytes, 2u);
