@@ -32,10 +32,17 @@ def reference(module_procs):
     return start_pdserve(module_procs, "--model", TINY_MODEL, "--max-model-len", "2048")
 
 
+# A producer whose consumer never calls (the consumer refused the request) holds its blocks until
+# defer_timeout: short here so the tests can see every block come back.
+CONNECTOR_TIMEOUTS = {"defer_timeout": 5, "transfer_timeout": 10}
+
+
 def deploy(procs, mode: str):
     router = start_router(procs)
-    producer = start_pdserve(procs, "--kv-role", "kv_producer", *pdserve_flags("producer", router=router, mode=mode))
-    consumer = start_pdserve(procs, "--kv-role", "kv_consumer", *pdserve_flags("consumer", router=router, mode=mode))
+    producer = start_pdserve(procs, "--kv-role", "kv_producer",
+                             *pdserve_flags("producer", router=router, mode=mode, extra=CONNECTOR_TIMEOUTS))
+    consumer = start_pdserve(procs, "--kv-role", "kv_consumer",
+                             *pdserve_flags("consumer", router=router, mode=mode, extra=CONNECTOR_TIMEOUTS))
     wait_for(lambda: {i["role"] for i in router.instances()} >= {"producer", "consumer"}, 20,
              "producer and consumer registered through their heartbeats")
     return router, producer, consumer
@@ -163,4 +170,5 @@ def test_consumer_error_reaches_the_client_as_an_error_status_not_a_200_stream(d
         stream = client.completions.create(model=TINY_MODEL, prompt=PROMPT, max_tokens=100_000, stream=True)
         list(stream)
     wait_for(lambda: all(i["outstanding"] == 0 for i in router.instances()), 10, "legs released")
-    wait_for(lambda: blocks_used(producer) == 0 and blocks_used(consumer) == 0, 60, "no blocks left held")
+    wait_for(lambda: blocks_used(producer) == 0 and blocks_used(consumer) == 0, 30,
+             "no blocks left held (the producer's hold ends at defer_timeout)")
