@@ -56,6 +56,7 @@ int run(pd::server::ServerConfig config) {
   engine_config.max_num_batched_tokens = config.max_num_batched_tokens;
   engine_config.max_model_len = loaded->max_model_len;
   engine_config.seed = config.seed;
+  engine_config.max_waiting_requests = static_cast<size_t>(config.max_waiting_requests);
   engine_config.eos_token_ids = loaded->eos_token_ids;
   if (engine_config.eos_token_ids.empty() && tokenizer && tokenizer->eos_token_id())
     engine_config.eos_token_ids.push_back(*tokenizer->eos_token_id());

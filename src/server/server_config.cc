@@ -37,6 +37,9 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
   app.add_option("--max-body-bytes", config.max_body_bytes, "largest request body accepted (413 beyond)")
       ->capture_default_str();
   app.add_option("--log-level", config.log_level, "trace|debug|info|warn|error|off")->capture_default_str();
+  app.add_option("--max-waiting-requests", config.max_waiting_requests,
+                 "requests queued beyond the running set before new ones get 503")
+      ->capture_default_str();
   app.add_option("--io-threads", config.num_io_threads, "HTTP I/O threads")->capture_default_str();
   app.add_option("--request-timeout-ms", config.request_timeout_ms, "longest a request may live")
       ->capture_default_str();
@@ -77,6 +80,8 @@ Status validate_server_config(ServerConfig& config) {
   if (config.num_kv_blocks < 0) return invalid_argument("--num-kv-blocks must be >= 0, got {}", config.num_kv_blocks);
   if (config.kv_cache_bytes < 0) return invalid_argument("--kv-cache-bytes must be >= 0, got {}", config.kv_cache_bytes);
   if (config.max_body_bytes < 1024) return invalid_argument("--max-body-bytes must be >= 1024, got {}", config.max_body_bytes);
+  if (config.max_waiting_requests < 1)
+    return invalid_argument("--max-waiting-requests must be >= 1, got {}", config.max_waiting_requests);
   if (config.num_io_threads < 1 || config.num_io_threads > 256)
     return invalid_argument("--io-threads must be 1..256, got {}", config.num_io_threads);
   if (config.request_timeout_ms < 1) return invalid_argument("--request-timeout-ms must be >= 1");

@@ -41,6 +41,7 @@ struct ServerConfig {
   int64_t kv_cache_bytes = 0;
   size_t max_body_bytes = 8u << 20;
   std::string log_level = "info";
+  int64_t max_waiting_requests = 4096;  // queued beyond the running set; more is answered 503
   int32_t num_io_threads = 2;
   int64_t request_timeout_ms = 600'000;  // bound on one request's whole life
   int64_t keep_alive_timeout_ms = 60'000;

@@ -114,8 +114,9 @@ class ProcessFactory:
         return managed
 
     def cleanup(self):
+        """SIGTERM (clean shutdown) with a deadline, then SIGKILL."""
         for managed in self.procs:
-            managed.stop(signal.SIGKILL if managed.proc.poll() is None else signal.SIGTERM, timeout_s=10)
+            managed.stop(signal.SIGTERM, timeout_s=10)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import subprocess
 import openai
 import pytest
 
-from conftest import bin_path, start_pdserve, wait_for
+from conftest import bin_path, metric_value, start_pdserve, wait_for
 
 
 def run_to_exit(*flags: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
@@ -84,3 +84,30 @@ def test_port_zero_prints_the_real_port(procs):
     assert server.port > 0
     assert f"listening on http://127.0.0.1:{server.port}" in server.process.text()
     wait_for(server.healthy, 10, "health")
+
+
+def open_stream(server, prompt: str, max_tokens: int) -> socket.socket:
+    """Sends a raw streaming completion; the caller closes the socket (which aborts the request)."""
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True})
+    sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+    return sock
+
+
+def test_full_engine_queue_answers_503_and_recovers(procs):
+    server = start_pdserve(procs, "--model", "builtin:tiny", "--max-model-len", "4096", "--max-num-seqs", "1",
+                           "--max-waiting-requests", "1")
+    running = open_stream(server, "first", 4000)
+    wait_for(lambda: metric_value(server.metrics(), "pd_num_requests_running") == 1, 30, "one running request")
+    waiting = open_stream(server, "second", 4000)
+    wait_for(lambda: metric_value(server.metrics(), "pd_num_requests_waiting") == 1, 30, "one waiting request")
+    status, raw, _ = server.post("/v1/completions", {"prompt": "third", "max_tokens": 4})
+    assert status == 503, raw
+    assert json.loads(raw)["error"]["type"] == "service_unavailable"
+    running.close()
+    waiting.close()
+    wait_for(lambda: metric_value(server.metrics(), "pd_kv_blocks_used") == 0
+             and metric_value(server.metrics(), "pd_num_requests_waiting") == 0, 30, "the queue to drain")
+    status, raw, _ = server.post("/v1/completions", {"prompt": "fourth", "max_tokens": 4})
+    assert status == 200, raw
