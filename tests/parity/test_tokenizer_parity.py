@@ -1,5 +1,6 @@
 """Token ids, decoding and streaming of pd_tokenizer vs HF transformers on the same folder."""
 import random
+import unicodedata
 
 import pytest
 
@@ -71,7 +72,7 @@ def test_decode_matches_hf_and_round_trips(pair):
             assert got == expected, f"{name}: decode of {text!r} (skip={skip})"
         got = ours.ask({"op": "decode", "ids": ids, "skip_special_tokens": False})["text"]
         # Byte-level BPE is lossless up to the normalizer (Qwen applies NFC).
-        normalized = __import__("unicodedata").normalize("NFC", text) if name.startswith("qwen") else text
+        normalized = unicodedata.normalize("NFC", text) if name.startswith("qwen") else text
         assert got == normalized, f"{name}: round trip of {text!r}"
 
 
