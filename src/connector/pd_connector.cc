@@ -338,6 +338,8 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
     return failed_precondition("transfer {} or request {} is already active on this consumer", params.transfer_id,
                                request.request_id());
   }
+  PD_LOG_DEBUG("connector: admit {} transfer {} local {} external {}", request.request_id(), params.transfer_id,
+               num_local_computed_tokens, num_external);
   run_actions();
   if (num_external == 0) return match;
   metrics_.started_consumer->inc();
@@ -352,6 +354,8 @@ void PdConnector::update_state_after_alloc(const engine::Request& request, std::
                                            int32_t num_external_tokens) {
   auto it = consumer_requests_.find(request.request_id());
   if (it == consumer_requests_.end()) return;
+  PD_LOG_DEBUG("connector: allocated {} ({} blocks, {} external tokens)", request.request_id(), block_ids.size(),
+               num_external_tokens);
   consumer_->allocated(request.request_id(), std::vector<int32_t>(block_ids.begin(), block_ids.end()),
                        it->second.num_local_computed_tokens, num_external_tokens, now_ms());
   run_actions();
@@ -381,6 +385,7 @@ bool PdConnector::request_preempted(const engine::Request& request, std::span<co
   // A producer's writes only start in the step that completes its prompt, and
   // that step also finishes it, so a preempted producer request holds nothing.
   const bool hold = consumer_->request_preempted(request.request_id(), now_ms());
+  PD_LOG_DEBUG("connector: preempted {} hold {}", request.request_id(), hold);
   consumer_requests_.erase(request.request_id());
   run_actions();
   return hold;
@@ -416,6 +421,7 @@ engine::FinishDecision PdConnector::request_finished(const engine::Request& requ
   }
   consumer_requests_.erase(id);
   decision.delay_free_blocks = consumer_->request_finished(id, now_ms());
+  PD_LOG_DEBUG("connector: finished {} delay_free {}", id, decision.delay_free_blocks);
   run_actions();
   return decision;
 }
@@ -475,6 +481,7 @@ void PdConnector::note_refused(int32_t count) {
 
 void PdConnector::handle_message(const InboundMessage& in, int64_t now) {
   const ControlMessage& msg = in.message;
+  PD_LOG_DEBUG("connector: recv {} {} from {}", message_type_name(msg.type), msg.transfer_id, in.from);
   const bool via_router = !is_dealer_peer(in.from);
   switch (msg.type) {
     case MessageType::kMeta:
@@ -600,6 +607,7 @@ void PdConnector::handle_meta_ok(const InboundMessage& in) {
 }
 
 void PdConnector::send(OutgoingMessage out) {
+  PD_LOG_DEBUG("connector: send {} {} to {}", message_type_name(out.message.type), out.message.transfer_id, out.to);
   out.message.instance_id = record_.instance_id;
   out.message.boot_nonce = record_.boot_nonce;
   control_->send(out.to, out.message);

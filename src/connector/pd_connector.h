@@ -63,9 +63,9 @@ class PdConnector final : public engine::KvConnector {
   // ---- thread-safe, for the server -----------------------------------------
   // GET /pd/info: the registration record without "v"/"type".
   nlohmann::json info_json() const;
-  // Static validation of a request's kv_transfer_params (HTTP 400 on error).
-  // Overrides KvConnector::validate_request once the engine declares it.
-  Status validate_request(const engine::GenerateRequest& request) const;
+  // Static validation of a request's kv_transfer_params (HTTP 400 on error);
+  // called by Engine::add_request on the HTTP thread: touches only config_/spec_.
+  Status validate_request(const engine::GenerateRequest& request) const override;
   // Starts the registration heartbeat (when proxy_ip/proxy_ping_port are set)
   // once the HTTP address is known (--port 0 picks it at listen time).
   Status start_registration(const std::string& http_address);

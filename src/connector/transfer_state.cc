@@ -13,7 +13,9 @@ namespace pd::connector {
 
 Status ProducerTransfers::start(const std::string& transfer_id, const std::string& request_id, bool read_mode,
                                 int32_t num_prompt_tokens, int64_t now_ms) {
-  if (transfers_.count(transfer_id)) {
+  if (auto existing = transfers_.find(transfer_id); existing != transfers_.end()) {
+    // The scheduler may ask again for a request it could not admit yet.
+    if (existing->second.request_id == request_id) return Status::Ok();
     return failed_precondition("transfer {} is already active on this producer", transfer_id);
   }
   Transfer& t = transfers_[transfer_id];
@@ -406,11 +408,29 @@ void ConsumerTransfers::send(const std::string& control, MessageType type, const
 int32_t ConsumerTransfers::admit(const std::string& request_id, Params params, int32_t num_local_computed_tokens,
                                  int32_t num_prompt_tokens, int64_t now_ms) {
   const std::string transfer_id = params.transfer_id;
-  if (transfers_.count(transfer_id) || by_request_.count(request_id)) {
+  const int32_t num_external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
+  if (auto existing = transfers_.find(transfer_id); existing != transfers_.end()) {
+    // Asked again for a request the scheduler could not admit yet: same answer
+    // for the (possibly larger) local prefix, until blocks are allocated.
+    Transfer& t = existing->second;
+    if (t.request_id != request_id || (t.phase != Phase::kAdmitted && t.phase != Phase::kNotifyOnly)) {
+      ++actions_.num_refused;
+      return -1;
+    }
+    if (t.phase == Phase::kNotifyOnly) return 0;
+    t.num_skip_blocks = num_local_computed_tokens / block_size_;
+    if (num_external == 0) {
+      by_request_.erase(request_id);
+      t.phase = Phase::kNotifyOnly;
+      t.request_live = false;
+      ensure_peer(transfer_id, t, now_ms);
+    }
+    return num_external;
+  }
+  if (by_request_.count(request_id)) {
     ++actions_.num_refused;
     return -1;
   }
-  const int32_t num_external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
   Transfer& t = transfers_[transfer_id];
   t.request_id = request_id;
   t.params = std::move(params);

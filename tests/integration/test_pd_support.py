@@ -30,6 +30,20 @@ BYTES_PER_LAYER_BLOCK = 2 * BLOCK_SIZE * 2 * 32 * 4
 NUM_LAYERS = 2
 
 
+def base_flags(overrides=()) -> list[str]:
+    """MODEL_FLAGS minus the flags that `overrides` sets itself."""
+    out, skip = [], False
+    for i, flag in enumerate(MODEL_FLAGS):
+        if skip:
+            skip = False
+            continue
+        if flag.startswith("--") and flag in overrides:
+            skip = True
+            continue
+        out.append(flag)
+    return out
+
+
 def kv_config(role: str, read_mode: bool = False, kv_ip: str | None = None, **extra) -> str:
     cfg = {"kv_connector": "PdConnector", "kv_role": role,
            "kv_connector_extra_config": {"read_mode": read_mode, "backend": "ucx", **extra}}
@@ -53,7 +67,7 @@ class Instance:
 
 def start_instance(procs, role: str | None, read_mode: bool = False, flags=(), env=None, host="127.0.0.1",
                    **extra) -> Instance:
-    argv = [*MODEL_FLAGS, "--host", host, *flags]
+    argv = [*base_flags(flags), "--host", host, *flags]
     if role is not None:
         argv += ["--kv-transfer-config", kv_config(role, read_mode, kv_ip=host if host != "127.0.0.1" else None,
                                                    **extra)]

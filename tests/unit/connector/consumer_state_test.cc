@@ -267,3 +267,27 @@ TEST_F(ConsumerStateTest, PreemptionWhileDataMayMoveHoldsTheOldBlocks) {
 
 }  // namespace
 }  // namespace pd::connector
+
+namespace pd::connector {
+namespace {
+
+TEST(ConsumerAdmission, AskingAgainBeforeAllocationGivesTheSameAnswer) {
+  ConsumerTransfers c(2, 4, {});
+  EXPECT_EQ(c.admit("req", params(), 0, 10, 0), 9);
+  EXPECT_EQ(c.admit("req", params(), 4, 10, 5), 5) << "a larger local prefix since the first ask";
+  c.allocated("req", {4, 5, 6}, 4, 5, 5);
+  c.on_peer_ready(kControl, "prefill-0", 5, 64);
+  auto a = c.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.num_skip_blocks, 1);
+  EXPECT_EQ(c.admit("req", params(), 4, 10, 5), -1) << "after allocation the transfer is committed";
+}
+
+TEST(ConsumerAdmission, AnotherRequestCannotClaimAnActiveTransfer) {
+  ConsumerTransfers c(2, 4, {});
+  EXPECT_EQ(c.admit("req", params(), 0, 10, 0), 9);
+  EXPECT_EQ(c.admit("other", params(), 0, 10, 0), -1);
+}
+
+}  // namespace
+}  // namespace pd::connector

@@ -270,3 +270,16 @@ TEST_F(ProducerStateTest, ADuplicateTransferIdIsRefused) {
 
 }  // namespace
 }  // namespace pd::connector
+
+namespace pd::connector {
+namespace {
+
+TEST(ProducerAdmission, StartIsIdempotentForTheSameRequestOnly) {
+  ProducerTransfers p(3, 4, {});
+  ASSERT_TRUE(p.start(kT, "req", false, 10, 0).ok());
+  EXPECT_TRUE(p.start(kT, "req", false, 10, 1).ok());
+  EXPECT_FALSE(p.start(kT, "other", false, 10, 1).ok());
+}
+
+}  // namespace
+}  // namespace pd::connector
