@@ -1,5 +1,6 @@
 #include "server/http_server.h"
 
+#include <fmt/format.h>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/post.hpp>
@@ -14,7 +15,6 @@
 #include <boost/beast/http/read.hpp>
 #include <boost/beast/http/serializer.hpp>
 #include <boost/beast/http/write.hpp>
-#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
@@ -26,9 +26,9 @@
 namespace pd::server {
 
 namespace beast = boost::beast;
-using net::ip::tcp;
-using net::use_awaitable;
 using boost::system::error_code;
+using net::use_awaitable;
+using net::ip::tcp;
 
 struct Connection {
   explicit Connection(tcp::socket socket) : stream(std::move(socket)) {}
@@ -216,7 +216,9 @@ net::awaitable<void> HttpExchange::stop_watching() {
 
 HttpServer::HttpServer(HttpServerOptions options) : options_(std::move(options)), acceptor_(io_context_) {}
 
-HttpServer::~HttpServer() { stop(); }
+HttpServer::~HttpServer() {
+  stop();
+}
 
 void HttpServer::route(http::verb method, std::string path, Handler handler, bool requires_auth) {
   routes_.push_back(Route{method, std::move(path), std::move(handler), requires_auth});

@@ -90,8 +90,8 @@ int run(pd::server::ServerConfig config) {
     engine->shutdown();
     return 1;
   }
-  PD_LOG_INFO("model {} ({}), max_model_len {}, {} KV blocks of {} tokens", config.model, architecture,
-              max_model_len, engine->kv_cache_spec().num_blocks, engine->kv_cache_spec().block_size);
+  PD_LOG_INFO("model {} ({}), max_model_len {}, {} KV blocks of {} tokens", config.model, architecture, max_model_len,
+              engine->kv_cache_spec().num_blocks, engine->kv_cache_spec().block_size);
   // Tests and scripts read this line to learn the port (--port 0).
   std::printf("pdserve listening on http://%s:%u\n", config.host.c_str(), static_cast<unsigned>(http.port()));
   std::fflush(stdout);

@@ -21,29 +21,43 @@ size_t json_nesting_depth(std::string_view text) {
   bool escaped = false;
   for (char c : text) {
     if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
       continue;
     }
-    if (c == '"') in_string = true;
-    else if (c == '[' || c == '{') max_depth = std::max(max_depth, ++depth);
-    else if ((c == ']' || c == '}') && depth > 0) --depth;
+    if (c == '"')
+      in_string = true;
+    else if (c == '[' || c == '{')
+      max_depth = std::max(max_depth, ++depth);
+    else if ((c == ']' || c == '}') && depth > 0)
+      --depth;
   }
   return max_depth;
 }
 
 const char* json_type_name(const ojson& value) {
   switch (value.type()) {
-    case ojson::value_t::null: return "null";
-    case ojson::value_t::boolean: return "boolean";
+    case ojson::value_t::null:
+      return "null";
+    case ojson::value_t::boolean:
+      return "boolean";
     case ojson::value_t::number_integer:
-    case ojson::value_t::number_unsigned: return "integer";
-    case ojson::value_t::number_float: return "number";
-    case ojson::value_t::string: return "string";
-    case ojson::value_t::array: return "array";
-    case ojson::value_t::object: return "object";
-    default: return "value";
+    case ojson::value_t::number_unsigned:
+      return "integer";
+    case ojson::value_t::number_float:
+      return "number";
+    case ojson::value_t::string:
+      return "string";
+    case ojson::value_t::array:
+      return "array";
+    case ojson::value_t::object:
+      return "object";
+    default:
+      return "value";
   }
 }
 
@@ -168,9 +182,8 @@ void parse_stop(FieldReader& reader, const RequestLimits& limits, engine::Sampli
     return reader.fail(bad_request("'stop' must be a string or a list of strings", "stop"));
   }
   if (strings.size() > limits.max_stop_strings)
-    return reader.fail(bad_request(fmt::format("'stop' has {} entries; at most {} are allowed", strings.size(),
-                                               limits.max_stop_strings),
-                                   "stop"));
+    return reader.fail(bad_request(
+        fmt::format("'stop' has {} entries; at most {} are allowed", strings.size(), limits.max_stop_strings), "stop"));
   for (const auto& s : strings) {
     if (s.empty()) return reader.fail(bad_request("'stop' strings must not be empty", "stop"));
     if (s.size() > limits.max_stop_string_bytes)
@@ -184,11 +197,12 @@ void parse_stop(FieldReader& reader, const RequestLimits& limits, engine::Sampli
 void parse_stop_token_ids(FieldReader& reader, const RequestLimits& limits, engine::SamplingParams& sampling) {
   const ojson* ids = reader.raw("stop_token_ids");
   if (!ids) return;
-  if (!ids->is_array()) return reader.fail(bad_request("'stop_token_ids' must be a list of integers", "stop_token_ids"));
+  if (!ids->is_array())
+    return reader.fail(bad_request("'stop_token_ids' must be a list of integers", "stop_token_ids"));
   if (ids->size() > limits.max_stop_token_ids)
-    return reader.fail(bad_request(fmt::format("'stop_token_ids' has {} entries; at most {} are allowed", ids->size(),
-                                               limits.max_stop_token_ids),
-                                   "stop_token_ids"));
+    return reader.fail(bad_request(
+        fmt::format("'stop_token_ids' has {} entries; at most {} are allowed", ids->size(), limits.max_stop_token_ids),
+        "stop_token_ids"));
   for (const auto& item : *ids) {
     auto id = reader.integer_value("stop_token_ids", item, 0, std::numeric_limits<int32_t>::max());
     if (!id) return;
@@ -222,10 +236,12 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
     if (*p <= 0.0) reader.fail(bad_request("'top_p' must be in (0, 1], got 0", "top_p"));
     sampling.top_p = static_cast<float>(*p);
   }
-  if (auto k = reader.integer("top_k", -1, std::numeric_limits<int32_t>::max())) sampling.top_k = static_cast<int32_t>(*k);
+  if (auto k = reader.integer("top_k", -1, std::numeric_limits<int32_t>::max()))
+    sampling.top_k = static_cast<int32_t>(*k);
   if (auto m = reader.number("min_p", 0.0, 1.0)) sampling.min_p = static_cast<float>(*m);
   if (const ojson* seed = reader.raw("seed")) {
-    if (seed->is_number_unsigned()) sampling.seed = seed->get<uint64_t>();
+    if (seed->is_number_unsigned())
+      sampling.seed = seed->get<uint64_t>();
     else if (auto s = reader.integer("seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()))
       sampling.seed = static_cast<uint64_t>(*s);  // negative seeds wrap, as a bit pattern
   }
@@ -239,9 +255,9 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
   if (auto min_tokens = reader.integer("min_tokens", 0, limits.max_model_len))
     sampling.min_tokens = static_cast<int32_t>(*min_tokens);
   if (fields.max_tokens && sampling.min_tokens > *fields.max_tokens)
-    reader.fail(bad_request(fmt::format("'min_tokens' ({}) must not exceed 'max_tokens' ({})", sampling.min_tokens,
-                                        *fields.max_tokens),
-                            "min_tokens"));
+    reader.fail(bad_request(
+        fmt::format("'min_tokens' ({}) must not exceed 'max_tokens' ({})", sampling.min_tokens, *fields.max_tokens),
+        "min_tokens"));
   sampling.ignore_eos = reader.boolean("ignore_eos").value_or(false);
   sampling.skip_special_tokens = reader.boolean("skip_special_tokens").value_or(true);
   sampling.include_stop_str_in_output = reader.boolean("include_stop_str_in_output").value_or(false);
@@ -251,8 +267,10 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
   if (auto n = reader.integer("n", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max())) {
     if (*n != 1) reader.fail(bad_request(fmt::format("'n' must be 1 on this server, got {}", *n), "n"));
   }
-  if (auto best_of = reader.integer("best_of", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max())) {
-    if (*best_of != 1) reader.fail(bad_request(fmt::format("'best_of' must be 1 on this server, got {}", *best_of), "best_of"));
+  if (auto best_of =
+          reader.integer("best_of", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max())) {
+    if (*best_of != 1)
+      reader.fail(bad_request(fmt::format("'best_of' must be 1 on this server, got {}", *best_of), "best_of"));
   }
   require_default_number(reader, "presence_penalty", 0.0);
   require_default_number(reader, "frequency_penalty", 0.0);
@@ -268,8 +286,10 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
   reader.string("user");
 
   if (const ojson* params = reader.raw("kv_transfer_params")) {
-    if (!params->is_object()) reader.type_error("kv_transfer_params", "an object", *params);
-    else fields.kv_transfer_params = *params;
+    if (!params->is_object())
+      reader.type_error("kv_transfer_params", "an object", *params);
+    else
+      fields.kv_transfer_params = *params;
   }
   fields.return_tokens_as_token_ids = reader.boolean("return_tokens_as_token_ids").value_or(false);
   if (auto id = reader.string("request_id")) {
@@ -298,7 +318,8 @@ void parse_prompts(FieldReader& reader, const RequestLimits& limits, std::vector
   const char* kShapes = "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists";
   if (!prompt) return reader.fail(bad_request("'prompt' is required", "prompt"));
   if (prompt->is_string()) {
-    if (prompt->get_ref<const std::string&>().empty()) return reader.fail(bad_request("'prompt' must not be empty", "prompt"));
+    if (prompt->get_ref<const std::string&>().empty())
+      return reader.fail(bad_request("'prompt' must not be empty", "prompt"));
     prompts.push_back({prompt->get<std::string>(), {}});
     return;
   }
@@ -345,7 +366,8 @@ std::optional<ApiError> normalize_content(ojson& message, size_t index) {
     return bad_request(fmt::format("'{}' is required for role '{}'", param, role), param);
   }
   if (it->is_string()) return std::nullopt;
-  if (!it->is_array()) return bad_request(fmt::format("'{}' must be a string or a list of content parts", param), param);
+  if (!it->is_array())
+    return bad_request(fmt::format("'{}' must be a string or a list of content parts", param), param);
   std::string text;
   bool first = true;
   for (const auto& part : *it) {
@@ -378,9 +400,9 @@ std::optional<ApiError> validate_messages(const ojson* messages, ojson& out) {
       return bad_request(fmt::format("'{}.role' must be a string", param), param + ".role");
     const auto& r = role->get_ref<const std::string&>();
     if (r != "system" && r != "user" && r != "assistant" && r != "tool" && r != "developer")
-      return bad_request(fmt::format("'{}.role' must be one of system, developer, user, assistant, tool; got '{}'",
-                                     param, r),
-                         param + ".role");
+      return bad_request(
+          fmt::format("'{}.role' must be one of system, developer, user, assistant, tool; got '{}'", param, r),
+          param + ".role");
     if (auto error = normalize_content(message, i)) return error;
     if (auto name = message.find("name"); name != message.end() && !name->is_null() && !name->is_string())
       return bad_request(fmt::format("'{}.name' must be a string", param), param + ".name");
@@ -390,12 +412,16 @@ std::optional<ApiError> validate_messages(const ojson* messages, ojson& out) {
 
 void parse_template_extras(FieldReader& reader, ojson& tools, ojson& kwargs) {
   if (const ojson* t = reader.raw("tools")) {
-    if (!t->is_array()) reader.type_error("tools", "a list", *t);
-    else tools = *t;
+    if (!t->is_array())
+      reader.type_error("tools", "a list", *t);
+    else
+      tools = *t;
   }
   if (const ojson* k = reader.raw("chat_template_kwargs")) {
-    if (!k->is_object()) reader.type_error("chat_template_kwargs", "an object", *k);
-    else kwargs = *k;
+    if (!k->is_object())
+      reader.type_error("chat_template_kwargs", "an object", *k);
+    else
+      kwargs = *k;
   }
   if (reader.raw("chat_template"))
     reader.fail(bad_request("a request-supplied 'chat_template' is not supported", "chat_template"));
@@ -474,9 +500,12 @@ Parsed<DetokenizeRequest> parse_detokenize_request(const ojson& body, const Requ
   DetokenizeRequest request;
   if (auto model = reader.string("model")) request.model = *model;
   const ojson* tokens = reader.raw("tokens");
-  if (!tokens) reader.fail(bad_request("'tokens' is required", "tokens"));
-  else if (!tokens->is_array()) reader.type_error("tokens", "a list of integers", *tokens);
-  else read_token_ids(reader, "tokens", *tokens, request.tokens);
+  if (!tokens)
+    reader.fail(bad_request("'tokens' is required", "tokens"));
+  else if (!tokens->is_array())
+    reader.type_error("tokens", "a list of integers", *tokens);
+  else
+    read_token_ids(reader, "tokens", *tokens, request.tokens);
   (void)limits;
   return finish(reader, std::move(request));
 }
@@ -491,11 +520,11 @@ Parsed<int32_t> resolve_max_tokens(int32_t num_prompt_tokens, std::optional<int3
   int32_t room = max_model_len - num_prompt_tokens;
   if (!requested) return std::min(default_max_tokens, room);
   if (*requested > room)
-    return bad_request(fmt::format("This model's maximum context length is {} tokens. However, you requested {} "
-                                   "tokens ({} in the prompt, {} for the completion).",
-                                   max_model_len, static_cast<int64_t>(num_prompt_tokens) + *requested,
-                                   num_prompt_tokens, *requested),
-                       "max_tokens");
+    return bad_request(
+        fmt::format("This model's maximum context length is {} tokens. However, you requested {} "
+                    "tokens ({} in the prompt, {} for the completion).",
+                    max_model_len, static_cast<int64_t>(num_prompt_tokens) + *requested, num_prompt_tokens, *requested),
+        "max_tokens");
   return *requested;
 }
 
@@ -558,11 +587,16 @@ json chat_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const
 
 json finish_reason_json(engine::FinishReason reason) {
   switch (reason) {
-    case engine::FinishReason::kNone: return nullptr;
-    case engine::FinishReason::kStop: return "stop";
-    case engine::FinishReason::kLength: return "length";
-    case engine::FinishReason::kAbort: return "abort";
-    case engine::FinishReason::kError: return "error";
+    case engine::FinishReason::kNone:
+      return nullptr;
+    case engine::FinishReason::kStop:
+      return "stop";
+    case engine::FinishReason::kLength:
+      return "length";
+    case engine::FinishReason::kAbort:
+      return "abort";
+    case engine::FinishReason::kError:
+      return "error";
   }
   return nullptr;
 }
@@ -574,7 +608,9 @@ json stop_reason_json(const std::optional<std::string>& stop_string, const std::
 }
 
 namespace {
-json kv_params_or_null(const std::optional<json>& params) { return params ? *params : json(nullptr); }
+json kv_params_or_null(const std::optional<json>& params) {
+  return params ? *params : json(nullptr);
+}
 }  // namespace
 
 json completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices, const Usage& usage,
@@ -646,12 +682,8 @@ json chat_chunk(const ResponseHeader& header, int32_t index, json delta, json lo
 }
 
 json usage_chunk(const ResponseHeader& header, const char* object, const Usage& usage) {
-  return {{"id", header.id},
-          {"object", object},
-          {"created", header.created},
-          {"model", header.model},
-          {"choices", json::array()},
-          {"usage", usage_json(usage)}};
+  return {{"id", header.id},       {"object", object},         {"created", header.created},
+          {"model", header.model}, {"choices", json::array()}, {"usage", usage_json(usage)}};
 }
 
 std::string sse_event(const json& payload) {

@@ -52,13 +52,13 @@ struct PromptInput {
 
 // Fields shared by /v1/completions and /v1/chat/completions.
 struct GenerationFields {
-  std::string model;                       // empty = the default served model
+  std::string model;  // empty = the default served model
   bool stream = false;
-  bool include_usage = false;              // stream_options.include_usage
-  engine::SamplingParams sampling;         // max_tokens left at its default; see max_tokens below
-  std::optional<int32_t> max_tokens;       // as requested; resolved against the prompt length later
+  bool include_usage = false;         // stream_options.include_usage
+  engine::SamplingParams sampling;    // max_tokens left at its default; see max_tokens below
+  std::optional<int32_t> max_tokens;  // as requested; resolved against the prompt length later
   std::optional<nlohmann::ordered_json> kv_transfer_params;
-  std::optional<std::string> request_id;   // vLLM extension: a client-chosen id prefix
+  std::optional<std::string> request_id;    // vLLM extension: a client-chosen id prefix
   bool return_tokens_as_token_ids = false;  // vLLM extension: logprobs name tokens "token_id:<id>"
 };
 
@@ -69,17 +69,17 @@ struct CompletionRequest {
 
 struct ChatRequest {
   GenerationFields fields;
-  nlohmann::ordered_json messages;     // validated; every content normalized to a string (or null)
+  nlohmann::ordered_json messages;  // validated; every content normalized to a string (or null)
   bool add_generation_prompt = true;
-  nlohmann::ordered_json tools;        // null when absent
+  nlohmann::ordered_json tools;  // null when absent
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool logprobs = false;
 };
 
 struct TokenizeRequest {
   std::string model;
-  std::optional<std::string> prompt;   // completion-style
-  nlohmann::ordered_json messages;     // chat-style (null when prompt is set)
+  std::optional<std::string> prompt;  // completion-style
+  nlohmann::ordered_json messages;    // chat-style (null when prompt is set)
   bool add_special_tokens = true;
   bool add_generation_prompt = true;
   bool return_token_strs = false;
@@ -145,8 +145,8 @@ struct ChoiceResult {
 
 nlohmann::json completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices,
                                    const Usage& usage, const std::optional<nlohmann::json>& kv_transfer_params);
-nlohmann::json chat_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices,
-                             const Usage& usage, const std::optional<nlohmann::json>& kv_transfer_params);
+nlohmann::json chat_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices, const Usage& usage,
+                             const std::optional<nlohmann::json>& kv_transfer_params);
 
 nlohmann::json completion_chunk(const ResponseHeader& header, int32_t index, const std::string& text,
                                 nlohmann::json logprobs, nlohmann::json finish_reason, nlohmann::json stop_reason);

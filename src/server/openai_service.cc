@@ -1,10 +1,10 @@
 #include "server/openai_service.h"
 
+#include <fmt/format.h>
 #include <boost/asio/post.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
-#include <fmt/format.h>
 
 #include <chrono>
 #include <deque>
@@ -42,8 +42,8 @@ metrics::Counter& disconnects_counter() {
 }
 
 metrics::Counter& timeouts_counter() {
-  static metrics::Counter& counter = metrics::Registry::global().counter(
-      "pd_http_request_timeouts_total", "Generations aborted at --request-timeout-ms");
+  static metrics::Counter& counter = metrics::Registry::global().counter("pd_http_request_timeouts_total",
+                                                                         "Generations aborted at --request-timeout-ms");
   return counter;
 }
 
@@ -90,7 +90,7 @@ struct OpenAiService::Generation {
 
   std::deque<Pending> pending;  // outputs posted by the engine, not yet handled
   bool client_gone = false;
-  net::steady_timer wake;       // cancelled whenever pending or client_gone changes
+  net::steady_timer wake;  // cancelled whenever pending or client_gone changes
 };
 
 OpenAiService::OpenAiService(const ServerConfig& config, engine::Engine& engine,
@@ -179,8 +179,7 @@ namespace {
 // out of coroutines (plain functions are easier for g++ 12 and for tests).
 Parsed<std::vector<int32_t>> tokenize_text(const tokenizer::Tokenizer* tokenizer, const std::string& text,
                                            bool add_special_tokens) {
-  if (!tokenizer)
-    return bad_request("this model has no tokenizer: send the prompt as token ids", "prompt");
+  if (!tokenizer) return bad_request("this model has no tokenizer: send the prompt as token ids", "prompt");
   return tokenizer->encode(text, add_special_tokens);
 }
 
@@ -286,13 +285,15 @@ net::awaitable<void> OpenAiService::handle_chat(HttpExchange& exchange) {
 namespace {
 
 // Stream chunks and final responses, built outside coroutines.
-json logprobs_for(bool chat, const std::vector<engine::TokenLogprob>& logprobs,
-                  const TokenTextFn& token_text, int64_t& text_offset) {
+json logprobs_for(bool chat, const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text,
+                  int64_t& text_offset) {
   if (chat) return chat_logprobs_json(logprobs, token_text);
   return completion_logprobs_json(logprobs, token_text, text_offset);
 }
 
-json chat_role_delta() { return {{"role", "assistant"}, {"content", ""}}; }
+json chat_role_delta() {
+  return {{"role", "assistant"}, {"content", ""}};
+}
 
 json timeout_error_json() {
   return ApiError{504, "request exceeded --request-timeout-ms", "timeout_error", "", "timeout"}.to_json();
@@ -431,8 +432,8 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     std::string events;
     if (chat && !choice.sent_role) {
       choice.sent_role = true;
-      events += sse_event(chat_chunk(g.header, static_cast<int32_t>(item.index),
-                                     chat_role_delta(), nullptr, nullptr, nullptr));
+      events += sse_event(
+          chat_chunk(g.header, static_cast<int32_t>(item.index), chat_role_delta(), nullptr, nullptr, nullptr));
     }
     bool has_payload = !out.text_delta.empty() || !logprobs.is_null() || out.finished;
     if (has_payload) {
@@ -603,9 +604,8 @@ net::awaitable<void> OpenAiService::handle_detokenize(HttpExchange& exchange) {
   }
   for (int32_t id : request.tokens) {
     if (id >= tokenizer_->vocab_size()) {
-      ApiError error =
-          bad_request(fmt::format("token id {} is outside the vocabulary (size {})", id, tokenizer_->vocab_size()),
-                      "tokens");
+      ApiError error = bad_request(
+          fmt::format("token id {} is outside the vocabulary (size {})", id, tokenizer_->vocab_size()), "tokens");
       co_await exchange.respond_error(error);
       co_return;
     }

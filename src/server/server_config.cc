@@ -78,8 +78,10 @@ Status validate_server_config(ServerConfig& config) {
   if (config.device != "cpu" && config.device != "cuda")
     return invalid_argument("--device must be cpu or cuda, got '{}'", config.device);
   if (config.num_kv_blocks < 0) return invalid_argument("--num-kv-blocks must be >= 0, got {}", config.num_kv_blocks);
-  if (config.kv_cache_bytes < 0) return invalid_argument("--kv-cache-bytes must be >= 0, got {}", config.kv_cache_bytes);
-  if (config.max_body_bytes < 1024) return invalid_argument("--max-body-bytes must be >= 1024, got {}", config.max_body_bytes);
+  if (config.kv_cache_bytes < 0)
+    return invalid_argument("--kv-cache-bytes must be >= 0, got {}", config.kv_cache_bytes);
+  if (config.max_body_bytes < 1024)
+    return invalid_argument("--max-body-bytes must be >= 1024, got {}", config.max_body_bytes);
   if (config.max_waiting_requests < 1)
     return invalid_argument("--max-waiting-requests must be >= 1, got {}", config.max_waiting_requests);
   if (config.num_io_threads < 1 || config.num_io_threads > 256)
@@ -96,7 +98,8 @@ Status validate_server_config(ServerConfig& config) {
       return invalid_argument("--kv-transfer-config must be a JSON object, got '{}'", kv.config_json);
     if (auto role = kv.config.find("kv_role"); role != kv.config.end()) {
       if (!role->is_string()) return invalid_argument("--kv-transfer-config: 'kv_role' must be a string");
-      if (kv.kv_role.empty()) kv.kv_role = role->get<std::string>();
+      if (kv.kv_role.empty())
+        kv.kv_role = role->get<std::string>();
       else if (kv.kv_role != role->get<std::string>())
         return invalid_argument("--kv-role '{}' contradicts --kv-transfer-config kv_role '{}'", kv.kv_role,
                                 role->get<std::string>());

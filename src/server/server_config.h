@@ -17,9 +17,9 @@ namespace pd::server {
 // --kv-transfer-config and --kv-role, kept for the connector (issue 5): the
 // server only checks the text is a JSON object and carries it.
 struct KvTransferSettings {
-  std::string config_json;          // as given; empty when absent
-  nlohmann::json config;            // parsed; null when absent
-  std::string kv_role;              // --kv-role or config["kv_role"]; empty when neither
+  std::string config_json;  // as given; empty when absent
+  nlohmann::json config;    // parsed; null when absent
+  std::string kv_role;      // --kv-role or config["kv_role"]; empty when neither
 };
 
 struct ServerConfig {
@@ -35,9 +35,9 @@ struct ServerConfig {
   std::string load_format = "auto";
   uint64_t seed = 0;
   std::vector<std::string> served_model_names;  // first is the name responses carry
-  std::string api_key;                   // empty = no auth
+  std::string api_key;                          // empty = no auth
   std::string device = "cpu";
-  int64_t num_kv_blocks = 0;             // 0 = derive from --kv-cache-bytes / device memory
+  int64_t num_kv_blocks = 0;  // 0 = derive from --kv-cache-bytes / device memory
   int64_t kv_cache_bytes = 0;
   size_t max_body_bytes = 8u << 20;
   std::string log_level = "info";

@@ -1,12 +1,12 @@
 #include "server/http_server.h"
 
+#include <gtest/gtest.h>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/read_until.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <future>
@@ -140,8 +140,8 @@ TEST_F(HttpServerTest, BodyOverLimitIs413AndServerKeepsServing) {
   auto response = exchange("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4096\r\n\r\n" + body);
   EXPECT_EQ(response.rfind("HTTP/1.1 413", 0), 0u) << response;
   EXPECT_NE(response.find("request_too_large"), std::string::npos);
-  auto chunked = exchange("POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1000\r\n" + body +
-                          "\r\n0\r\n\r\n");
+  auto chunked =
+      exchange("POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1000\r\n" + body + "\r\n0\r\n\r\n");
   EXPECT_EQ(chunked.rfind("HTTP/1.1 413", 0), 0u) << chunked;
   EXPECT_EQ(exchange("GET /ping HTTP/1.1\r\nHost: x\r\n\r\n").rfind("HTTP/1.1 200", 0), 0u);
 }
@@ -156,8 +156,9 @@ TEST_F(HttpServerTest, BodyWithinLimitIsDelivered) {
 TEST_F(HttpServerTest, ExpectContinueGets100BeforeTheBody) {
   start();
   auto socket = connect();
-  net::write(socket, net::buffer(std::string(
-                         "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n")));
+  net::write(
+      socket,
+      net::buffer(std::string("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n")));
   std::string data;
   net::read_until(socket, net::dynamic_buffer(data), "\r\n\r\n");
   EXPECT_EQ(data.rfind("HTTP/1.1 100", 0), 0u) << data;
@@ -179,10 +180,12 @@ TEST_F(HttpServerTest, ApiKeyIsCheckedOnlyOnProtectedRoutes) {
   options.api_key = "sekret";
   start(options);
   EXPECT_EQ(exchange("GET /v1/secret HTTP/1.1\r\nHost: x\r\n\r\n").rfind("HTTP/1.1 401", 0), 0u);
-  EXPECT_EQ(exchange("GET /v1/secret HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong!\r\n\r\n").rfind("HTTP/1.1 401", 0),
-            0u);
-  EXPECT_EQ(exchange("GET /v1/secret HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n\r\n").rfind("HTTP/1.1 200", 0),
-            0u);
+  EXPECT_EQ(
+      exchange("GET /v1/secret HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong!\r\n\r\n").rfind("HTTP/1.1 401", 0),
+      0u);
+  EXPECT_EQ(
+      exchange("GET /v1/secret HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n\r\n").rfind("HTTP/1.1 200", 0),
+      0u);
   EXPECT_EQ(exchange("GET /ping HTTP/1.1\r\nHost: x\r\n\r\n").rfind("HTTP/1.1 200", 0), 0u);
 }
 
@@ -215,8 +218,8 @@ TEST_F(HttpServerTest, ClientThatClosesMidStreamIsNoticed) {
 
 TEST_F(HttpServerTest, RequestsAreCountedByRouteAndStatus) {
   start();
-  auto& counter = metrics::Registry::global().counter("pd_http_requests_total", "",
-                                                      {{"route", "/ping"}, {"status", "200"}});
+  auto& counter =
+      metrics::Registry::global().counter("pd_http_requests_total", "", {{"route", "/ping"}, {"status", "200"}});
   double before = counter.value();
   exchange("GET /ping HTTP/1.1\r\nHost: x\r\n\r\n");
   // The counter is bumped after the response is written; wait for it with a deadline.

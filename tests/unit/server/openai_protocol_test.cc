@@ -27,8 +27,12 @@ CompletionRequest completion(const char* body) {
   return std::get<CompletionRequest>(std::move(parsed));
 }
 
-ApiError completion_error(const char* body) { return error_of(parse_completion_request(ojson::parse(body), limits())); }
-ApiError chat_error(const char* body) { return error_of(parse_chat_request(ojson::parse(body), limits())); }
+ApiError completion_error(const char* body) {
+  return error_of(parse_completion_request(ojson::parse(body), limits()));
+}
+ApiError chat_error(const char* body) {
+  return error_of(parse_chat_request(ojson::parse(body), limits()));
+}
 
 TEST(ParseJsonObject, RejectsMalformedJsonWith400) {
   auto parsed = parse_json_object("{\"prompt\": ", 64);
@@ -83,10 +87,10 @@ TEST(CompletionRequestParsing, AcceptsTokenIdPromptAndBatchOfThem) {
 }
 
 TEST(CompletionRequestParsing, RejectsBadPromptShapes) {
-  for (const char* body : {R"({})", R"({"prompt": ""})", R"({"prompt": []})", R"({"prompt": 5})",
-                           R"({"prompt": ["a", 1]})", R"({"prompt": [1, "a"]})", R"({"prompt": [[1], "a"]})",
-                           R"({"prompt": [-1]})", R"({"prompt": [1.5]})", R"({"prompt": [[]]})",
-                           R"({"prompt": [4294967296]})"}) {
+  for (const char* body :
+       {R"({})", R"({"prompt": ""})", R"({"prompt": []})", R"({"prompt": 5})", R"({"prompt": ["a", 1]})",
+        R"({"prompt": [1, "a"]})", R"({"prompt": [[1], "a"]})", R"({"prompt": [-1]})", R"({"prompt": [1.5]})",
+        R"({"prompt": [[]]})", R"({"prompt": [4294967296]})"}) {
     auto error = completion_error(body);
     EXPECT_EQ(error.http_status, 400) << body;
     EXPECT_EQ(error.param, "prompt") << body;
@@ -163,8 +167,8 @@ TEST(CompletionRequestParsing, IntegralFloatsAreIntegers) {
 }
 
 TEST(CompletionRequestParsing, StreamOptionsNeedStream) {
-  EXPECT_TRUE(completion(R"({"prompt": "a", "stream": true, "stream_options": {"include_usage": true}})")
-                  .fields.include_usage);
+  EXPECT_TRUE(
+      completion(R"({"prompt": "a", "stream": true, "stream_options": {"include_usage": true}})").fields.include_usage);
   EXPECT_EQ(completion_error(R"({"prompt": "a", "stream_options": {"include_usage": true}})").param, "stream_options");
   EXPECT_EQ(completion_error(R"({"prompt": "a", "stream": true, "stream_options": {"include_usage": 1}})").param,
             "include_usage");
@@ -211,8 +215,7 @@ TEST(ChatRequestParsing, LogprobsFlagAndTopLogprobs) {
       limits());
   ASSERT_FALSE(failed(parsed));
   EXPECT_EQ(std::get<ChatRequest>(parsed).fields.sampling.logprobs, 4);
-  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 4})").param,
-            "top_logprobs");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 4})").param, "top_logprobs");
   auto none = parse_chat_request(ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})"), limits());
   EXPECT_EQ(std::get<ChatRequest>(none).fields.sampling.logprobs, -1);
 }
@@ -244,10 +247,13 @@ TEST(ResolveMaxTokens, FollowsVllmRules) {
   EXPECT_EQ(error_of(resolve_max_tokens(150, 1, 16, 100)).http_status, 400);
 }
 
-std::string token_text(int32_t id) { return "t" + std::to_string(id); }
+std::string token_text(int32_t id) {
+  return "t" + std::to_string(id);
+}
 
 TEST(ResponseShaping, CompletionLogprobsCarryOffsetsAndTopCandidates) {
-  std::vector<engine::TokenLogprob> logprobs = {{5, -0.5f, {{5, -0.5f}, {6, -1.5f}}}, {70, -2.0f, {{70, -2.0f}, {1, -2.5f}}}};
+  std::vector<engine::TokenLogprob> logprobs = {{5, -0.5f, {{5, -0.5f}, {6, -1.5f}}},
+                                                {70, -2.0f, {{70, -2.0f}, {1, -2.5f}}}};
   int64_t offset = 3;
   auto json = completion_logprobs_json(logprobs, token_text, offset);
   EXPECT_EQ(json["tokens"], nlohmann::json({"t5", "t70"}));

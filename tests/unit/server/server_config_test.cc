@@ -75,10 +75,14 @@ TEST(ServerConfigValidation, ContradictoryKvRolesAreRefused) {
 }
 
 TEST(ServerConfigValidation, RangesAreChecked) {
-  for (std::vector<const char*> args : std::vector<std::vector<const char*>>{
-           {"--port", "70000"}, {"--max-num-seqs", "0"}, {"--gpu-memory-utilization", "1.5"},
-           {"--load-format", "pickle"}, {"--device", "tpu"}, {"--max-model-len", "1"}, {"--io-threads", "0"},
-           {"--max-waiting-requests", "0"}}) {
+  for (std::vector<const char*> args : std::vector<std::vector<const char*>>{{"--port", "70000"},
+                                                                             {"--max-num-seqs", "0"},
+                                                                             {"--gpu-memory-utilization", "1.5"},
+                                                                             {"--load-format", "pickle"},
+                                                                             {"--device", "tpu"},
+                                                                             {"--max-model-len", "1"},
+                                                                             {"--io-threads", "0"},
+                                                                             {"--max-waiting-requests", "0"}}) {
     auto outcome = parse(args);
     ASSERT_TRUE(outcome.config) << args[0];
     EXPECT_FALSE(validate_server_config(*outcome.config).ok()) << args[0];
