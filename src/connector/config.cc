@@ -13,7 +13,9 @@ namespace {
 
 using nlohmann::json;
 
-const char* json_type_name(const json& value) { return value.type_name(); }
+const char* json_type_name(const json& value) {
+  return value.type_name();
+}
 
 Status read_bool(const json& obj, const char* key, bool* out) {
   auto it = obj.find(key);
@@ -43,8 +45,7 @@ Status read_port(const json& obj, const char* key, int32_t* out) {
   auto it = obj.find(key);
   if (it == obj.end()) return Status::Ok();
   if (!it->is_number_integer()) {
-    return invalid_argument("kv_connector_extra_config.{}: expected an integer port, got {}", key,
-                            json_type_name(*it));
+    return invalid_argument("kv_connector_extra_config.{}: expected an integer port, got {}", key, json_type_name(*it));
   }
   const int64_t port = it->get<int64_t>();
   if (port < 0 || port > 65535) {
@@ -111,18 +112,24 @@ Status validate_peer_entry(const std::string& entry) {
 
 const char* kv_role_short_name(KvRole role) {
   switch (role) {
-    case KvRole::kProducer: return "producer";
-    case KvRole::kConsumer: return "consumer";
-    case KvRole::kBoth: return "both";
+    case KvRole::kProducer:
+      return "producer";
+    case KvRole::kConsumer:
+      return "consumer";
+    case KvRole::kBoth:
+      return "both";
   }
   return "?";
 }
 
 const char* transfer_backend_name(TransferBackend backend) {
   switch (backend) {
-    case TransferBackend::kAuto: return "auto";
-    case TransferBackend::kCuda: return "cuda";
-    case TransferBackend::kUcx: return "ucx";
+    case TransferBackend::kAuto:
+      return "auto";
+    case TransferBackend::kCuda:
+      return "cuda";
+    case TransferBackend::kUcx:
+      return "ucx";
   }
   return "?";
 }
@@ -222,10 +229,14 @@ Result<KvTransferConfig> parse_kv_transfer_config(std::string_view json_text) {
     return invalid_argument("--kv-transfer-config: kv_role must be one of kv_producer, kv_consumer, kv_both");
   }
   const auto& role_text = role->get_ref<const std::string&>();
-  if (role_text == "kv_producer") config.role = KvRole::kProducer;
-  else if (role_text == "kv_consumer") config.role = KvRole::kConsumer;
-  else if (role_text == "kv_both") config.role = KvRole::kBoth;
-  else return invalid_argument("--kv-transfer-config: kv_role '{}' is not kv_producer, kv_consumer or kv_both", role_text);
+  if (role_text == "kv_producer")
+    config.role = KvRole::kProducer;
+  else if (role_text == "kv_consumer")
+    config.role = KvRole::kConsumer;
+  else if (role_text == "kv_both")
+    config.role = KvRole::kBoth;
+  else
+    return invalid_argument("--kv-transfer-config: kv_role '{}' is not kv_producer, kv_consumer or kv_both", role_text);
 
   if (auto ip = root.find("kv_ip"); ip != root.end()) {
     uint32_t parsed = 0;
@@ -241,26 +252,32 @@ Result<KvTransferConfig> parse_kv_transfer_config(std::string_view json_text) {
   if (!extra.is_object()) {
     return invalid_argument("kv_connector_extra_config: expected an object, got {}", json_type_name(extra));
   }
-  static const std::set<std::string> kExtraKeys = {
-      "read_mode", "backend", "handshake_port", "proxy_ip", "proxy_ping_port", "http_port",
-      "transfer_timeout", "defer_timeout", "recv_abort_timeout", "handshake_timeout", "on_failure",
-      "control_secret_file", "allowed_peers"};
+  static const std::set<std::string> kExtraKeys = {"read_mode",         "backend",         "handshake_port",
+                                                   "proxy_ip",          "proxy_ping_port", "http_port",
+                                                   "transfer_timeout",  "defer_timeout",   "recv_abort_timeout",
+                                                   "handshake_timeout", "on_failure",      "control_secret_file",
+                                                   "allowed_peers"};
   for (const auto& [key, value] : extra.items()) {
     if (!kExtraKeys.count(key)) {
-      return invalid_argument("kv_connector_extra_config: unknown key '{}' (known: read_mode, backend, "
-                              "handshake_port, proxy_ip, proxy_ping_port, http_port, transfer_timeout, "
-                              "defer_timeout, recv_abort_timeout, handshake_timeout, on_failure, "
-                              "control_secret_file, allowed_peers)",
-                              key);
+      return invalid_argument(
+          "kv_connector_extra_config: unknown key '{}' (known: read_mode, backend, "
+          "handshake_port, proxy_ip, proxy_ping_port, http_port, transfer_timeout, "
+          "defer_timeout, recv_abort_timeout, handshake_timeout, on_failure, "
+          "control_secret_file, allowed_peers)",
+          key);
     }
   }
   PD_RETURN_IF_ERROR(read_bool(extra, "read_mode", &config.read_mode));
   std::string backend = "auto";
   PD_RETURN_IF_ERROR(read_string(extra, "backend", &backend));
-  if (backend == "auto") config.backend = TransferBackend::kAuto;
-  else if (backend == "cuda") config.backend = TransferBackend::kCuda;
-  else if (backend == "ucx") config.backend = TransferBackend::kUcx;
-  else return invalid_argument("kv_connector_extra_config.backend: expected auto, cuda or ucx, got '{}'", backend);
+  if (backend == "auto")
+    config.backend = TransferBackend::kAuto;
+  else if (backend == "cuda")
+    config.backend = TransferBackend::kCuda;
+  else if (backend == "ucx")
+    config.backend = TransferBackend::kUcx;
+  else
+    return invalid_argument("kv_connector_extra_config.backend: expected auto, cuda or ucx, got '{}'", backend);
   PD_RETURN_IF_ERROR(read_port(extra, "handshake_port", &config.handshake_port));
   PD_RETURN_IF_ERROR(read_string(extra, "proxy_ip", &config.proxy_ip, 255));
   PD_RETURN_IF_ERROR(read_port(extra, "proxy_ping_port", &config.proxy_ping_port));
@@ -271,9 +288,12 @@ Result<KvTransferConfig> parse_kv_transfer_config(std::string_view json_text) {
   PD_RETURN_IF_ERROR(read_timeout(extra, "handshake_timeout", &config.handshake_timeout_ms));
   std::string policy = "recompute";
   PD_RETURN_IF_ERROR(read_string(extra, "on_failure", &policy));
-  if (policy == "recompute") config.on_failure = FailurePolicy::kRecompute;
-  else if (policy == "fail") config.on_failure = FailurePolicy::kFail;
-  else return invalid_argument("kv_connector_extra_config.on_failure: expected recompute or fail, got '{}'", policy);
+  if (policy == "recompute")
+    config.on_failure = FailurePolicy::kRecompute;
+  else if (policy == "fail")
+    config.on_failure = FailurePolicy::kFail;
+  else
+    return invalid_argument("kv_connector_extra_config.on_failure: expected recompute or fail, got '{}'", policy);
   PD_RETURN_IF_ERROR(read_string(extra, "control_secret_file", &config.control_secret_file));
   if (auto peers = extra.find("allowed_peers"); peers != extra.end()) {
     if (!peers->is_array()) {

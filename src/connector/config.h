@@ -36,10 +36,10 @@ struct KvTransferConfig {
   KvRole role = KvRole::kBoth;
   bool read_mode = false;  // false = WRITE mode (producer pushes)
   TransferBackend backend = TransferBackend::kAuto;
-  int32_t handshake_port = 0;   // control ROUTER port; 0 = pick a free one
-  std::string proxy_ip;         // router registration address; empty = no registration
+  int32_t handshake_port = 0;  // control ROUTER port; 0 = pick a free one
+  std::string proxy_ip;        // router registration address; empty = no registration
   int32_t proxy_ping_port = 0;
-  int32_t http_port = 0;        // advertised HTTP port (0 = take the server's)
+  int32_t http_port = 0;  // advertised HTTP port (0 = take the server's)
   int64_t transfer_timeout_ms = 30'000;
   int64_t defer_timeout_ms = 60'000;
   int64_t recv_abort_timeout_ms = 120'000;

@@ -49,7 +49,9 @@ bool unhex(std::string_view text, std::vector<uint8_t>* out) {
 
 }  // namespace
 
-PeerKey router_peer_key(std::span<const uint8_t> routing_id) { return "r:" + hex(routing_id); }
+PeerKey router_peer_key(std::span<const uint8_t> routing_id) {
+  return "r:" + hex(routing_id);
+}
 
 ControlPlane::ControlPlane(ControlPlaneConfig config, Handler handler)
     : config_(std::move(config)), handler_(std::move(handler)), context_(1) {}
@@ -99,7 +101,9 @@ void ControlPlane::wake() {
   [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
 }
 
-void ControlPlane::send(const PeerKey& to, const ControlMessage& message) { send_raw(to, encode_message(message)); }
+void ControlPlane::send(const PeerKey& to, const ControlMessage& message) {
+  send_raw(to, encode_message(message));
+}
 
 void ControlPlane::send_raw(const PeerKey& to, std::vector<uint8_t> frame) {
   {
@@ -219,8 +223,10 @@ void ControlPlane::receive_router() {
       while (parts.back().more()) {
         zmq::message_t next;
         if (!router_.recv(next, zmq::recv_flags::dontwait)) break;
-        if (parts.size() < 8) parts.push_back(std::move(next));
-        else if (!next.more()) break;  // drain oversize multipart without keeping it
+        if (parts.size() < 8)
+          parts.push_back(std::move(next));
+        else if (!next.more())
+          break;  // drain oversize multipart without keeping it
       }
     } catch (const zmq::error_t& e) {
       num_malformed_.fetch_add(1);
@@ -249,8 +255,10 @@ void ControlPlane::receive_dealer(const std::string& host_port, zmq::socket_t& s
       while (parts.back().more()) {
         zmq::message_t next;
         if (!socket.recv(next, zmq::recv_flags::dontwait)) break;
-        if (parts.size() < 8) parts.push_back(std::move(next));
-        else if (!next.more()) break;
+        if (parts.size() < 8)
+          parts.push_back(std::move(next));
+        else if (!next.more())
+          break;
       }
     } catch (const zmq::error_t&) {
       num_malformed_.fetch_add(1);

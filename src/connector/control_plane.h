@@ -34,15 +34,19 @@
 namespace pd::connector {
 
 using PeerKey = std::string;
-inline PeerKey dealer_peer_key(const std::string& host_port) { return "d:" + host_port; }
-inline bool is_dealer_peer(const PeerKey& key) { return key.rfind("d:", 0) == 0; }
+inline PeerKey dealer_peer_key(const std::string& host_port) {
+  return "d:" + host_port;
+}
+inline bool is_dealer_peer(const PeerKey& key) {
+  return key.rfind("d:", 0) == 0;
+}
 
 struct ControlPlaneConfig {
   std::string bind_host = "127.0.0.1";
   int32_t port = 0;  // 0 = an ephemeral port, read back with address()
   // Bounds a peer connection: ZMQ connect and (CURVE) handshake intervals.
   int64_t handshake_timeout_ms = 5'000;
-  int32_t send_hwm = 1'000;  // per socket; a full queue drops (counted), never blocks
+  int32_t send_hwm = 1'000;              // per socket; a full queue drops (counted), never blocks
   std::optional<auth::CurveKeys> curve;  // set: CURVE server on the ROUTER, client on DEALERs
   std::string instance_label;            // metrics label
 };

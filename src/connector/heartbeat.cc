@@ -39,9 +39,9 @@ std::vector<uint8_t> encode_registration(const RegistrationRecord& r) {
 }
 
 Result<std::unique_ptr<RegistrationHeartbeat>> RegistrationHeartbeat::start(RegistrationRecord record,
-                                                                             std::string router_address,
-                                                                             int64_t interval_ms,
-                                                                             std::optional<auth::CurveKeys> curve) {
+                                                                            std::string router_address,
+                                                                            int64_t interval_ms,
+                                                                            std::optional<auth::CurveKeys> curve) {
   std::unique_ptr<RegistrationHeartbeat> hb(new RegistrationHeartbeat());
   hb->frame_ = encode_registration(record);
   hb->interval_ms_ = interval_ms;

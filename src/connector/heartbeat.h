@@ -39,8 +39,8 @@ class RegistrationHeartbeat {
  public:
   // router_address: "host:port" of the router's ROUTER socket.
   static Result<std::unique_ptr<RegistrationHeartbeat>> start(RegistrationRecord record, std::string router_address,
-                                                               int64_t interval_ms,
-                                                               std::optional<auth::CurveKeys> curve);
+                                                              int64_t interval_ms,
+                                                              std::optional<auth::CurveKeys> curve);
   ~RegistrationHeartbeat();
   RegistrationHeartbeat(const RegistrationHeartbeat&) = delete;
   RegistrationHeartbeat& operator=(const RegistrationHeartbeat&) = delete;

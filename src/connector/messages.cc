@@ -65,7 +65,8 @@ class MapReader {
   Status u64(std::string_view key, uint64_t* out) {
     const auto* value = find(key);
     if (value == nullptr) return invalid_argument("missing key '{}'", key);
-    if (value->type != msgpack::type::POSITIVE_INTEGER) return invalid_argument("'{}' must be an unsigned integer", key);
+    if (value->type != msgpack::type::POSITIVE_INTEGER)
+      return invalid_argument("'{}' must be an unsigned integer", key);
     *out = value->via.u64;
     return Status::Ok();
   }
@@ -73,7 +74,8 @@ class MapReader {
   Status i32(std::string_view key, int32_t* out, int64_t min_value, int64_t max_value, bool required = true) {
     const auto* value = find(key);
     if (value == nullptr) return required ? invalid_argument("missing key '{}'", key) : Status::Ok();
-    if (value->type != msgpack::type::POSITIVE_INTEGER) return invalid_argument("'{}' must be an unsigned integer", key);
+    if (value->type != msgpack::type::POSITIVE_INTEGER)
+      return invalid_argument("'{}' must be an unsigned integer", key);
     if (value->via.u64 < static_cast<uint64_t>(min_value) || value->via.u64 > static_cast<uint64_t>(max_value)) {
       return invalid_argument("'{}' = {} outside [{}, {}]", key, value->via.u64, min_value, max_value);
     }
@@ -92,7 +94,8 @@ class MapReader {
   Status no_unknown_keys() const {
     for (uint32_t i = 0; i < map_.size; ++i) {
       const auto& key = map_.ptr[i].key;
-      if (key.type != msgpack::type::STR) return invalid_argument("map key of type {} (expected string)", int(key.type));
+      if (key.type != msgpack::type::STR)
+        return invalid_argument("map key of type {} (expected string)", int(key.type));
       std::string name(key.via.str.ptr, key.via.str.size);
       if (!used_.count(name)) return invalid_argument("unknown key '{}'", name.substr(0, 64));
     }
@@ -106,9 +109,9 @@ class MapReader {
 
 bool parse_type(std::string_view name, MessageType* out) {
   static const std::pair<const char*, MessageType> kTypes[] = {
-      {"meta", MessageType::kMeta},     {"meta_ok", MessageType::kMetaOk}, {"blocks", MessageType::kBlocks},
-      {"read", MessageType::kRead},     {"read_ok", MessageType::kReadOk}, {"done", MessageType::kDone},
-      {"abort", MessageType::kAbort},   {"release", MessageType::kRelease}, {"error", MessageType::kError}};
+      {"meta", MessageType::kMeta},   {"meta_ok", MessageType::kMetaOk},  {"blocks", MessageType::kBlocks},
+      {"read", MessageType::kRead},   {"read_ok", MessageType::kReadOk},  {"done", MessageType::kDone},
+      {"abort", MessageType::kAbort}, {"release", MessageType::kRelease}, {"error", MessageType::kError}};
   for (const auto& [text, type] : kTypes) {
     if (name == text) {
       *out = type;
@@ -118,7 +121,9 @@ bool parse_type(std::string_view name, MessageType* out) {
   return false;
 }
 
-bool has_transfer_id(MessageType type) { return type != MessageType::kMeta && type != MessageType::kMetaOk; }
+bool has_transfer_id(MessageType type) {
+  return type != MessageType::kMeta && type != MessageType::kMetaOk;
+}
 
 Status decode_fields(MapReader& reader, ControlMessage& msg) {
   PD_RETURN_IF_ERROR(reader.str("instance_id", &msg.instance_id, kMaxInstanceIdBytes));
@@ -137,7 +142,8 @@ Status decode_fields(MapReader& reader, ControlMessage& msg) {
     case MessageType::kMetaOk: {
       PD_RETURN_IF_ERROR(reader.bin("engine_desc", &msg.engine_desc, kMaxDescriptorBytes));
       const auto* layers = reader.find("layer_descs");
-      if (layers == nullptr || layers->type != msgpack::type::ARRAY) return invalid_argument("'layer_descs' must be an array");
+      if (layers == nullptr || layers->type != msgpack::type::ARRAY)
+        return invalid_argument("'layer_descs' must be an array");
       if (layers->via.array.size == 0 || layers->via.array.size > kMaxLayers) {
         return invalid_argument("'layer_descs' has {} entries, expected [1, {}]", layers->via.array.size, kMaxLayers);
       }
@@ -205,15 +211,24 @@ Status decode_fields(MapReader& reader, ControlMessage& msg) {
 
 const char* message_type_name(MessageType type) {
   switch (type) {
-    case MessageType::kMeta: return "meta";
-    case MessageType::kMetaOk: return "meta_ok";
-    case MessageType::kBlocks: return "blocks";
-    case MessageType::kRead: return "read";
-    case MessageType::kReadOk: return "read_ok";
-    case MessageType::kDone: return "done";
-    case MessageType::kAbort: return "abort";
-    case MessageType::kRelease: return "release";
-    case MessageType::kError: return "error";
+    case MessageType::kMeta:
+      return "meta";
+    case MessageType::kMetaOk:
+      return "meta_ok";
+    case MessageType::kBlocks:
+      return "blocks";
+    case MessageType::kRead:
+      return "read";
+    case MessageType::kReadOk:
+      return "read_ok";
+    case MessageType::kDone:
+      return "done";
+    case MessageType::kAbort:
+      return "abort";
+    case MessageType::kRelease:
+      return "release";
+    case MessageType::kError:
+      return "error";
   }
   return "?";
 }
@@ -248,14 +263,25 @@ std::vector<uint8_t> encode_message(const ControlMessage& msg) {
   if (has_transfer_id(msg.type)) ++num_fields;
   switch (msg.type) {
     case MessageType::kMeta:
-    case MessageType::kMetaOk: num_fields += 4; break;
-    case MessageType::kBlocks: num_fields += 3; break;
-    case MessageType::kRead: num_fields += 2; break;
-    case MessageType::kDone: num_fields += 3; break;
+    case MessageType::kMetaOk:
+      num_fields += 4;
+      break;
+    case MessageType::kBlocks:
+      num_fields += 3;
+      break;
+    case MessageType::kRead:
+      num_fields += 2;
+      break;
+    case MessageType::kDone:
+      num_fields += 3;
+      break;
     case MessageType::kAbort:
-    case MessageType::kError: num_fields += 1; break;
+    case MessageType::kError:
+      num_fields += 1;
+      break;
     case MessageType::kReadOk:
-    case MessageType::kRelease: break;
+    case MessageType::kRelease:
+      break;
   }
   pk.pack_map(static_cast<uint32_t>(num_fields));
   pack_str(pk, "v");
@@ -324,7 +350,8 @@ std::vector<uint8_t> encode_message(const ControlMessage& msg) {
       pack_str(pk, msg.text.substr(0, kMaxTextBytes));
       break;
     case MessageType::kReadOk:
-    case MessageType::kRelease: break;
+    case MessageType::kRelease:
+      break;
   }
   const auto* begin = reinterpret_cast<const uint8_t*>(buffer.data());
   return std::vector<uint8_t>(begin, begin + buffer.size());
@@ -340,7 +367,8 @@ Result<ControlMessage> decode_message(std::span<const uint8_t> frame) {
     const msgpack::unpack_limit limit(/*array=*/kMaxBlocksPerTransfer, /*map=*/32, /*str=*/kMaxTextBytes * 4,
                                       /*bin=*/kMaxDescriptorBytes, /*ext=*/0, /*depth=*/4);
     std::size_t offset = 0;
-    handle = msgpack::unpack(reinterpret_cast<const char*>(frame.data()), frame.size(), offset, nullptr, nullptr, limit);
+    handle =
+        msgpack::unpack(reinterpret_cast<const char*>(frame.data()), frame.size(), offset, nullptr, nullptr, limit);
     if (offset != frame.size()) return invalid_argument("{} trailing bytes after the message", frame.size() - offset);
   } catch (const std::exception& e) {
     return invalid_argument("not a msgpack message: {}", e.what());

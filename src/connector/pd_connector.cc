@@ -12,7 +12,9 @@
 namespace pd::connector {
 namespace {
 
-int64_t now_ms() { return now_ns() / 1'000'000; }
+int64_t now_ms() {
+  return now_ns() / 1'000'000;
+}
 
 // Under on_failure=fail a failed load finishes the request with an error, when
 // the engine offers ConnectorEvents::failed_requests; otherwise it recomputes.
@@ -28,9 +30,12 @@ bool push_failed_request(Events& events, std::string request_id, std::string mes
 
 const char* dtype_name(engine::KvDtype dtype) {
   switch (dtype) {
-    case engine::KvDtype::kFloat32: return "float32";
-    case engine::KvDtype::kBFloat16: return "bfloat16";
-    case engine::KvDtype::kFloat16: return "float16";
+    case engine::KvDtype::kFloat32:
+      return "float32";
+    case engine::KvDtype::kBFloat16:
+      return "bfloat16";
+    case engine::KvDtype::kFloat16:
+      return "float16";
   }
   return "?";
 }
@@ -56,8 +61,10 @@ std::optional<xfer::FaultSpec> fault_from_env() {
     return head;
   };
   const std::string mode = take();
-  if (mode == "fail") fault.mode = xfer::FaultMode::kFail;
-  else if (mode == "drop") fault.mode = xfer::FaultMode::kDrop;
+  if (mode == "fail")
+    fault.mode = xfer::FaultMode::kFail;
+  else if (mode == "drop")
+    fault.mode = xfer::FaultMode::kDrop;
   else if (mode == "delay") {
     fault.mode = xfer::FaultMode::kDelay;
     fault.delay_ms = std::atoll(take().c_str());
@@ -99,23 +106,35 @@ Status PdConnector::init() {
   auto& reg = metrics::Registry::global();
   const std::string& role = kv_role_short_name(config_.role);
   (void)role;
-  metrics_.started_producer = &reg.counter("pd_connector_transfers_started_total", "KV transfers started", {{"side", "producer"}});
-  metrics_.started_consumer = &reg.counter("pd_connector_transfers_started_total", "KV transfers started", {{"side", "consumer"}});
-  metrics_.done_producer = &reg.counter("pd_connector_transfers_done_total", "KV transfers completed", {{"side", "producer"}});
-  metrics_.done_consumer = &reg.counter("pd_connector_transfers_done_total", "KV transfers completed", {{"side", "consumer"}});
-  metrics_.failed_producer = &reg.counter("pd_connector_transfers_failed_total", "KV transfers failed", {{"side", "producer"}});
-  metrics_.failed_consumer = &reg.counter("pd_connector_transfers_failed_total", "KV transfers failed", {{"side", "consumer"}});
-  metrics_.bytes_written = &reg.counter("pd_connector_bytes_total", "KV bytes moved by this instance", {{"direction", "write"}});
-  metrics_.bytes_read = &reg.counter("pd_connector_bytes_total", "KV bytes moved by this instance", {{"direction", "read"}});
-  metrics_.transfer_seconds = &reg.histogram("pd_connector_transfer_seconds",
-                                             "Consumer-side time from admission to KV arrival");
+  metrics_.started_producer =
+      &reg.counter("pd_connector_transfers_started_total", "KV transfers started", {{"side", "producer"}});
+  metrics_.started_consumer =
+      &reg.counter("pd_connector_transfers_started_total", "KV transfers started", {{"side", "consumer"}});
+  metrics_.done_producer =
+      &reg.counter("pd_connector_transfers_done_total", "KV transfers completed", {{"side", "producer"}});
+  metrics_.done_consumer =
+      &reg.counter("pd_connector_transfers_done_total", "KV transfers completed", {{"side", "consumer"}});
+  metrics_.failed_producer =
+      &reg.counter("pd_connector_transfers_failed_total", "KV transfers failed", {{"side", "producer"}});
+  metrics_.failed_consumer =
+      &reg.counter("pd_connector_transfers_failed_total", "KV transfers failed", {{"side", "consumer"}});
+  metrics_.bytes_written =
+      &reg.counter("pd_connector_bytes_total", "KV bytes moved by this instance", {{"direction", "write"}});
+  metrics_.bytes_read =
+      &reg.counter("pd_connector_bytes_total", "KV bytes moved by this instance", {{"direction", "read"}});
+  metrics_.transfer_seconds =
+      &reg.histogram("pd_connector_transfer_seconds", "Consumer-side time from admission to KV arrival");
   metrics_.blocks_held = &reg.gauge("pd_connector_blocks_held", "Producer blocks held for transfers");
   metrics_.load_errors = &reg.counter("pd_connector_load_errors_total", "Remote KV loads that failed");
-  metrics_.recomputes = &reg.counter("pd_connector_recomputes_total", "Requests that recompute KV locally after a failed or timed-out load");
-  metrics_.timeouts = &reg.counter("pd_connector_timeouts_total", "Connector timeouts (defer, transfer, handshake, recv)");
-  metrics_.refused = &reg.counter("pd_connector_control_messages_refused_total",
-                                  "Well-formed control messages refused (forged, unknown transfer, wrong peer, bad ids)");
-  metrics_.handshakes_refused = &reg.counter("pd_connector_handshakes_refused_total", "Handshakes refused (layout mismatch, bad descriptors)");
+  metrics_.recomputes = &reg.counter("pd_connector_recomputes_total",
+                                     "Requests that recompute KV locally after a failed or timed-out load");
+  metrics_.timeouts =
+      &reg.counter("pd_connector_timeouts_total", "Connector timeouts (defer, transfer, handshake, recv)");
+  metrics_.refused =
+      &reg.counter("pd_connector_control_messages_refused_total",
+                   "Well-formed control messages refused (forged, unknown transfer, wrong peer, bad ids)");
+  metrics_.handshakes_refused =
+      &reg.counter("pd_connector_handshakes_refused_total", "Handshakes refused (layout mismatch, bad descriptors)");
 
   record_.instance_id = options_.instance_id.empty() ? default_instance_id(config_.role) : options_.instance_id;
   if (record_.instance_id.size() > kMaxInstanceIdBytes) {
@@ -130,10 +149,15 @@ Status PdConnector::init() {
   // standard UCX variable is passed through explicitly rather than left to UCX.
   if (const char* tls = std::getenv("UCX_TLS"); tls != nullptr) xcfg.ucx_transports = tls;
   switch (config_.backend) {
-    case TransferBackend::kUcx: xcfg.backends = {"ucx"}; break;
-    case TransferBackend::kCuda: xcfg.backends = {"cuda"}; break;
+    case TransferBackend::kUcx:
+      xcfg.backends = {"ucx"};
+      break;
+    case TransferBackend::kCuda:
+      xcfg.backends = {"cuda"};
+      break;
     case TransferBackend::kAuto:
-      xcfg.backends = runner_->kv_on_device() ? std::vector<std::string>{"cuda", "ucx"} : std::vector<std::string>{"ucx"};
+      xcfg.backends =
+          runner_->kv_on_device() ? std::vector<std::string>{"cuda", "ucx"} : std::vector<std::string>{"ucx"};
       break;
   }
   const auto fault = fault_from_env();
@@ -148,8 +172,8 @@ Status PdConnector::init() {
   for (int32_t layer = 0; layer < spec_.num_layers; ++layer) {
     void* base = runner_->kv_layer_base(layer);
     if (base == nullptr) return failed_precondition("runner has no KV region for layer {}", layer);
-    PD_ASSIGN_OR_RETURN(xfer::MemDesc desc, xfer_->register_memory(base, spec_.bytes_per_layer(), kind,
-                                                                   runner_->kv_on_device() ? 0 : -1));
+    PD_ASSIGN_OR_RETURN(xfer::MemDesc desc,
+                        xfer_->register_memory(base, spec_.bytes_per_layer(), kind, runner_->kv_on_device() ? 0 : -1));
     local_layers_.push_back(std::move(desc));
   }
   engine_desc_bytes_ = xfer::encode(xfer_->describe());
@@ -217,18 +241,22 @@ Status PdConnector::start_registration(const std::string& http_address) {
     record = record_;
   }
   if (!config_.registers_with_router() || heartbeat_) return Status::Ok();
-  PD_ASSIGN_OR_RETURN(heartbeat_, RegistrationHeartbeat::start(
-                                      record, fmt::format("{}:{}", config_.proxy_ip, config_.proxy_ping_port),
-                                      options_.registration_interval_ms, curve_));
+  PD_ASSIGN_OR_RETURN(
+      heartbeat_, RegistrationHeartbeat::start(record, fmt::format("{}:{}", config_.proxy_ip, config_.proxy_ping_port),
+                                               options_.registration_interval_ms, curve_));
   return Status::Ok();
 }
 
 nlohmann::json PdConnector::info_json() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return nlohmann::json{{"role", record_.role},           {"http", record_.http},
-                        {"control", record_.control},     {"instance_id", record_.instance_id},
-                        {"boot_nonce", record_.boot_nonce}, {"tp_size", record_.tp_size},
-                        {"dp_size", record_.dp_size},     {"mode", record_.mode},
+  return nlohmann::json{{"role", record_.role},
+                        {"http", record_.http},
+                        {"control", record_.control},
+                        {"instance_id", record_.instance_id},
+                        {"boot_nonce", record_.boot_nonce},
+                        {"tp_size", record_.tp_size},
+                        {"dp_size", record_.dp_size},
+                        {"mode", record_.mode},
                         {"model", record_.model}};
 }
 
@@ -244,8 +272,8 @@ Status PdConnector::validate_request(const engine::GenerateRequest& request) con
 }
 
 KvFingerprint PdConnector::fingerprint() const {
-  return KvFingerprint{spec_.num_layers, spec_.num_kv_heads, spec_.head_dim, dtype_name(spec_.dtype),
-                       spec_.block_size, 1};
+  return KvFingerprint{spec_.num_layers,        spec_.num_kv_heads, spec_.head_dim,
+                       dtype_name(spec_.dtype), spec_.block_size,   1};
 }
 
 ControlMessage PdConnector::meta_message(MessageType type) const {
@@ -318,8 +346,8 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
                                                                    request.num_prompt_tokens(), spec_.block_size));
   const int64_t now = now_ms();
   if (params.side == TransferSide::kProducer) {
-    PD_RETURN_IF_ERROR(producer_->start(params.transfer_id, request.request_id(), params.read_mode,
-                                        request.num_prompt_tokens(), now));
+    PD_RETURN_IF_ERROR(
+        producer_->start(params.transfer_id, request.request_id(), params.read_mode, request.num_prompt_tokens(), now));
     producer_request_transfer_[request.request_id()] = params.transfer_id;
     metrics_.started_producer->inc();
     run_actions();
@@ -332,8 +360,8 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   cp.remote_control = params.remote_control;
   cp.remote_boot_nonce = params.remote_boot_nonce;
   cp.remote_block_ids = params.remote_block_ids;
-  const int32_t num_external =
-      consumer_->admit(request.request_id(), std::move(cp), num_local_computed_tokens, request.num_prompt_tokens(), now);
+  const int32_t num_external = consumer_->admit(request.request_id(), std::move(cp), num_local_computed_tokens,
+                                                request.num_prompt_tokens(), now);
   if (num_external < 0) {
     return failed_precondition("transfer {} or request {} is already active on this consumer", params.transfer_id,
                                request.request_id());
@@ -450,11 +478,15 @@ engine::ConnectorEvents PdConnector::poll() {
       handle_message(*in, now);
     } else {
       const auto& c = std::get<Completion>(item);
-      if (c.ok) (c.is_write ? metrics_.bytes_written : metrics_.bytes_read)->inc(static_cast<double>(c.bytes));
-      else PD_LOG_WARN("connector: {} of layer {} for transfer {} failed: {}", c.is_write ? "write" : "read", c.layer,
-                       c.transfer_id, c.message);
-      if (c.is_write) producer_->on_write_done(c.transfer_id, c.layer, c.ok);
-      else consumer_->on_read_done(c.transfer_id, c.layer, c.ok);
+      if (c.ok)
+        (c.is_write ? metrics_.bytes_written : metrics_.bytes_read)->inc(static_cast<double>(c.bytes));
+      else
+        PD_LOG_WARN("connector: {} of layer {} for transfer {} failed: {}", c.is_write ? "write" : "read", c.layer,
+                    c.transfer_id, c.message);
+      if (c.is_write)
+        producer_->on_write_done(c.transfer_id, c.layer, c.ok);
+      else
+        consumer_->on_read_done(c.transfer_id, c.layer, c.ok);
     }
     run_actions();
   }
@@ -506,10 +538,14 @@ void PdConnector::handle_message(const InboundMessage& in, int64_t now) {
           return;
         }
         PeerRef ref{in.from, peer->second.instance_id, peer->second.boot_nonce};
-        if (msg.type == MessageType::kBlocks) producer_->on_blocks(ref, msg, peer->second.num_blocks, now);
-        else if (msg.type == MessageType::kRead) producer_->on_read(ref, msg, now);
-        else if (msg.type == MessageType::kRelease) producer_->on_release(ref, msg);
-        else producer_->on_abort(ref, msg);
+        if (msg.type == MessageType::kBlocks)
+          producer_->on_blocks(ref, msg, peer->second.num_blocks, now);
+        else if (msg.type == MessageType::kRead)
+          producer_->on_read(ref, msg, now);
+        else if (msg.type == MessageType::kRelease)
+          producer_->on_release(ref, msg);
+        else
+          producer_->on_abort(ref, msg);
         return;
       }
       if (msg.type == MessageType::kAbort) {
@@ -529,9 +565,12 @@ void PdConnector::handle_message(const InboundMessage& in, int64_t now) {
       }
       {
         PeerRef ref{in.from, msg.instance_id, msg.boot_nonce};
-        if (msg.type == MessageType::kDone) consumer_->on_done(ref, msg);
-        else if (msg.type == MessageType::kReadOk) consumer_->on_read_ok(ref, msg);
-        else consumer_->on_abort_or_error(ref, msg);
+        if (msg.type == MessageType::kDone)
+          consumer_->on_done(ref, msg);
+        else if (msg.type == MessageType::kReadOk)
+          consumer_->on_read_ok(ref, msg);
+        else
+          consumer_->on_abort_or_error(ref, msg);
       }
       return;
   }
@@ -580,7 +619,8 @@ void PdConnector::handle_meta(const InboundMessage& in) {
   // transfers bound to a dead incarnation fail instead of writing into it.
   for (auto it = producer_side_peers_.begin(); it != producer_side_peers_.end();) {
     if (it->second.instance_id == peer->instance_id && it->first != in.from) {
-      if (it->second.boot_nonce != peer->boot_nonce) producer_->on_peer_gone(it->second.instance_id, it->second.boot_nonce);
+      if (it->second.boot_nonce != peer->boot_nonce)
+        producer_->on_peer_gone(it->second.instance_id, it->second.boot_nonce);
       it = producer_side_peers_.erase(it);
     } else {
       ++it;

@@ -84,8 +84,7 @@ class PdConnector final : public engine::KvConnector {
   void after_step(const engine::StepPlan& plan, const Status& status) override;
   engine::ConnectorEvents poll() override;
   bool request_preempted(const engine::Request& request, std::span<const int32_t> block_ids) override;
-  engine::FinishDecision request_finished(const engine::Request& request,
-                                          std::span<const int32_t> block_ids) override;
+  engine::FinishDecision request_finished(const engine::Request& request, std::span<const int32_t> block_ids) override;
   engine::RemoteKvTimeoutAction on_remote_kv_timeout(const engine::Request& request) override;
 
  private:
@@ -160,7 +159,7 @@ class PdConnector final : public engine::KvConnector {
   // Engine thread only.
   std::unique_ptr<ProducerTransfers> producer_;
   std::unique_ptr<ConsumerTransfers> consumer_;
-  std::map<PeerKey, PeerInfo> producer_side_peers_;  // consumers that handshook with us, by ROUTER key
+  std::map<PeerKey, PeerInfo> producer_side_peers_;      // consumers that handshook with us, by ROUTER key
   std::map<std::string, PeerInfo> consumer_side_peers_;  // producers we dialled, by control address
   std::unordered_map<std::string, std::string> producer_request_transfer_;  // request id -> transfer id
   std::unordered_map<std::string, ConsumerRequest> consumer_requests_;

@@ -183,8 +183,10 @@ void ProducerTransfers::on_write_done(const std::string& transfer_id, int32_t la
   if (it == transfers_.end()) return;
   Transfer& t = it->second;
   if (t.num_in_flight > 0) --t.num_in_flight;
-  if (!ok) fail(transfer_id, t, fmt::format("write of layer {} failed", layer));
-  else maybe_finish(transfer_id);
+  if (!ok)
+    fail(transfer_id, t, fmt::format("write of layer {} failed", layer));
+  else
+    maybe_finish(transfer_id);
 }
 
 void ProducerTransfers::fail(const std::string& transfer_id, Transfer& t, const std::string& reason) {
@@ -239,11 +241,16 @@ void ProducerTransfers::remember_closed(const std::string& transfer_id) {
 void ProducerTransfers::on_read(const PeerRef& from, const ControlMessage& msg, int64_t now_ms) {
   auto it = transfers_.find(msg.transfer_id);
   std::string refusal;
-  if (it == transfers_.end()) refusal = "unknown transfer (expired or never started)";
-  else if (!it->second.read_mode) refusal = "read for a WRITE transfer";
-  else if (!it->second.holding || it->second.failed) refusal = "transfer has no KV held";
-  else if (it->second.reader && !(*it->second.reader == from)) refusal = "transfer is being read by another peer";
-  else if (msg.num_tokens != it->second.num_prompt_tokens) refusal = "num_tokens does not match the transfer";
+  if (it == transfers_.end())
+    refusal = "unknown transfer (expired or never started)";
+  else if (!it->second.read_mode)
+    refusal = "read for a WRITE transfer";
+  else if (!it->second.holding || it->second.failed)
+    refusal = "transfer has no KV held";
+  else if (it->second.reader && !(*it->second.reader == from))
+    refusal = "transfer is being read by another peer";
+  else if (msg.num_tokens != it->second.num_prompt_tokens)
+    refusal = "num_tokens does not match the transfer";
   else {
     const auto& held = it->second.local_block_ids;
     std::unordered_set<int32_t> seen;
@@ -315,12 +322,15 @@ void ProducerTransfers::on_abort(const PeerRef& from, const ControlMessage& msg)
 
 void ProducerTransfers::on_peer_gone(const std::string& instance_id, uint64_t boot_nonce) {
   for (auto it = early_blocks_.begin(); it != early_blocks_.end();) {
-    if (it->second.from.instance_id == instance_id && it->second.from.boot_nonce == boot_nonce) it = early_blocks_.erase(it);
-    else ++it;
+    if (it->second.from.instance_id == instance_id && it->second.from.boot_nonce == boot_nonce)
+      it = early_blocks_.erase(it);
+    else
+      ++it;
   }
   std::vector<std::string> doomed;
   for (auto& [id, t] : transfers_) {
-    if (t.dest && t.dest->peer.instance_id == instance_id && t.dest->peer.boot_nonce == boot_nonce) doomed.push_back(id);
+    if (t.dest && t.dest->peer.instance_id == instance_id && t.dest->peer.boot_nonce == boot_nonce)
+      doomed.push_back(id);
   }
   for (const auto& id : doomed) {
     auto it = transfers_.find(id);
@@ -535,8 +545,8 @@ void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, con
   t.data_may_move = true;
 }
 
-void ConsumerTransfers::on_peer_ready(const std::string& control, const std::string& instance_id,
-                                      uint64_t boot_nonce, int32_t peer_num_blocks) {
+void ConsumerTransfers::on_peer_ready(const std::string& control, const std::string& instance_id, uint64_t boot_nonce,
+                                      int32_t peer_num_blocks) {
   Peer& peer = peers_[control];
   peer.phase = PeerPhase::kReady;
   peer.instance_id = instance_id;
@@ -544,8 +554,7 @@ void ConsumerTransfers::on_peer_ready(const std::string& control, const std::str
   peer.num_blocks = peer_num_blocks;
   std::vector<std::string> waiting;
   for (auto& [id, t] : transfers_) {
-    if (t.params.remote_control == control &&
-        (t.phase == Phase::kAwaitingPeer || t.phase == Phase::kNotifyOnly)) {
+    if (t.params.remote_control == control && (t.phase == Phase::kAwaitingPeer || t.phase == Phase::kNotifyOnly)) {
       waiting.push_back(id);
     }
   }
@@ -557,8 +566,10 @@ void ConsumerTransfers::on_peer_ready(const std::string& control, const std::str
       const std::string reason =
           fmt::format("producer at {} is {} (nonce {}), the request names {} (nonce {})", control, instance_id,
                       boot_nonce, t.params.remote_instance_id, t.params.remote_boot_nonce);
-      if (t.phase == Phase::kNotifyOnly) transfers_.erase(it);
-      else finish(id, t, false, reason);
+      if (t.phase == Phase::kNotifyOnly)
+        transfers_.erase(it);
+      else
+        finish(id, t, false, reason);
       continue;
     }
     proceed(id, t, peer);
@@ -577,8 +588,10 @@ void ConsumerTransfers::on_peer_failed(const std::string& control, const std::st
   }
   for (const auto& id : waiting) {
     auto it = transfers_.find(id);
-    if (it->second.phase == Phase::kNotifyOnly) transfers_.erase(it);
-    else finish(id, it->second, false, "producer unreachable: " + reason);
+    if (it->second.phase == Phase::kNotifyOnly)
+      transfers_.erase(it);
+    else
+      finish(id, it->second, false, "producer unreachable: " + reason);
   }
 }
 

@@ -80,8 +80,8 @@ class ProducerTransfers {
   };
 
   // A do_remote_decode request was admitted.
-  Status start(const std::string& transfer_id, const std::string& request_id, bool read_mode,
-               int32_t num_prompt_tokens, int64_t now_ms);
+  Status start(const std::string& transfer_id, const std::string& request_id, bool read_mode, int32_t num_prompt_tokens,
+               int64_t now_ms);
   // The step that completes the prompt is about to run with these local blocks.
   void begin_final_step(const std::string& transfer_id, std::vector<int32_t> local_block_ids);
   // Inside the final step, after `layer`'s attention wrote its KV.
@@ -143,14 +143,14 @@ class ProducerTransfers {
     int64_t deadline_ms = 0;
   };
 
-  Status attach_destination(Transfer& t, const std::string& transfer_id, const PeerRef& from,
-                            const ControlMessage& msg, int32_t peer_num_blocks);
+  Status attach_destination(Transfer& t, const std::string& transfer_id, const PeerRef& from, const ControlMessage& msg,
+                            int32_t peer_num_blocks);
   void post_ready_layers(const std::string& transfer_id, Transfer& t);
   void fail(const std::string& transfer_id, Transfer& t, const std::string& reason);
   void maybe_finish(const std::string& transfer_id);
   void remember_closed(const std::string& transfer_id);
-  void send(const PeerRef& to, MessageType type, const std::string& transfer_id, std::string text = {},
-            bool ok = false, int32_t num_tokens = 0);
+  void send(const PeerRef& to, MessageType type, const std::string& transfer_id, std::string text = {}, bool ok = false,
+            int32_t num_tokens = 0);
 
   int32_t num_layers_;
   int32_t block_size_;
@@ -253,7 +253,15 @@ class ConsumerTransfers {
   std::optional<std::string> transfer_of_request(const std::string& request_id) const;
 
  private:
-  enum class Phase : uint8_t { kAdmitted, kNotifyOnly, kAwaitingPeer, kWaitingDone, kAwaitingReadOk, kReading, kClosed };
+  enum class Phase : uint8_t {
+    kAdmitted,
+    kNotifyOnly,
+    kAwaitingPeer,
+    kWaitingDone,
+    kAwaitingReadOk,
+    kReading,
+    kClosed
+  };
   struct Transfer {
     std::string request_id;
     Params params;
@@ -289,9 +297,9 @@ class ConsumerTransfers {
   int32_t num_layers_;
   int32_t block_size_;
   ConsumerTimeouts timeouts_;
-  std::map<std::string, Transfer> transfers_;        // by transfer id
-  std::map<std::string, std::string> by_request_;    // request id -> transfer id
-  std::map<std::string, Peer> peers_;                // by control address
+  std::map<std::string, Transfer> transfers_;      // by transfer id
+  std::map<std::string, std::string> by_request_;  // request id -> transfer id
+  std::map<std::string, Peer> peers_;              // by control address
   ConsumerActions actions_;
 };
 

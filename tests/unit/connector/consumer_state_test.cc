@@ -10,7 +10,9 @@ const std::string kControl = "127.0.0.1:7000";
 constexpr int32_t kLayers = 2;
 constexpr int32_t kBlockSize = 4;
 
-PeerRef producer(uint64_t nonce = 5) { return PeerRef{dealer_peer_key(kControl), "prefill-0", nonce}; }
+PeerRef producer(uint64_t nonce = 5) {
+  return PeerRef{dealer_peer_key(kControl), "prefill-0", nonce};
+}
 
 ConsumerTransfers::Params params(bool read_mode = false, uint64_t nonce = 5) {
   ConsumerTransfers::Params p;

@@ -71,9 +71,9 @@ TEST(ControlPlane, MalformedFramesAreCountedAnsweredAndTheListenerKeepsServing) 
   auto client = ControlPlane::start({}, [&](InboundMessage m) { client_inbox.push(std::move(m)); });
   ASSERT_TRUE(client.ok());
   const PeerKey to = dealer_peer_key((*server)->address());
-  (*client)->send_raw(to, {0xc1, 0xc1});                          // not msgpack
-  (*client)->send_raw(to, std::vector<uint8_t>(100, 0x91));        // deep nesting
-  (*client)->send_raw(to, {0x81, 0xa1, 'v', 0x02});                // wrong version
+  (*client)->send_raw(to, {0xc1, 0xc1});                     // not msgpack
+  (*client)->send_raw(to, std::vector<uint8_t>(100, 0x91));  // deep nesting
+  (*client)->send_raw(to, {0x81, 0xa1, 'v', 0x02});          // wrong version
   auto forged = release_msg("x");
   forged.transfer_id = "not-a-transfer";
   (*client)->send(to, forged);

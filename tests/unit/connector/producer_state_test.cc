@@ -9,8 +9,12 @@ const std::string kT = "0123456789abcdef0123456789abcdef";
 constexpr int32_t kLayers = 3;
 constexpr int32_t kBlockSize = 4;
 
-PeerRef consumer() { return PeerRef{"r:0a", "decode-0", 77}; }
-PeerRef intruder() { return PeerRef{"r:0b", "decode-9", 99}; }
+PeerRef consumer() {
+  return PeerRef{"r:0a", "decode-0", 77};
+}
+PeerRef intruder() {
+  return PeerRef{"r:0b", "decode-9", 99};
+}
 
 ControlMessage blocks_msg(std::vector<int32_t> ids, int32_t num_tokens, int32_t skip = 0) {
   ControlMessage m;
@@ -125,11 +129,11 @@ TEST_F(ProducerStateTest, BadDestinationsAbortTheTransferWithoutWriting) {
     int32_t peer_blocks;
   };
   const Case cases[] = {
-      {blocks_msg({7, 8}, 10), 64},         // too few
-      {blocks_msg({7, 8, 9}, 11), 64},      // other prompt length
-      {blocks_msg({7, 8, 64}, 10), 64},     // out of the consumer's pool
-      {blocks_msg({7, 7, 9}, 10), 64},      // repeated destination
-      {blocks_msg({7, 8, 9}, 10, 4), 64},   // skips more than exists
+      {blocks_msg({7, 8}, 10), 64},        // too few
+      {blocks_msg({7, 8, 9}, 11), 64},     // other prompt length
+      {blocks_msg({7, 8, 64}, 10), 64},    // out of the consumer's pool
+      {blocks_msg({7, 7, 9}, 10), 64},     // repeated destination
+      {blocks_msg({7, 8, 9}, 10, 4), 64},  // skips more than exists
   };
   for (const auto& c : cases) {
     ProducerTransfers p(kLayers, kBlockSize, ProducerTimeouts{1000, 500});

@@ -16,8 +16,8 @@ KvTransferConfig config_for(KvRole role) {
 }
 
 json consumer_params() {
-  return json{{"transfer_id", kId},          {"do_remote_prefill", true},       {"mode", "write"},
-              {"remote_instance_id", "p0"},   {"remote_control", "127.0.0.1:7000"}, {"remote_boot_nonce", 42u}};
+  return json{{"transfer_id", kId},         {"do_remote_prefill", true},          {"mode", "write"},
+              {"remote_instance_id", "p0"}, {"remote_control", "127.0.0.1:7000"}, {"remote_boot_nonce", 42u}};
 }
 
 TEST(TransferParams, ProducerLegParses) {
