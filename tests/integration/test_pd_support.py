@@ -149,8 +149,16 @@ def mixed_prompts(count: int, seed: int = 7) -> list[list[int]]:
 
 def assert_no_blocks_in_use(*instances: Instance, timeout_s: float = 30.0):
     for inst in instances:
-        wait_for(lambda inst=inst: inst.metric("pd_kv_blocks_used") == 0, timeout_s,
-                 f"{inst.url}: pd_kv_blocks_used == 0")
+        def free(inst=inst):
+            return inst.metric("pd_kv_blocks_used") == 0
+        try:
+            wait_for(free, timeout_s, f"{inst.url}: pd_kv_blocks_used == 0")
+        except BaseException:
+            state = [line for line in inst.server.metrics().splitlines()
+                     if line.startswith(("pd_connector_transfers", "pd_connector_timeouts", "pd_connector_blocks",
+                                         "pd_kv_blocks", "pd_num_requests", "pd_connector_load"))]
+            print(f"{inst.url} connector state:\n" + "\n".join(state))
+            raise
 
 
 # --------------------------------------------------------------------------- network namespaces
