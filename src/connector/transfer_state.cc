@@ -24,6 +24,13 @@ Status ProducerTransfers::start(const std::string& transfer_id, const std::strin
   t.num_prompt_tokens = num_prompt_tokens;
   t.layer_ready.assign(static_cast<size_t>(num_layers_), false);
   t.layer_posted.assign(static_cast<size_t>(num_layers_), false);
+  if (closed_set_.count(transfer_id)) {
+    // The consumer gave up on this transfer before our leg arrived: compute, but hold nothing.
+    t.failed = true;
+    t.failure = "transfer aborted by the consumer before the request arrived";
+    ++actions_.num_failed;
+    return Status::Ok();
+  }
   auto early = early_blocks_.find(transfer_id);
   if (early != early_blocks_.end()) {
     EarlyBlocks buffered = std::move(early->second);
@@ -295,7 +302,11 @@ void ProducerTransfers::on_abort(const PeerRef& from, const ControlMessage& msg)
     return;
   }
   auto it = transfers_.find(msg.transfer_id);
-  if (it == transfers_.end()) return;
+  if (it == transfers_.end()) {
+    // Our leg has not arrived yet (legs race): remember, so it never holds blocks for nobody.
+    remember_closed(msg.transfer_id);
+    return;
+  }
   Transfer& t = it->second;
   if (t.read_mode) {
     if (t.reader && !(*t.reader == from)) {

@@ -287,3 +287,21 @@ TEST(ProducerAdmission, StartIsIdempotentForTheSameRequestOnly) {
 
 }  // namespace
 }  // namespace pd::connector
+
+namespace pd::connector {
+namespace {
+
+TEST(ProducerAdmission, AnAbortThatBeatsTheRequestMeansNothingIsHeld) {
+  ProducerTransfers p(3, 4, {});
+  ControlMessage abort;
+  abort.type = MessageType::kAbort;
+  abort.transfer_id = kT;
+  p.on_abort(consumer(), abort);
+  ASSERT_TRUE(p.start(kT, "req", false, 10, 0).ok());
+  p.on_forward_done(kT, true);
+  EXPECT_FALSE(p.request_finished(kT, {1, 2, 3}, true, 0));
+  EXPECT_EQ(p.num_active(), 0u);
+}
+
+}  // namespace
+}  // namespace pd::connector
