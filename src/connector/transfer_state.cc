@@ -745,6 +745,10 @@ bool ConsumerTransfers::request_preempted(const std::string& request_id, int64_t
   const std::string transfer_id = r->second;
   Transfer& t = transfers_.at(transfer_id);
   if (!t.data_may_move) {
+    // The request recomputes from scratch: let the producer go now, not at defer_timeout.
+    if (peer_ready(t.params.remote_control) || t.phase == Phase::kAwaitingReadOk) {
+      send(t.params.remote_control, MessageType::kAbort, transfer_id, "request preempted before its KV moved");
+    }
     by_request_.erase(r);
     transfers_.erase(transfer_id);
     return false;

@@ -293,3 +293,26 @@ TEST(ConsumerAdmission, AnotherRequestCannotClaimAnActiveTransfer) {
 
 }  // namespace
 }  // namespace pd::connector
+
+namespace pd::connector {
+namespace {
+
+TEST(ConsumerAdmission, APreemptedRequestWhoseKvNeverMovedReleasesTheProducerAtOnce) {
+  ConsumerTransfers c(2, 4, {});
+  // Another transfer made the peer ready.
+  auto other = params();
+  other.transfer_id = "ffffffffffffffffffffffffffffffff";
+  ASSERT_EQ(c.admit("r0", other, 0, 10, 0), 9);
+  c.allocated("r0", {1, 2, 3}, 0, 9, 0);
+  c.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c.take_actions();
+  ASSERT_EQ(c.admit("req", params(), 0, 10, 0), 9);  // admitted, never allocated (no room)
+  EXPECT_FALSE(c.request_preempted("req", 0));
+  auto a = c.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kAbort);
+  EXPECT_EQ(a.sends[0].message.transfer_id, kT);
+}
+
+}  // namespace
+}  // namespace pd::connector
