@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "common/log.h"
+#include "connector/pd_connector.h"
 #include "engine/engine.h"
 #include "engine/runner/load_model.h"
 #include "server/http_server.h"
@@ -63,15 +64,36 @@ int run(pd::server::ServerConfig config) {
   const int32_t max_model_len = loaded->max_model_len;
   const std::string architecture = loaded->architecture;
 
-  auto created = engine::Engine::create(std::move(engine_config), std::move(loaded->runner), tokenizer);
+  // P/D connector (issue 5): built before the engine, which then owns it and
+  // destroys it before the runner it points at.
+  std::unique_ptr<engine::KvConnector> kv_connector;
+  connector::PdConnector* pd_connector = nullptr;
+  if (!config.kv_transfer.config_json.empty() || !config.kv_transfer.kv_role.empty()) {
+    auto kv_config =
+        connector::kv_transfer_config_from_flags(config.kv_transfer.config_json, config.kv_transfer.kv_role);
+    if (!kv_config.ok()) {
+      PD_LOG_ERROR("{}", kv_config.status().to_string());
+      return 1;
+    }
+    connector::PdConnectorOptions connector_options;
+    connector_options.config = *kv_config;
+    connector_options.served_model_name = config.primary_model_name();
+    auto made = connector::PdConnector::create(std::move(connector_options), loaded->runner.get());
+    if (!made.ok()) {
+      PD_LOG_ERROR("cannot start the P/D connector: {}", made.status().to_string());
+      return 1;
+    }
+    pd_connector = made->get();
+    kv_connector = std::move(made).value();
+  }
+
+  auto created =
+      engine::Engine::create(std::move(engine_config), std::move(loaded->runner), tokenizer, std::move(kv_connector));
   if (!created.ok()) {
     PD_LOG_ERROR("cannot start the engine: {}", created.status().to_string());
     return 1;
   }
   std::unique_ptr<engine::Engine> engine = std::move(created).value();
-  if (!config.kv_transfer.config_json.empty() || !config.kv_transfer.kv_role.empty())
-    PD_LOG_WARN("--kv-transfer-config/--kv-role accepted (role '{}') but no P/D connector is wired in this build",
-                config.kv_transfer.kv_role);
 
   server::HttpServerOptions http_options;
   http_options.host = config.host;
@@ -85,6 +107,12 @@ int run(pd::server::ServerConfig config) {
   server::OpenAiService service(config, *engine, tokenizer, max_model_len);
   server::HttpServer http(http_options);
   service.register_routes(http);
+  if (pd_connector != nullptr) {
+    http.route(server::http::verb::get, "/pd/info",
+               [pd_connector](server::HttpExchange& exchange) -> server::net::awaitable<void> {
+                 co_await exchange.respond_json(server::http::status::ok, pd_connector->info_json());
+               });
+  }
   if (Status status = http.start(); !status.ok()) {
     PD_LOG_ERROR("{}", status.to_string());
     engine->shutdown();
@@ -92,6 +120,17 @@ int run(pd::server::ServerConfig config) {
   }
   PD_LOG_INFO("model {} ({}), max_model_len {}, {} KV blocks of {} tokens", config.model, architecture, max_model_len,
               engine->kv_cache_spec().num_blocks, engine->kv_cache_spec().block_size);
+  if (pd_connector != nullptr) {
+    const auto& kv = pd_connector->config();
+    const int32_t advertised_port = kv.http_port > 0 ? kv.http_port : static_cast<int32_t>(http.port());
+    if (Status status = pd_connector->start_registration(fmt::format("{}:{}", config.host, advertised_port));
+        !status.ok()) {
+      PD_LOG_ERROR("P/D registration: {}", status.to_string());
+      http.stop();
+      engine->shutdown();
+      return 1;
+    }
+  }
   // Tests and scripts read this line to learn the port (--port 0).
   std::printf("pdserve listening on http://%s:%u\n", config.host.c_str(), static_cast<unsigned>(http.port()));
   std::fflush(stdout);
