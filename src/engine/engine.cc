@@ -21,8 +21,9 @@
 namespace pd::engine {
 namespace {
 
-// Longest idle wait: bounds how stale a missed wakeup can make the loop.
-constexpr int64_t kIdleWaitMs = 500;
+// Longest idle wait: bounds how stale a missed wakeup can make the loop, and
+// how late connector-side timeouts (checked inside poll()) are noticed.
+constexpr int64_t kIdleWaitMs = 50;
 
 struct AddMessage {
   std::unique_ptr<Request> request;
@@ -266,6 +267,11 @@ class EngineImpl final : public Engine {
   void poll_connector(std::unordered_set<std::string>* moved_back) {
     if (connector_ == nullptr) return;
     ConnectorEvents events = connector_->poll();
+    for (const FailedRequest& failed : events.failed_requests) {
+      if (Request* r = scheduler_.find(failed.request_id)) {
+        finish_live(*r, RequestState::kFinishedError, FinishReason::kError, failed.message);
+      }
+    }
     std::unordered_set<std::string> moved = scheduler_.apply_load_errors(events.load_errors);
     scheduler_.apply_connector_events(events);
     for (const auto& id : events.finished_sending) release_id_if_unused(id);

@@ -78,10 +78,21 @@ struct LoadError {
   std::vector<int32_t> failed_block_ids;  // KV in these blocks is invalid
 };
 
+// A live request whose transfer failed for good (on_failure=fail policy):
+// the engine finishes it with kFinishedError and this message. Its blocks are
+// released through request_finished as for any finish (the connector may hold them).
+struct FailedRequest {
+  std::string request_id;
+  std::string message;
+};
+
 struct ConnectorEvents {
   std::vector<std::string> finished_recving;  // async loads complete (or a held block set may be released)
   std::vector<std::string> finished_sending;  // sends complete: release one hold each
   std::vector<LoadError> load_errors;         // recompute those blocks' tokens
+  // Applied first; the other lists then see these ids as finished (a
+  // finished_recving for one releases its hold, if any).
+  std::vector<FailedRequest> failed_requests;
 };
 
 enum class RemoteKvTimeoutAction : uint8_t {

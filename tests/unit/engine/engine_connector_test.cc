@@ -54,6 +54,11 @@ class LoopbackConnector : public KvConnector {
     events_.finished_recving.push_back(id);
     if (wakeup_) wakeup_();
   }
+  void report_failed(const std::string& id, const std::string& message) {
+    std::lock_guard lock(mutex_);
+    events_.failed_requests.push_back({id, message});
+    if (wakeup_) wakeup_();
+  }
   void report_sent(const std::string& id) {
     std::lock_guard lock(mutex_);
     events_.finished_sending.push_back(id);
@@ -264,6 +269,20 @@ TEST(EngineConnector, ProducerKeepsBlocksAndIdUntilSendingIsReported) {
   EXPECT_EQ(rig.engine->add_request(pd_request("p", 20, 1), out.callback()).code(), ErrorCode::kInvalidArgument);
   rig.connector->report_sent("p");
   ASSERT_TRUE(rig.connector->wait_drained());
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(EngineConnector, TransferFailureReportedByTheConnectorFailsTheWaitingRequest) {
+  Rig rig = make_rig(64, ExternalMatch{24, true, 60'000});
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  rig.connector->report_failed("c", "producer aborted transfer t");
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_EQ(out.last("c").finish_reason, FinishReason::kError);
+  EXPECT_EQ(out.last("c").error, "producer aborted transfer t");
+  EXPECT_TRUE(out.tokens("c").empty());
   rig.engine->shutdown();
   EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
 }
