@@ -1,5 +1,9 @@
 #include "engine/runner/load_model.h"
 
+#ifdef PDSERVE_HAVE_CUDA_RUNNER
+#include "engine/runner_cuda/load_cuda_runner.h"
+#endif
+
 #include <cstdlib>
 #include <system_error>
 
@@ -50,8 +54,12 @@ std::filesystem::path find_assets_dir() {
 }
 
 Result<LoadedModel> load_model(const ModelLoadOptions& options) {
-  if (options.device != "cpu")
-    return unimplemented("device '{}' is not available in this build (this runner supports: cpu)", options.device);
+  if (options.device != "cpu" && options.device != "cuda")
+    return invalid_argument("device must be cpu or cuda, got '{}'", options.device);
+#ifndef PDSERVE_HAVE_CUDA_RUNNER
+  if (options.device == "cuda")
+    return unimplemented("device 'cuda': this build has no CUDA runner (it was built without nvcc)");
+#endif
   if (options.load_format != "auto" && options.load_format != "safetensors" && options.load_format != "dummy")
     return invalid_argument("load_format must be auto, safetensors or dummy, got '{}'", options.load_format);
   if (options.block_size <= 0 || options.block_size > 1024)
@@ -91,6 +99,29 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
   if (max_model_len > config.max_position_embeddings)
     return invalid_argument("max_model_len {} exceeds the model's max_position_embeddings {}", max_model_len,
                             config.max_position_embeddings);
+
+#ifdef PDSERVE_HAVE_CUDA_RUNNER
+  if (options.device == "cuda") {
+    CudaLoadRequest request;
+    request.config = config;
+    request.model_dir = options.model == kBuiltinTiny ? std::filesystem::path() : std::filesystem::path(options.model);
+    request.load_format =
+        (options.model == kBuiltinTiny || options.load_format == "dummy") ? "dummy" : options.load_format;
+    request.options.block_size = options.block_size;
+    request.options.max_model_len = max_model_len;
+    request.options.num_kv_blocks = options.num_kv_blocks;
+    request.options.gpu_memory_utilization = options.gpu_memory_utilization;
+    request.options.max_num_seqs = options.max_num_seqs;
+    request.options.max_num_batched_tokens = options.max_num_batched_tokens;
+    request.options.dummy_seed = options.seed;
+    loaded.architecture = config.architecture;
+    loaded.eos_token_ids = config.eos_token_ids;
+    loaded.max_model_len = max_model_len;
+    PD_ASSIGN_OR_RETURN(loaded.runner, load_cuda_runner(request));
+    PD_LOG_INFO("loaded {} ({}) on cuda, max_model_len {}", options.model, loaded.architecture, max_model_len);
+    return loaded;
+  }
+#endif
 
   int32_t num_blocks = options.num_kv_blocks;
   if (num_blocks == 0) {

@@ -22,6 +22,11 @@ struct ModelLoadOptions {
   int64_t kv_cache_bytes = 0;  // 0 = default (CPU: 256 MiB); num_kv_blocks overrides when > 0
   int32_t num_kv_blocks = 0;
   int32_t max_model_len = 0;  // 0 = min(config max_position_embeddings, 4096)
+  // cuda only: fraction of device memory for weights + KV, and the largest
+  // batch the runner must hold (sizes its pinned step buffers and graph buckets).
+  double gpu_memory_utilization = 0.9;
+  int32_t max_num_seqs = 256;
+  int32_t max_num_batched_tokens = 8192;
 };
 
 struct LoadedModel {
