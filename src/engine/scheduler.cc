@@ -137,7 +137,8 @@ Scheduler::Admit Scheduler::try_admit(Request& request, int32_t* budget, StepPla
     hit_blocks = pool_.find_cached_prefix(hashes);
     const int32_t num_local = static_cast<int32_t>(hit_blocks.size()) * bs;
     if (connector_ != nullptr && request.external_kv_eligible) {
-      request.external_kv_eligible = false;
+      // Asked on every admission attempt (the connector answers idempotently);
+      // eligibility ends only when an admission commits, below.
       Result<ExternalMatch> match = connector_->get_num_new_matched_tokens(request, num_local);
       if (!match.ok()) {
         *failed = finish_request(request, RequestState::kFinishedError, FinishReason::kError);
@@ -166,6 +167,7 @@ Scheduler::Admit Scheduler::try_admit(Request& request, int32_t* budget, StepPla
   if (num_blocks_needed > pool_.num_free_blocks() - num_hits_on_free_list) return Admit::kNoRoom;
 
   // Committed: take references on the hits before allocating (allocation may evict).
+  request.external_kv_eligible = false;
   if (fresh) {
     check_pool(pool_.touch(hit_blocks), "admit touch");
     request.block_ids = hit_blocks;
@@ -252,17 +254,45 @@ StepPlan Scheduler::schedule(std::vector<FinishedRequest>* failed) {
 
   // 2. Waiting requests, unless this step had to preempt (no room to grow).
   if (plan.preempted_request_ids.empty()) {
-    size_t index = 0;
-    while (index < waiting_.size() && budget > 0 && static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
-      Request& request = *waiting_[index];
-      FinishedRequest failure;
-      const Admit result = try_admit(request, &budget, &plan, &failure);
-      if (result == Admit::kNoRoom) break;  // FCFS: do not let later requests jump ahead
-      if (result == Admit::kFailed) failed->push_back(std::move(failure));
-      // kScheduled / kRemoteWait / kFailed removed the request from waiting_: same index.
-    }
+    const bool head_blocked = admit_waiting(&budget, &plan, failed);
+    // Nothing runs, so nothing will free blocks: waiting requests that hold
+    // blocks (remote KV that arrived) must give them up or the engine stalls.
+    if (head_blocked && running_.empty() && reclaim_waiting_blocks()) admit_waiting(&budget, &plan, failed);
   }
   return plan;
+}
+
+bool Scheduler::admit_waiting(int32_t* budget, StepPlan* plan, std::vector<FinishedRequest>* failed) {
+  while (!waiting_.empty() && *budget > 0 && static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
+    Request& request = *waiting_.front();
+    FinishedRequest failure;
+    const Admit result = try_admit(request, budget, plan, &failure);
+    if (result == Admit::kNoRoom) return true;  // FCFS: do not let later requests jump ahead
+    if (result == Admit::kFailed) failed->push_back(std::move(failure));
+    // kScheduled / kRemoteWait / kFailed removed the request from waiting_.
+  }
+  return false;
+}
+
+bool Scheduler::reclaim_waiting_blocks() {
+  bool reclaimed = false;
+  // Tail first; the head is the request that must fit. Their full blocks stay
+  // in the prefix cache (freed with their hashes), so a later admission may
+  // find them again instead of recomputing.
+  for (auto it = waiting_.rbegin(); it != waiting_.rend(); ++it) {
+    Request& r = **it;
+    if (&r == waiting_.front() || r.block_ids.empty()) continue;
+    const bool hold = connector_ != nullptr && connector_->request_preempted(r, r.block_ids);
+    release_blocks(r.request_id(), r.block_ids, hold);
+    r.num_computed_tokens = 0;
+    r.num_cached_blocks = 0;
+    r.num_pending_external_tokens = 0;
+    r.external_kv_eligible = false;  // never wait for the same KV twice (DESIGN §6.1)
+    ++r.num_preemptions;
+    ++counters_.num_preemptions;
+    reclaimed = true;
+  }
+  return reclaimed;
 }
 
 StepInput Scheduler::build_step_input(const StepPlan& plan) const {

@@ -125,6 +125,11 @@ class Scheduler {
   // Admission of one waiting request; false when it cannot be admitted now.
   enum class Admit { kScheduled, kRemoteWait, kFailed, kNoRoom };
   Admit try_admit(Request& request, int32_t* budget, StepPlan* plan, FinishedRequest* failed);
+  // Admits from the head of waiting_ until one does not fit; true when the head is blocked.
+  bool admit_waiting(int32_t* budget, StepPlan* plan, std::vector<FinishedRequest>* failed);
+  // Releases the blocks of every waiting request but the head (they recompute);
+  // true when anything was released.
+  bool reclaim_waiting_blocks();
   void remove_from_queues(Request* request);
 
   SchedulerConfig config_;

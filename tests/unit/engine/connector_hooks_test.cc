@@ -280,3 +280,56 @@ TEST(ConnectorHooks, MalformedTransferParamsFailOnlyThatRequest) {
 
 }  // namespace
 }  // namespace pd::engine
+
+namespace pd::engine {
+namespace {
+
+// Two P/D requests receive their KV and wait, each holding 4 of 9 blocks. With
+// one running slot the first decodes until it needs a block none can give,
+// preempts itself and can no longer be readmitted (it needs 6 blocks, 5 are
+// free) while nothing runs. The waiting request's blocks must be reclaimed,
+// or the engine stalls forever (a real-process repro of this hang existed).
+TEST(ConnectorHooks, WaitingRequestsHoldingReceivedKvCannotStallAHeadThatNeedsTheirBlocks) {
+  ScriptedConnector conn;
+  conn.match = {63, true, 60'000};
+  SchedulerConfig c = config(/*num_blocks=*/9);
+  c.max_num_seqs = 1;
+  SchedulerHarness h(c, &conn);
+  std::vector<int32_t> prompt_a = iota_tokens(64);
+  std::vector<int32_t> prompt_b = iota_tokens(64);
+  for (int32_t& t : prompt_b) t += 1000;
+  h.add("a", prompt_a, 30, kParams);
+  h.add("b", prompt_b, 30, kParams);
+  h.step();  // only one slot: "a" waits for remote KV (4 blocks), "b" after it
+  h.step();
+  ASSERT_EQ(h.scheduler.num_remote_waiting(), 2);
+  deliver(h, ConnectorEvents{{"a", "b"}, {}, {}, {}});
+  h.run_until_idle(/*max_steps=*/500);
+  EXPECT_EQ(h.outputs("a"), reference_outputs(prompt_a, 30));
+  EXPECT_EQ(h.outputs("b"), reference_outputs(prompt_b, 30));
+  EXPECT_GE(h.scheduler.counters().num_preemptions, 1);
+  EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 9);
+}
+
+// A P/D request that finds no room is asked again on its next attempt and
+// still waits for its KV instead of silently recomputing the whole prompt.
+TEST(ConnectorHooks, RequestWithoutRoomIsAskedAgainAndKeepsItsTransfer) {
+  ScriptedConnector conn;
+  conn.match = {48, true, 60'000};
+  SchedulerHarness h(config(/*num_blocks=*/6), &conn);
+  h.add("plain", iota_tokens(70), 4);  // 5 blocks while it runs
+  h.step();
+  std::vector<int32_t> pd_prompt = iota_tokens(50);
+  for (int32_t& t : pd_prompt) t += 1000;                 // no prefix shared with "plain"
+  Request* pd = h.add("pd", pd_prompt, 2, kParams);  // needs 3 blocks, 1 is free: no room yet
+  h.step();
+  EXPECT_EQ(pd->state(), RequestState::kWaiting);
+  while (h.scheduler.find("plain") != nullptr) h.step();
+  h.step();
+  EXPECT_EQ(pd->state(), RequestState::kWaitingForRemoteKv);
+  EXPECT_EQ(conn.alloc_external_tokens, 48);
+  EXPECT_GE(conn.num_match_calls, 2);
+}
+
+}  // namespace
+}  // namespace pd::engine
