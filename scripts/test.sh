@@ -34,7 +34,11 @@ if [ -f tests/fuzz/CMakeLists.txt ]; then
   ctest --test-dir build-fuzz -L fuzz --output-on-failure --timeout 900
 fi
 
-section "Python suites (integration, parity) against build/bin"
+# One pytest run per suite: each folder has its own conftest.py, which its
+# tests import by name.
 export PDSERVE_BIN_DIR="$ROOT/build/bin"
-python3 -m pytest -q -p no:cacheprovider tests/integration tests/parity "$@"
+section "Python parity suite (tokenizer, chat templates) against build/bin"
+python3 -m pytest -q -p no:cacheprovider tests/parity "$@"
+section "Python integration suite (real processes) against build/bin"
+python3 -m pytest -q -p no:cacheprovider tests/integration "$@"
 section "all tests passed"
