@@ -151,9 +151,9 @@ def http_request(base_url: str, method: str, path: str, body=None, headers: dict
         conn.close()
 
 
-@dataclass
-class PdserveServer:
-    process: ManagedProcess
+class HttpEndpoint:
+    """HTTP helpers for a process listening on self.host:self.port (pdserve, pdrouter)."""
+
     host: str
     port: int
 
@@ -171,6 +171,13 @@ class PdserveServer:
         status, body, _ = self.get("/metrics")
         assert status == 200
         return body.decode()
+
+
+@dataclass
+class PdserveServer(HttpEndpoint):
+    process: ManagedProcess
+    host: str
+    port: int
 
     def healthy(self) -> bool:
         try:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from conftest import ProcessFactory, bin_path, http_request, metric_value, wait_for
+from conftest import HttpEndpoint, ProcessFactory, bin_path, metric_value, wait_for
 
 ROUTER_LISTEN_RE = re.compile(r"pdrouter listening on http://([0-9.]+):(\d+)")
 ROUTER_REGISTRATION_RE = re.compile(r"pdrouter registration on tcp://([0-9.]+):(\d+)")
@@ -33,26 +33,11 @@ TINY_MODEL = "builtin:tiny"
 
 
 @dataclass
-class Router:
+class Router(HttpEndpoint):
     process: object
     host: str
     port: int
     registration_port: int | None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def get(self, path: str, **kw):
-        return http_request(self.base_url, "GET", path, **kw)
-
-    def post(self, path: str, body, **kw):
-        return http_request(self.base_url, "POST", path, body, **kw)
-
-    def metrics(self) -> str:
-        status, body, _ = self.get("/metrics")
-        assert status == 200
-        return body.decode()
 
     def metric(self, name: str, labels: dict | None = None) -> float:
         return metric_value(self.metrics(), name, labels) or 0.0
