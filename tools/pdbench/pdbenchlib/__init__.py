@@ -1,0 +1,1 @@
+"""pdbench internals; the entry point is tools/pdbench/pdbench.py."""

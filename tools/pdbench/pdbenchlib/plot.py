@@ -1,0 +1,122 @@
+"""PNGs from pdbench sweep JSON files (matplotlib, Agg backend; imported only by `plot`).
+
+attainment.png: SLO attainment vs request rate, one line per file, one panel per variant,
+the goodput target as a dashed line. ttft_cdf.png / itl_cdf.png: the empirical CDF of
+TTFT and of every inter-token gap (successful measured requests), one curve per file, at
+the rate of each file closest to the chosen one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .http_stream import PdbenchError
+
+VARIANT_TITLES = {"mean_itl": "TTFT and mean ITL (TPOT) within SLO", "p99_itl": "TTFT and p99 of own ITL within SLO"}
+
+
+def load_sweep(path: Path) -> dict:
+    try:
+        document = json.loads(path.read_text())
+    except OSError as error:
+        raise PdbenchError(f"cannot read {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise PdbenchError(f"{path} is not JSON: {error}") from None
+    if not isinstance(document, dict) or "pdbench" not in document or not document.get("runs"):
+        raise PdbenchError(f"{path} is not a pdbench result with runs")
+    return document
+
+
+def _finite_runs(document: dict) -> list[dict]:
+    return sorted((r for r in document["runs"] if r.get("request_rate") is not None), key=lambda r: r["request_rate"])
+
+
+def _closest_run(document: dict, rate: float) -> dict:
+    runs = _finite_runs(document)
+    if not runs:
+        raise PdbenchError(f"{document['_label']}: no run with a finite request rate")
+    return min(runs, key=lambda r: abs(r["request_rate"] - rate))
+
+
+def _measured_requests(run: dict, label: str) -> list[dict]:
+    if "requests" not in run:
+        raise PdbenchError(f"{label}: the JSON has no per-request data; rerun with --save-requests")
+    return [r for r in run["requests"] if r["ok"] and not r["warmup"]]
+
+
+def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
+    ordered = sorted(values)
+    count = len(ordered)
+    return ordered, [(i + 1) / count for i in range(count)]
+
+
+def plot_files(paths: list[Path], labels: list[str] | None, out_dir: Path, cdf_rate: float | None) -> list[Path]:
+    if labels is not None and len(labels) != len(paths):
+        raise PdbenchError(f"--labels names {len(labels)} configurations for {len(paths)} files")
+    documents = [load_sweep(p) for p in paths]
+    for index, (path, document) in enumerate(zip(paths, documents)):
+        document["_label"] = labels[index] if labels else (document.get("label") or path.stem)
+    if cdf_rate is None:
+        first = _finite_runs(documents[0])
+        if not first:
+            raise PdbenchError(f"{paths[0]}: no run with a finite request rate; pass --cdf-rate")
+        cdf_rate = first[len(first) // 2]["request_rate"]
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for axis, (variant, title) in zip(axes, VARIANT_TITLES.items()):
+        for document in documents:
+            runs = [r for r in _finite_runs(document) if "slo" in r]
+            if runs:
+                axis.plot([r["request_rate"] for r in runs], [100.0 * r["slo"][variant]["attainment"] for r in runs],
+                          marker="o", label=document["_label"])
+        target = documents[0]["config"].get("goodput_target", 0.9)
+        axis.axhline(100.0 * target, color="grey", linestyle="--", linewidth=1)
+        axis.set_title(title)
+        axis.set_xlabel("request rate (req/s)")
+        axis.set_ylim(-2, 102)
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("requests within SLO (%)")
+    slo = documents[0]["config"].get("slo", {})
+    figure.suptitle(f"SLO attainment (TTFT <= {slo.get('ttft_ms')} ms, ITL <= {slo.get('itl_ms')} ms)")
+    axes[0].legend()
+    figure.tight_layout()
+    written.append(out_dir / "attainment.png")
+    figure.savefig(written[-1], dpi=120)
+    plt.close(figure)
+
+    for metric, title, file_name in (("ttft_ms", "TTFT", "ttft_cdf.png"), ("itl_ms", "inter-token latency",
+                                                                            "itl_cdf.png")):
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        for document in documents:
+            run = _closest_run(document, cdf_rate)
+            requests = _measured_requests(run, document["_label"])
+            if metric == "itl_ms":
+                values = [gap for r in requests for gap in r["itl_ms"]]
+            else:
+                values = [r["ttft_ms"] for r in requests if r["ttft_ms"] is not None]
+            if values:
+                xs, ys = _cdf(values)
+                axis.step(xs, ys, where="post", label=f"{document['_label']} @ {run['request_rate']:g} req/s")
+        limit = documents[0]["config"].get("slo", {}).get(metric)
+        if limit:
+            axis.axvline(limit, color="grey", linestyle="--", linewidth=1, label=f"SLO {limit:g} ms")
+        axis.set_xscale("log", nonpositive="clip")  # a 0 ms gap (two chunks in one read) sits at the left edge
+        axis.set_xlabel(f"{title} (ms, log scale)")
+        axis.set_ylabel("fraction of " + ("requests" if metric == "ttft_ms" else "gaps"))
+        axis.set_title(f"{title} CDF at ~{cdf_rate:g} req/s")
+        axis.grid(alpha=0.3, which="both")
+        axis.legend()
+        figure.tight_layout()
+        written.append(out_dir / file_name)
+        figure.savefig(written[-1], dpi=120)
+        plt.close(figure)
+    return written

@@ -1,0 +1,207 @@
+"""Pure statistics of pdbench: percentiles, per-request SLO checks, per-run summaries,
+DistServe goodput. No I/O, no clocks; every function is unit-tested on synthetic data.
+
+Times are seconds inside this module; summaries convert to milliseconds at the edge
+(the `*_ms` keys).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """q-th percentile (0..100) of an ascending list, linear interpolation between closest
+    ranks (numpy's default method). Precondition: sorted_values is non-empty."""
+    if not sorted_values:
+        raise ValueError("percentile of an empty list")
+    position = (len(sorted_values) - 1) * q / 100.0
+    low = math.floor(position)
+    high = math.ceil(position)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def summarize_ms(values_s: list[float]) -> dict:
+    """mean/p50/p90/p99 in milliseconds and the count; values are null when there are none."""
+    if not values_s:
+        return {"count": 0, "mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    ordered = sorted(values_s)
+    summary = {"count": len(ordered), "mean": 1000.0 * sum(ordered) / len(ordered)}
+    for q in PERCENTILES:
+        summary[f"p{q}"] = 1000.0 * percentile(ordered, q)
+    return summary
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it. Times are seconds relative to the run's start
+    (`scheduled_s`, `sent_s`) or to the request's own send (`ttft_s`, `e2e_s`, `chunk_times_s`)."""
+
+    index: int
+    warmup: bool
+    input_len: int
+    output_len: int  # requested (max_tokens)
+    scheduled_s: float = 0.0
+    sent_s: float = 0.0
+    ok: bool = False
+    error: str | None = None
+    http_status: int | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    # Arrival time of every content chunk (an SSE event with a non-empty `choices`).
+    chunk_times_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    usage_reported: bool = False
+
+    @property
+    def gaps_s(self) -> list[float]:
+        """Inter-token gaps: time between successive content chunks (one gap per chunk after
+        the first, however many tokens a chunk carries)."""
+        times = self.chunk_times_s
+        return [later - earlier for earlier, later in zip(times, times[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first: (e2e - ttft) / (output_tokens - 1)."""
+        if not self.ok or self.output_tokens < 2 or self.ttft_s is None or self.e2e_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    @property
+    def finished_s(self) -> float | None:
+        return None if self.e2e_s is None else self.sent_s + self.e2e_s
+
+    def to_json(self) -> dict:
+        gaps = self.gaps_s
+        return {
+            "index": self.index,
+            "warmup": self.warmup,
+            "input_len": self.input_len,
+            "output_len": self.output_len,
+            "output_tokens": self.output_tokens,
+            "usage_reported": self.usage_reported,
+            "ok": self.ok,
+            "error": self.error,
+            "http_status": self.http_status,
+            "scheduled_s": self.scheduled_s,
+            "sent_s": self.sent_s,
+            "ttft_ms": None if self.ttft_s is None else 1000.0 * self.ttft_s,
+            "e2e_ms": None if self.e2e_s is None else 1000.0 * self.e2e_s,
+            "tpot_ms": None if self.tpot_s is None else 1000.0 * self.tpot_s,
+            "num_chunks": len(self.chunk_times_s),
+            "itl_ms": [1000.0 * gap for gap in gaps],
+        }
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency limits in seconds; None means that limit is not checked."""
+
+    ttft_s: float | None
+    itl_s: float | None
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttft_s is not None or self.itl_s is not None
+
+
+# The two attainment variants. "mean_itl": TTFT <= limit and TPOT (the request's mean
+# inter-token latency) <= limit. "p99_itl": TTFT <= limit and the p99 of the request's own
+# inter-token gaps <= limit (stricter: one long stall fails the request).
+SLO_VARIANTS = ("mean_itl", "p99_itl")
+
+
+def within_slo(result: RequestResult, slo: Slo, variant: str) -> bool:
+    """A failed request is never within SLO. A request with one output token (no TPOT) or
+    one chunk (no gap) passes the ITL part."""
+    if not result.ok:
+        return False
+    if slo.ttft_s is not None and (result.ttft_s is None or result.ttft_s > slo.ttft_s):
+        return False
+    if slo.itl_s is None:
+        return True
+    if variant == "mean_itl":
+        tpot = result.tpot_s
+        return tpot is None or tpot <= slo.itl_s
+    if variant == "p99_itl":
+        gaps = sorted(result.gaps_s)
+        return not gaps or percentile(gaps, 99) <= slo.itl_s
+    raise ValueError(f"unknown SLO variant {variant!r}")
+
+
+def summarize_run(results: list[RequestResult], slo: Slo) -> dict:
+    """Per-run numbers over the measured (non-warm-up) requests.
+
+    Duration: from the first measured request's send to the last measured request's end,
+    so warm-up requests and the idle tail do not dilute throughput."""
+    measured = [r for r in results if not r.warmup]
+    succeeded = [r for r in measured if r.ok]
+    failed = [r for r in measured if not r.ok]
+    ends = [r.finished_s for r in measured if r.finished_s is not None]
+    start = min((r.sent_s for r in measured), default=0.0)
+    duration_s = max(ends, default=start) - start
+    output_tokens = sum(r.output_tokens for r in succeeded)
+    input_tokens = sum(r.input_len for r in succeeded)
+    errors: dict[str, int] = {}
+    for r in failed:
+        errors[r.error or "unknown error"] = errors.get(r.error or "unknown error", 0) + 1
+    summary = {
+        "num_requests": len(measured),
+        "num_warmup": len(results) - len(measured),
+        "completed": len(succeeded),
+        "failed": len(failed),
+        "errors": errors,
+        "num_short_outputs": sum(1 for r in succeeded if r.output_tokens < r.output_len),
+        "num_without_usage": sum(1 for r in succeeded if not r.usage_reported),
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(succeeded) / duration_s if duration_s > 0 else None,
+        "output_throughput": output_tokens / duration_s if duration_s > 0 else None,
+        "ttft_ms": summarize_ms([r.ttft_s for r in succeeded if r.ttft_s is not None]),
+        "tpot_ms": summarize_ms([r.tpot_s for r in succeeded if r.tpot_s is not None]),
+        "itl_ms": summarize_ms([gap for r in succeeded for gap in r.gaps_s]),
+        "e2e_ms": summarize_ms([r.e2e_s for r in succeeded if r.e2e_s is not None]),
+    }
+    if slo.enabled:
+        summary["slo"] = {}
+        for variant in SLO_VARIANTS:
+            num_within = sum(1 for r in measured if within_slo(r, slo, variant))
+            summary["slo"][variant] = {
+                "num_within": num_within,
+                "attainment": num_within / len(measured) if measured else None,
+            }
+    return summary
+
+
+def goodput(points: list[tuple[float, float]], target: float = 0.9) -> dict:
+    """DistServe goodput from (request rate, SLO attainment) points.
+
+    Rule: sort by rate; take the HIGHEST rate whose attainment is >= target. If no rate
+    reaches the target, goodput is below the lowest rate measured ("below_lowest", value
+    null). If that rate is the highest one measured, goodput is at least that rate
+    ("at_least_highest", value = that rate). Otherwise interpolate linearly between it
+    (attainment a_lo >= target) and the next rate up (a_hi < target by construction):
+        rate_lo + (a_lo - target) / (a_lo - a_hi) * (rate_hi - rate_lo).
+    `non_monotonic` is true when a rate below the chosen one missed the target (noise or
+    a real dip the reader should look at)."""
+    ordered = sorted((float(rate), float(att)) for rate, att in points if att is not None)
+    if not ordered:
+        return {"value": None, "bound": "no_data", "text": "no data", "non_monotonic": False}
+    passing = [i for i, (_, att) in enumerate(ordered) if att >= target]
+    if not passing:
+        lowest = ordered[0][0]
+        return {"value": None, "bound": "below_lowest", "text": f"< {lowest:g} req/s", "non_monotonic": False}
+    best = passing[-1]
+    non_monotonic = any(att < target for _, att in ordered[:best])
+    rate_lo, att_lo = ordered[best]
+    if best == len(ordered) - 1:
+        return {"value": rate_lo, "bound": "at_least_highest", "text": f">= {rate_lo:g} req/s",
+                "non_monotonic": non_monotonic}
+    rate_hi, att_hi = ordered[best + 1]
+    value = rate_lo + (att_lo - target) / (att_lo - att_hi) * (rate_hi - rate_lo)
+    return {"value": value, "bound": "interpolated", "text": f"{value:.3g} req/s",
+            "non_monotonic": non_monotonic, "between": [rate_lo, rate_hi]}
