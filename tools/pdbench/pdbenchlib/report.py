@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+MAX_ERROR_LINES = 5
+
 
 def _num(value, digits: int = 1) -> str:
     if value is None:
@@ -48,8 +50,11 @@ def run_table(run: dict, slo: dict) -> str:
     if run["num_without_usage"]:
         lines.append(f"WARNING: {run['num_without_usage']} streams had no usage chunk; their token count is the "
                      "number of chunks")
-    for message, count in run["errors"].items():
+    errors = list(run["errors"].items())
+    for message, count in errors[:MAX_ERROR_LINES]:
         lines.append(f"error x{count}: {message}")
+    if len(errors) > MAX_ERROR_LINES:
+        lines.append(f"... {len(errors) - MAX_ERROR_LINES} more distinct errors in the JSON output")
     return "\n".join(lines)
 
 

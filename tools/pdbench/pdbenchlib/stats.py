@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass, field
 
 PERCENTILES = (50, 90, 99)
+# Error texts often carry request ids; a run keeps this many distinct ones, counting the rest together.
+MAX_DISTINCT_ERRORS = 20
+OTHER_ERRORS = "(other errors)"
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -147,7 +150,10 @@ def summarize_run(results: list[RequestResult], slo: Slo) -> dict:
     input_tokens = sum(r.input_len for r in succeeded)
     errors: dict[str, int] = {}
     for r in failed:
-        errors[r.error or "unknown error"] = errors.get(r.error or "unknown error", 0) + 1
+        message = r.error or "unknown error"
+        if message not in errors and len(errors) >= MAX_DISTINCT_ERRORS:
+            message = OTHER_ERRORS
+        errors[message] = errors.get(message, 0) + 1
     summary = {
         "num_requests": len(measured),
         "num_warmup": len(results) - len(measured),

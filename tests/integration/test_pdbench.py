@@ -1,0 +1,288 @@
+"""pdbench (tools/pdbench): the command line against a real `pdserve --model builtin:tiny`,
+and its pure parts (goodput rule, percentiles, SLO checks, SSE parsing, the dataset) on
+synthetic data."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import start_pdserve
+
+PDBENCH_DIR = Path(__file__).resolve().parents[2] / "tools" / "pdbench"
+PDBENCH = PDBENCH_DIR / "pdbench.py"
+sys.path.insert(0, str(PDBENCH_DIR))
+
+from pdbenchlib.http_stream import SseParser  # noqa: E402
+from pdbenchlib.stats import RequestResult, Slo, goodput, percentile, summarize_run, within_slo  # noqa: E402
+from pdbenchlib.workload import WorkloadSpec, plan_requests  # noqa: E402
+
+CLI_TIMEOUT_S = 60
+
+
+def run_pdbench(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PDBENCH), *args], capture_output=True, text=True, timeout=timeout_s,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def server(module_procs):
+    return start_pdserve(module_procs, "--model", "builtin:tiny")
+
+
+@pytest.fixture(scope="module")
+def loose_sweep(server, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """A Poisson sweep over two small rates with an SLO nothing can miss."""
+    out = tmp_path_factory.mktemp("pdbench") / "sweep.json"
+    done = run_pdbench("sweep", "--base-url", server.base_url, "--rates", "4,8", "--num-requests", "8",
+                       "--warmup-requests", "2", "--input-len", "32", "--output-len", "6", "--seed", "3",
+                       "--slo-ttft-ms", "1e6", "--slo-itl-ms", "1e6", "--label", "tiny-loose", "--save-requests",
+                       "--json-out", str(out))
+    return done, out
+
+
+# ---------------------------------------------------------------- against pdserve
+
+
+def test_fixed_concurrency_run_returns_every_requested_token_with_consistent_timings(server, tmp_path):
+    out = tmp_path / "run.json"
+    done = run_pdbench("run", "--base-url", server.base_url, "--max-concurrency", "4", "--num-requests", "12",
+                       "--input-len", "48", "--output-len", "12", "--range-ratio", "0.5", "--json-out", str(out),
+                       "--save-requests")
+    assert done.returncode == 0, done.stderr
+    assert "TTFT" in done.stdout and "completed                         12" in done.stdout
+    document = json.loads(out.read_text())
+    assert document["config"]["model"] == "builtin:tiny"  # resolved through GET /v1/models
+    (run,) = document["runs"]
+    assert run["completed"] == 12 and run["failed"] == 0 and run["num_short_outputs"] == 0
+    requests = run["requests"]
+    assert len({r["output_len"] for r in requests}) > 1  # the range ratio varies the lengths
+    for r in requests:
+        assert r["ok"] and r["usage_reported"]
+        assert r["output_tokens"] == r["output_len"]  # ignore_eos honoured: exactly max_tokens
+        assert 0 < r["ttft_ms"] <= r["e2e_ms"]
+        assert len(r["itl_ms"]) == r["num_chunks"] - 1
+        assert all(gap >= 0 for gap in r["itl_ms"]) and sum(r["itl_ms"]) <= r["e2e_ms"] - r["ttft_ms"] + 1e-6
+        assert r["tpot_ms"] == pytest.approx((r["e2e_ms"] - r["ttft_ms"]) / (r["output_tokens"] - 1))
+    assert run["total_output_tokens"] == sum(r["output_len"] for r in requests)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert 0 < run[key]["p50"] <= run[key]["p90"] <= run[key]["p99"], key
+    assert run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
+    assert run["request_throughput"] > 0 and run["output_throughput"] > 0
+    assert "[pdbench] rate inf, concurrency 4: 12/12 done, 0 errors" in done.stderr  # progress
+
+
+def test_poisson_sweep_writes_attainment_per_rate_and_goodput(loose_sweep):
+    done, out = loose_sweep
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    assert document["kind"] == "sweep" and document["label"] == "tiny-loose"
+    assert [run["request_rate"] for run in document["runs"]] == [4.0, 8.0]
+    for run in document["runs"]:
+        assert run["num_requests"] == 8 and run["num_warmup"] == 2
+        assert sum(1 for r in run["requests"] if r["warmup"]) == 2
+        for variant in ("mean_itl", "p99_itl"):
+            assert run["slo"][variant] == {"num_within": 8, "attainment": 1.0}
+    first, second = (run["requests"] for run in document["runs"])
+    assert [r["input_len"] for r in first] == [r["input_len"] for r in second]  # same seed, same shape
+    for variant in ("mean_itl", "p99_itl"):
+        assert document["goodput"][variant]["bound"] == "at_least_highest"
+        assert document["goodput"][variant]["value"] == 8.0
+    assert "goodput (mean ITL variant, >= 90% within SLO): >= 8 req/s" in done.stdout
+
+
+def test_an_impossible_slo_gives_zero_attainment_and_no_goodput(server, tmp_path):
+    out = tmp_path / "tight.json"
+    done = run_pdbench("sweep", "--base-url", server.base_url, "--rates", "20,40", "--num-requests", "4",
+                       "--input-len", "16", "--output-len", "4", "--slo-ttft-ms", "0.001", "--slo-itl-ms", "0.001",
+                       "--no-keep-alive", "--quiet", "--json-out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # --quiet
+    document = json.loads(out.read_text())
+    for run in document["runs"]:
+        assert run["completed"] == 4
+        assert run["slo"]["mean_itl"] == {"num_within": 0, "attainment": 0.0}
+        assert run["slo"]["p99_itl"] == {"num_within": 0, "attainment": 0.0}
+    assert document["goodput"]["mean_itl"] == {"value": None, "bound": "below_lowest", "text": "< 20 req/s",
+                                               "non_monotonic": False}
+
+
+def test_server_errors_are_recorded_with_their_body_and_fail_the_run(server, tmp_path):
+    out = tmp_path / "errors.json"
+    # Ids from [151936, 160000) are outside builtin:tiny's vocabulary: pdserve answers 400.
+    done = run_pdbench("run", "--base-url", server.base_url, "--num-requests", "3", "--input-len", "4",
+                       "--output-len", "2", "--min-token-id", "151936", "--vocab-size", "160000",
+                       "--slo-ttft-ms", "1e6", "--json-out", str(out))
+    assert done.returncode == 1
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["failed"] == 3 and run["completed"] == 0
+    assert sum(run["errors"].values()) == 3
+    for message in run["errors"]:
+        assert message.startswith("HTTP 400: ") and "outside the vocabulary" in message
+    assert run["slo"]["mean_itl"]["attainment"] == 0.0  # errors are SLO misses
+    assert "outside the vocabulary" in done.stdout
+
+
+def test_request_timeout_ends_a_slow_stream_as_a_failure(server):
+    done = run_pdbench("run", "--base-url", server.base_url, "--num-requests", "1", "--input-len", "8",
+                       "--output-len", "3000", "--request-timeout-s", "0.3", "--quiet")
+    assert done.returncode == 1
+    assert "no complete answer within --request-timeout-s 0.3" in done.stdout
+
+
+def test_unreachable_endpoint_is_a_clear_error(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    done = run_pdbench("run", "--base-url", f"http://127.0.0.1:{port}", "--num-requests", "1")
+    assert done.returncode == 2
+    assert f"cannot connect to 127.0.0.1:{port}: connection refused" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_api_key_is_sent_and_its_absence_is_explained(procs):
+    guarded = start_pdserve(procs, "--model", "builtin:tiny", "--api-key", "s3cret")
+    refused = run_pdbench("run", "--base-url", guarded.base_url, "--num-requests", "1")
+    assert refused.returncode == 2 and "HTTP 401" in refused.stderr and "--api-key" in refused.stderr
+    accepted = run_pdbench("run", "--base-url", guarded.base_url, "--api-key", "s3cret", "--num-requests", "2",
+                           "--input-len", "8", "--output-len", "2", "--quiet")
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+
+
+@pytest.mark.parametrize("flags, complaint", [
+    (["run", "--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
+    (["sweep", "--rates", "1,x"], "expected comma-separated numbers"),
+    (["run", "--request-rate", "0"], "must be > 0"),
+    (["run", "--base-url", "https://example.invalid"], "must be an http:// URL"),
+    (["run", "--extra-body", "[1]"], "must be a JSON object"),
+])
+def test_bad_flags_are_refused_with_the_reason(flags, complaint):
+    done = run_pdbench(*flags)
+    assert done.returncode == 2
+    assert complaint in done.stderr
+
+
+def test_help_describes_the_subcommands_and_measurements():
+    done = run_pdbench("--help")
+    assert done.returncode == 0
+    for phrase in ("run ", "sweep ", "plot ", "TTFT", "TPOT", "ignore_eos", "goodput"):
+        assert phrase in done.stdout
+    sweep_help = run_pdbench("sweep", "--help").stdout
+    assert "interpolated" in sweep_help and "--rates" in sweep_help
+
+
+def test_plot_writes_attainment_and_cdf_pngs(loose_sweep, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, sweep_json = loose_sweep
+    done = run_pdbench("plot", str(sweep_json), str(sweep_json), "--labels", "a,b", "--out-dir", str(tmp_path),
+                       "--cdf-rate", "8")
+    assert done.returncode == 0, done.stderr
+    for name in ("attainment.png", "ttft_cdf.png", "itl_cdf.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000, name
+
+
+# ---------------------------------------------------------------- pure functions
+
+
+def test_goodput_interpolates_between_the_last_passing_and_the_next_rate():
+    g = goodput([(1, 1.0), (2, 0.95), (4, 0.75), (8, 0.2)], target=0.9)
+    # 2 + (0.95 - 0.9) / (0.95 - 0.75) * (4 - 2) = 2.5
+    assert g["bound"] == "interpolated" and g["value"] == pytest.approx(2.5)
+    assert g["between"] == [2.0, 4.0] and not g["non_monotonic"]
+
+
+def test_goodput_takes_the_highest_passing_rate_and_flags_a_dip_below_it():
+    g = goodput([(4, 0.95), (1, 1.0), (2, 0.8), (8, 0.5)], target=0.9)  # unsorted on purpose
+    assert g["value"] == pytest.approx(4 + 0.05 / 0.45 * 4)
+    assert g["non_monotonic"]
+
+
+def test_goodput_exactly_at_the_target_counts_as_passing():
+    assert goodput([(1, 0.9), (2, 0.0)])["value"] == pytest.approx(1.0)
+
+
+def test_goodput_reports_unbracketed_sweeps_as_bounds():
+    assert goodput([(1, 0.5), (2, 0.1)]) == {"value": None, "bound": "below_lowest", "text": "< 1 req/s",
+                                             "non_monotonic": False}
+    high = goodput([(1, 1.0), (2, 0.93)])
+    assert high["bound"] == "at_least_highest" and high["value"] == 2.0 and high["text"] == ">= 2 req/s"
+    assert goodput([])["bound"] == "no_data"
+
+
+def test_percentile_interpolates_linearly_between_ranks():
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    assert percentile(values, 99) == pytest.approx(4.96)
+    assert percentile([7.0], 99) == 7.0
+
+
+def _result(ttft_s: float, chunk_gaps_s: list[float], output_tokens: int, ok: bool = True) -> RequestResult:
+    times = [ttft_s]
+    for gap in chunk_gaps_s:
+        times.append(times[-1] + gap)
+    return RequestResult(index=0, warmup=False, input_len=8, output_len=output_tokens, ok=ok, ttft_s=ttft_s,
+                         e2e_s=times[-1], chunk_times_s=times, output_tokens=output_tokens, usage_reported=True)
+
+
+def test_strict_variant_fails_a_request_whose_mean_itl_hides_one_long_stall():
+    # 99 gaps: mean ~20 ms, but the two largest are 500 ms stalls, so the p99 gap is 500 ms.
+    stalled = _result(0.1, [0.01] * 50 + [0.5] + [0.01] * 47 + [0.5], output_tokens=100)
+    slo = Slo(ttft_s=0.2, itl_s=0.05)
+    assert stalled.tpot_s == pytest.approx((0.97 + 1.0) / 99)
+    assert within_slo(stalled, slo, "mean_itl")
+    assert not within_slo(stalled, slo, "p99_itl")
+    # A single stall among 99 gaps sits above the p99 rank (position 97.02 of 0..98): still within.
+    assert within_slo(_result(0.1, [0.01] * 98 + [0.5], output_tokens=100), slo, "p99_itl")
+
+
+def test_ttft_limit_errors_and_single_token_requests():
+    slo = Slo(ttft_s=0.2, itl_s=0.05)
+    assert not within_slo(_result(0.3, [0.01], 2), slo, "mean_itl")
+    assert not within_slo(_result(0.1, [0.01], 2, ok=False), slo, "mean_itl")
+    assert within_slo(_result(0.1, [], 1), slo, "mean_itl") and within_slo(_result(0.1, [], 1), slo, "p99_itl")
+
+
+def test_run_summary_excludes_warmups_and_counts_errors_as_misses():
+    results = [_result(0.1, [0.01, 0.01], 3), _result(5.0, [1.0], 2), _result(0.1, [0.01], 2, ok=False)]
+    warm = _result(9.0, [9.0], 2)
+    warm.warmup = True
+    for i, r in enumerate(results):
+        r.sent_s = float(i)
+    summary = summarize_run(results + [warm], Slo(ttft_s=1.0, itl_s=0.1))
+    assert summary["num_requests"] == 3 and summary["num_warmup"] == 1
+    assert summary["completed"] == 2 and summary["failed"] == 1
+    assert summary["slo"]["mean_itl"] == {"num_within": 1, "attainment": pytest.approx(1 / 3)}
+    assert summary["itl_ms"]["count"] == 3 and summary["ttft_ms"]["p99"] < 9000.0
+    assert summary["duration_s"] == pytest.approx(1.0 + 6.0)  # from the first send to the last end
+
+
+def test_sse_parser_reassembles_events_split_across_reads_and_crlf():
+    parser = SseParser()
+    assert parser.feed(b'data: {"a":') == []
+    assert parser.feed(b' 1}\r\n\r\n: comment\n\ndata: x\ndata: y\n\nda') == ['{"a": 1}', "x\ny"]
+    assert parser.feed(b"ta: [DONE]\n\n") == ["[DONE]"]
+
+
+def test_dataset_keeps_shape_across_rates_and_changes_prompts():
+    spec = dict(input_len=100, output_len=20, range_ratio=0.2, vocab_size=1000, min_token_id=100, seed=7,
+                num_requests=50, num_warmup=5, burstiness=1.0)
+    slow = plan_requests(WorkloadSpec(request_rate=1.0, **spec), run_index=0)
+    fast = plan_requests(WorkloadSpec(request_rate=4.0, **spec), run_index=1)
+    assert [len(p.prompt_ids) for p in slow] == [len(p.prompt_ids) for p in fast]
+    assert [p.output_len for p in slow] == [p.output_len for p in fast]
+    assert [p.arrival_s for p in slow] == pytest.approx([4.0 * p.arrival_s for p in fast])
+    assert all(s.prompt_ids != f.prompt_ids for s, f in zip(slow, fast))  # no prefix-cache reuse across rates
+    assert all(80 <= len(p.prompt_ids) <= 120 and 16 <= p.output_len <= 24 for p in slow)
+    assert all(100 <= t < 1000 for p in slow for t in p.prompt_ids)
+    assert [p.warmup for p in slow] == [True] * 5 + [False] * 50
+    assert plan_requests(WorkloadSpec(request_rate=1.0, **spec), 0) == slow  # seeded
+    burst = plan_requests(WorkloadSpec(request_rate=math.inf, **spec), 0)
+    assert all(p.arrival_s == 0.0 for p in burst)
