@@ -173,7 +173,7 @@ Status PdConnector::init() {
     void* base = runner_->kv_layer_base(layer);
     if (base == nullptr) return failed_precondition("runner has no KV region for layer {}", layer);
     PD_ASSIGN_OR_RETURN(xfer::MemDesc desc,
-                        xfer_->register_memory(base, spec_.bytes_per_layer(), kind, runner_->kv_on_device() ? 0 : -1));
+                        xfer_->register_memory(base, spec_.bytes_per_layer(), kind, runner_->kv_device_index()));
     local_layers_.push_back(std::move(desc));
   }
   engine_desc_bytes_ = xfer::encode(xfer_->describe());

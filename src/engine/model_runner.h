@@ -89,6 +89,8 @@ class ModelRunner {
   // Base address of one layer's KV region (for xfer registration by the connector).
   virtual void* kv_layer_base(int32_t layer) = 0;
   virtual bool kv_on_device() const = 0;
+  // CUDA device ordinal holding the KV regions; -1 for host memory.
+  virtual int32_t kv_device_index() const { return kv_on_device() ? 0 : -1; }
 };
 
 }  // namespace pd::engine

@@ -34,6 +34,10 @@ int run(pd::server::ServerConfig config) {
   load_options.kv_cache_bytes = config.kv_cache_bytes;
   load_options.num_kv_blocks = static_cast<int32_t>(config.num_kv_blocks);
   load_options.max_model_len = config.max_model_len.value_or(0);
+  load_options.cuda_device = config.cuda_device;
+  load_options.gpu_memory_utilization = config.gpu_memory_utilization;
+  load_options.max_num_seqs = config.max_num_seqs;
+  load_options.max_num_batched_tokens = config.max_num_batched_tokens;
   auto loaded = engine::load_model(load_options);
   if (!loaded.ok()) {
     PD_LOG_ERROR("cannot load model '{}': {}", config.model, loaded.status().to_string());

@@ -32,6 +32,10 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
   app.add_option("--served-model-name", config.served_model_names, "name(s) clients use for the model");
   app.add_option("--api-key", config.api_key, "require 'Authorization: Bearer <key>' on /v1/*");
   app.add_option("--device", config.device, "cpu|cuda")->capture_default_str();
+  app.add_option("--cuda-device", config.cuda_device,
+                 "CUDA device ordinal for --device cuda (keep every GPU visible: P/D copies need peer access)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--num-kv-blocks", config.num_kv_blocks, "KV blocks to allocate (overrides --kv-cache-bytes)");
   app.add_option("--kv-cache-bytes", config.kv_cache_bytes, "bytes of KV cache to allocate");
   app.add_option("--max-body-bytes", config.max_body_bytes, "largest request body accepted (413 beyond)")

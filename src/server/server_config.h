@@ -37,6 +37,7 @@ struct ServerConfig {
   std::vector<std::string> served_model_names;  // first is the name responses carry
   std::string api_key;                          // empty = no auth
   std::string device = "cpu";
+  int32_t cuda_device = 0;  // CUDA device ordinal (all GPUs stay visible so CUDA IPC can reach peers)
   int64_t num_kv_blocks = 0;  // 0 = derive from --kv-cache-bytes / device memory
   int64_t kv_cache_bytes = 0;
   size_t max_body_bytes = 8u << 20;

@@ -114,6 +114,7 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
     request.options.max_num_seqs = options.max_num_seqs;
     request.options.max_num_batched_tokens = options.max_num_batched_tokens;
     request.options.dummy_seed = options.seed;
+    request.options.device = options.cuda_device;
     loaded.architecture = config.architecture;
     loaded.eos_token_ids = config.eos_token_ids;
     loaded.max_model_len = max_model_len;

@@ -25,6 +25,7 @@ struct ModelLoadOptions {
   // cuda only: fraction of device memory for weights + KV, and the largest
   // batch the runner must hold (sizes its pinned step buffers and graph buckets).
   double gpu_memory_utilization = 0.9;
+  int32_t cuda_device = 0;  // device ordinal
   int32_t max_num_seqs = 256;
   int32_t max_num_batched_tokens = 8192;
 };

@@ -53,6 +53,7 @@ class CudaModelRunner final : public ModelRunner {
   Result<StepOutput> execute(const StepInput& input) override;
   void* kv_layer_base(int32_t layer) override;
   bool kv_on_device() const override { return true; }
+  int32_t kv_device_index() const override { return options_.device; }
 
   const model::ModelConfig& config() const { return config_; }
   size_t weight_bytes() const { return weight_bytes_; }
