@@ -62,6 +62,9 @@ class Procs:
                                 env={**os.environ, **(env or {})}, start_new_session=True)
         self.procs.append(proc)
         if pattern is None:
+            # Nothing to wait for, but the output must still be drained: a child that
+            # logs every request (the toy proxy) blocks once the pipe buffer is full.
+            subprocess.Popen(["cat"], stdin=proc.stdout, stdout=subprocess.DEVNULL)
             return proc, None
         deadline = time.monotonic() + timeout_s
         regex = re.compile(pattern)
