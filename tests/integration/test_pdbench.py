@@ -19,7 +19,8 @@ PDBENCH_DIR = Path(__file__).resolve().parents[2] / "tools" / "pdbench"
 PDBENCH = PDBENCH_DIR / "pdbench.py"
 sys.path.insert(0, str(PDBENCH_DIR))
 
-from pdbenchlib.http_stream import SseParser  # noqa: E402
+from pdbenchlib.http_stream import Endpoint, SseParser  # noqa: E402
+from pdbenchlib.runner import ClientOptions, request_body  # noqa: E402
 from pdbenchlib.stats import RequestResult, Slo, goodput, percentile, summarize_run, within_slo  # noqa: E402
 from pdbenchlib.workload import WorkloadSpec, plan_requests  # noqa: E402
 
@@ -286,3 +287,15 @@ def test_dataset_keeps_shape_across_rates_and_changes_prompts():
     assert plan_requests(WorkloadSpec(request_rate=1.0, **spec), 0) == slow  # seeded
     burst = plan_requests(WorkloadSpec(request_rate=math.inf, **spec), 0)
     assert all(p.arrival_s == 0.0 for p in burst)
+
+
+def test_request_body_asks_for_exact_lengths_and_usage():
+    options = ClientOptions(endpoint=Endpoint.parse("http://127.0.0.1:9/v1"), model="m", max_concurrency=None,
+                            request_timeout_s=1.0, keep_alive=True, temperature=0.0, extra_body={"top_k": 1})
+    planned = plan_requests(WorkloadSpec(input_len=5, output_len=7, range_ratio=0.0, vocab_size=1000,
+                                         min_token_id=100, seed=0, num_requests=1, num_warmup=0, request_rate=1.0,
+                                         burstiness=1.0), 0)[0]
+    body = json.loads(request_body(options, planned))
+    assert body == {"model": "m", "prompt": planned.prompt_ids, "max_tokens": 7, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}, "ignore_eos": True, "top_k": 1}
+    assert options.endpoint.path_prefix == ""  # a trailing /v1 in --base-url is accepted
