@@ -160,6 +160,17 @@ struct PagedCache {
   cpu::PagedKvLayout layout() const { return {num_blocks, kc::kKvBlockSize, num_kv_heads, head_dim}; }
 };
 
+// "D128 32/8": head dim, q heads / kv heads.
+std::string heads_shape(int head_dim, int num_q_heads, int num_kv_heads) {
+  std::string shape = "D";
+  shape += std::to_string(head_dim);
+  shape += ' ';
+  shape += std::to_string(num_q_heads);
+  shape += '/';
+  shape += std::to_string(num_kv_heads);
+  return shape;
+}
+
 void check_rope_kv(int head_dim, int num_q_heads, int num_kv_heads, bool qk_norm) {
   const int tokens = 50;
   const int width = (num_q_heads + 2 * num_kv_heads) * head_dim;
@@ -232,8 +243,7 @@ void check_rope_kv(int head_dim, int num_q_heads, int num_kv_heads, bool qk_norm
   }
   cpu::write_kv_cache(ref_cache.data(), cache.layout(), kk.data(), vv.data(), static_cast<int32_t>(slots64.size()),
                       slots64.data());
-  const std::string shape = "D" + std::to_string(head_dim) + " " + std::to_string(num_q_heads) + "/" +
-                            std::to_string(num_kv_heads) + (qk_norm ? " qknorm" : "");
+  const std::string shape = heads_shape(head_dim, num_q_heads, num_kv_heads) + (qk_norm ? " qknorm" : "");
   record("rope.q", shape, compare(to_float(d_q.download()), q));
   // Whole cache: written slots must match, all other slots (incl. the padding row's) unchanged.
   record("rope.kv_cache", shape, compare(to_float(cache.dev.download()), ref_cache), "unwritten slots intact");
@@ -244,7 +254,13 @@ struct SeqSpec {
   int ctx;
 };
 
-// Runs prefill (decode == false) or decode attention for `seqs` and compares with cpu::paged_attention.
+const char* prefill_kernel_name(kc::PrefillKernel variant) {
+  return variant == kc::PrefillKernel::kGqaTiled ? "gqa" : "per-head";
+}
+
+// Runs prefill (decode == false: every PrefillKernel variant on the same
+// inputs, each into a freshly poisoned output) or decode attention for `seqs`
+// and compares with cpu::paged_attention.
 void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_heads, const std::vector<SeqSpec>& seqs,
                      int partition_tokens = 0, kc::DecodeKernel variant = kc::DecodeKernel::kTensorCore) {
   int max_ctx = 1, max_q = 0, total_q = 0, total_blocks = 0;
@@ -275,7 +291,6 @@ void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_head
   d_tables.upload(tables);
   d_qstart.upload(qstart);
   d_ctx.upload(ctxs);
-  d_out.poison();
   kc::AttentionArgs a;
   a.q = d_q.get();
   a.out = d_out.get();
@@ -293,15 +308,6 @@ void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_head
   a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   a.decode_partition_tokens = partition_tokens;
   a.decode_kernel = variant;
-  if (decode) {
-    const size_t ws = kc::decode_attention_workspace_bytes(a.num_seqs, num_q_heads, head_dim, max_ctx,
-                                                           partition_tokens > 0 ? partition_tokens : 256);
-    DeviceBuffer<uint8_t> d_ws(ws);
-    PD_STATUS_CHECK(kc::decode_attention(a, d_ws.get(), ws, nullptr));
-    PD_CUDA_CHECK(cudaDeviceSynchronize());
-  } else {
-    PD_STATUS_CHECK(kc::prefill_attention(a, nullptr));
-  }
   std::vector<float> ref(q.size(), 0.0f), scratch(static_cast<size_t>(max_ctx) + 1);
   const size_t row = static_cast<size_t>(num_q_heads) * head_dim;
   for (size_t s = 0; s < seqs.size(); ++s) {
@@ -312,14 +318,31 @@ void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_head
                          std::span<const int32_t>(tables.data() + s * max_blocks, max_blocks), num_q_heads, a.scale,
                          ref.data() + qstart[s] * row, scratch.data());
   }
-  std::string shape = "D" + std::to_string(head_dim) + " " + std::to_string(num_q_heads) + "/" +
-                      std::to_string(num_kv_heads) + " seqs " + std::to_string(seqs.size()) + " maxctx " +
-                      std::to_string(max_ctx);
+  std::string shape = heads_shape(head_dim, num_q_heads, num_kv_heads);
+  shape += " seqs ";
+  shape += std::to_string(seqs.size());
+  shape += " maxctx ";
+  shape += std::to_string(max_ctx);
   if (decode) {
-    shape += " part " + std::to_string(partition_tokens > 0 ? partition_tokens : 256) +
-             (variant == kc::DecodeKernel::kTensorCore ? " tc" : " simt");
+    shape += " part ";
+    shape += std::to_string(partition_tokens > 0 ? partition_tokens : 256);
+    shape += variant == kc::DecodeKernel::kTensorCore ? " tc" : " simt";
+    const size_t ws = kc::decode_attention_workspace_bytes(a.num_seqs, num_q_heads, head_dim, max_ctx,
+                                                           partition_tokens > 0 ? partition_tokens : 256);
+    DeviceBuffer<uint8_t> d_ws(ws);
+    d_out.poison();
+    PD_STATUS_CHECK(kc::decode_attention(a, d_ws.get(), ws, nullptr));
+    PD_CUDA_CHECK(cudaDeviceSynchronize());
+    record("decode_attention", shape, compare(to_float(d_out.download()), ref));
+    return;
   }
-  record(decode ? "decode_attention" : "prefill_attention", shape, compare(to_float(d_out.download()), ref));
+  for (auto prefill_variant : {kc::PrefillKernel::kGqaTiled, kc::PrefillKernel::kPerHead}) {
+    a.prefill_kernel = prefill_variant;
+    d_out.poison();
+    PD_STATUS_CHECK(kc::prefill_attention(a, nullptr));
+    record("prefill_attention", shape + ' ' + prefill_kernel_name(prefill_variant),
+           compare(to_float(d_out.download()), ref));
+  }
 }
 
 void check_sampling() {
@@ -419,7 +442,97 @@ struct BenchRow {
   const char* unit;
 };
 
-void run_benchmarks() {
+// Prefill attention, both kernels on the same inputs: num_seqs sequences of
+// q_len new tokens at the end of a ctx-token context (ctx > q_len: chunked
+// prefill / prefix hit). Causal flops = 4 * D * Hq * sum over queries of the
+// keys each sees. Returns the number of shapes where the two disagree.
+struct PrefillBenchCase {
+  int num_seqs, q_len, ctx, num_q_heads, num_kv_heads, head_dim;
+};
+
+int bench_prefill_attention(double gemm_tf) {
+  const std::vector<PrefillBenchCase> cases = {
+      {1, 2000, 2000, 32, 8, 128},  // Qwen3-8B layer, one prompt
+      {8, 2000, 2000, 32, 8, 128},  // eight prompts
+      {1, 2000, 2000, 64, 8, 128},  // Qwen3-32B layer
+      {1, 512, 4096, 32, 8, 128},   // a 512-token chunk after 3,584 cached tokens
+      {8, 2000, 2000, 14, 2, 64},   // Qwen2.5-0.5B layer
+  };
+  struct Result {
+    std::string shape;
+    double flops;
+    float ms[2];
+    ErrorStats diff;
+  };
+  std::vector<Result> results;
+  int mismatches = 0;
+  for (const auto& c : cases) {
+    const int nb = (c.ctx + kc::kKvBlockSize - 1) / kc::kKvBlockSize;
+    const size_t cache_elems =
+        static_cast<size_t>(c.num_seqs) * nb * 2 * kc::kKvBlockSize * c.num_kv_heads * c.head_dim;
+    DeviceBuffer<bf16> cache(cache_elems), q(static_cast<size_t>(c.num_seqs) * c.q_len * c.num_q_heads * c.head_dim);
+    DeviceBuffer<bf16> out_new(q.count()), out_old(q.count());
+    PD_STATUS_CHECK(kc::fill_uniform(cache.get(), cache_elems, 6, 1.0f, nullptr));
+    PD_STATUS_CHECK(kc::fill_uniform(q.get(), q.count(), 7, 1.0f, nullptr));
+    std::vector<int32_t> tables(static_cast<size_t>(c.num_seqs) * nb), qs(c.num_seqs + 1), cl(c.num_seqs, c.ctx);
+    std::iota(tables.begin(), tables.end(), 0);
+    std::shuffle(tables.begin(), tables.end(), rng());
+    for (int i = 0; i <= c.num_seqs; ++i) qs[i] = i * c.q_len;
+    DeviceBuffer<int32_t> d_t(tables.size()), d_qs(qs.size()), d_cl(cl.size());
+    d_t.upload(tables);
+    d_qs.upload(qs);
+    d_cl.upload(cl);
+    kc::AttentionArgs a;
+    a.q = q.get();
+    a.kv_cache = cache.get();
+    a.query_start = d_qs.get();
+    a.context_lens = d_cl.get();
+    a.block_tables = d_t.get();
+    a.num_seqs = c.num_seqs;
+    a.max_blocks_per_seq = nb;
+    a.max_query_len = c.q_len;
+    a.max_context_len = c.ctx;
+    a.num_q_heads = c.num_q_heads;
+    a.num_kv_heads = c.num_kv_heads;
+    a.head_dim = c.head_dim;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    Result r;
+    r.shape = std::to_string(c.num_seqs) + "x" + std::to_string(c.q_len);
+    if (c.ctx > c.q_len) {
+      r.shape += " @ctx ";
+      r.shape += std::to_string(c.ctx);
+    }
+    r.shape += ' ';
+    r.shape += heads_shape(c.head_dim, c.num_q_heads, c.num_kv_heads);
+    const double keys_seen = static_cast<double>(c.q_len) * (c.ctx - c.q_len) + c.q_len * (c.q_len + 1.0) / 2.0;
+    r.flops = 4.0 * c.head_dim * c.num_q_heads * keys_seen * c.num_seqs;
+    int idx = 0;
+    for (auto variant : {kc::PrefillKernel::kPerHead, kc::PrefillKernel::kGqaTiled}) {
+      DeviceBuffer<bf16>& out = variant == kc::PrefillKernel::kGqaTiled ? out_new : out_old;
+      out.poison();
+      a.out = out.get();
+      a.prefill_kernel = variant;
+      r.ms[idx++] = time_ms([&] { PD_STATUS_CHECK(kc::prefill_attention(a, nullptr)); });
+    }
+    r.diff = compare(to_float(out_new.download()), to_float(out_old.download()));
+    if (r.diff.num_nan > 0 || r.diff.rel_l2 > kTolerance) ++mismatches;
+    results.push_back(r);
+  }
+  std::printf("\nprefill attention, old (per-head) vs new (gqa): ms, TFLOP/s (ratio to the GEMM rate %.1f)\n", gemm_tf);
+  std::printf("%-26s %9s %8s %6s %9s %8s %6s %8s %11s\n", "shape", "old ms", "TFLOP/s", "ratio", "new ms", "TFLOP/s",
+              "ratio", "speed-up", "new-vs-old");
+  for (const auto& r : results) {
+    const double tf_old = r.flops / (r.ms[0] * 1e9), tf_new = r.flops / (r.ms[1] * 1e9);
+    std::printf("%-26s %9.4f %8.1f %6.2f %9.4f %8.1f %6.2f %7.2fx %11.2e%s\n", r.shape.c_str(), r.ms[0], tf_old,
+                tf_old / gemm_tf, r.ms[1], tf_new, tf_new / gemm_tf, r.ms[0] / r.ms[1], r.diff.rel_l2,
+                r.diff.num_nan > 0 || r.diff.rel_l2 > kTolerance ? " MISMATCH" : "");
+  }
+  return mismatches;
+}
+
+// Kernel timings against the copy / GEMM ceilings; returns the number of
+// benchmark shapes whose outputs disagree between kernel variants.
+int run_benchmarks() {
   std::vector<BenchRow> rows;
   const double copy_gbs = measure_copy_gbs();
   rows.push_back({"d2d copy 4GiB", 0.0, copy_gbs, copy_gbs, "GB/s"});
@@ -469,44 +582,12 @@ void run_benchmarks() {
       }
     }
   }
-  // Prefill attention: one 2000-token prompt, 32/8 heads, D128 (causal flops 4*T*T/2*D*H).
-  for (int nseq : {1, 8}) {
-    const int t = 2000, hq = 32, kvh = 8, d = 128, nb = (t + 15) / 16;
-    const size_t cache_elems = static_cast<size_t>(nseq) * nb * 2 * 16 * kvh * d;
-    DeviceBuffer<bf16> cache(cache_elems), q(static_cast<size_t>(nseq) * t * hq * d), out(q.count());
-    PD_STATUS_CHECK(kc::fill_uniform(cache.get(), cache_elems, 6, 1.0f, nullptr));
-    PD_STATUS_CHECK(kc::fill_uniform(q.get(), q.count(), 7, 1.0f, nullptr));
-    std::vector<int32_t> tables(static_cast<size_t>(nseq) * nb), qs(nseq + 1), cl(nseq, t);
-    std::iota(tables.begin(), tables.end(), 0);
-    for (int i = 0; i <= nseq; ++i) qs[i] = i * t;
-    DeviceBuffer<int32_t> d_t(tables.size()), d_qs(qs.size()), d_cl(cl.size());
-    d_t.upload(tables);
-    d_qs.upload(qs);
-    d_cl.upload(cl);
-    kc::AttentionArgs a;
-    a.q = q.get();
-    a.out = out.get();
-    a.kv_cache = cache.get();
-    a.query_start = d_qs.get();
-    a.context_lens = d_cl.get();
-    a.block_tables = d_t.get();
-    a.num_seqs = nseq;
-    a.max_blocks_per_seq = nb;
-    a.max_query_len = t;
-    a.max_context_len = t;
-    a.num_q_heads = hq;
-    a.num_kv_heads = kvh;
-    a.head_dim = d;
-    a.scale = 0.088f;
-    const float ms = time_ms([&] { PD_STATUS_CHECK(kc::prefill_attention(a, nullptr)); });
-    const double flops = nseq * 4.0 * t * (t + 1) / 2.0 * d * hq;
-    rows.push_back({"prefill attn " + std::to_string(nseq) + "x2000 32/8", ms, flops / (ms * 1e9), gemm_tf, "TFLOP/s"});
-  }
   std::printf("\n%-34s %10s %12s %12s %8s\n", "benchmark", "ms", "achieved", "ceiling", "ratio");
   for (const auto& r : rows) {
     std::printf("%-34s %10.4f %9.1f %s %9.1f %8.2f\n", r.name.c_str(), r.ms, r.achieved, r.unit, r.ceiling,
                 r.achieved / r.ceiling);
   }
+  return bench_prefill_attention(gemm_tf);
 }
 }  // namespace
 }  // namespace pd::gpu_test
@@ -532,6 +613,15 @@ int main(int argc, char** argv) {
   check_attention(false, 128, 32, 8, prefill_seqs);
   check_attention(false, 64, 14, 2, prefill_seqs);
   check_attention(false, 128, 16, 16, {{300, 300}, {5, 2048}});
+  check_attention(false, 128, 64, 8, prefill_seqs);  // Qwen3-32B heads: GQA group 8
+  check_attention(false, 64, 32, 8, prefill_seqs);
+  // Chunked prefill / prefix-cache hits (queries start deep into the context,
+  // offsets not multiples of 16 or 64), a sequence with no query rows, a
+  // one-token prompt and lengths around the 64-key tile, in one launch.
+  const std::vector<SeqSpec> chunked_seqs = {{777, 777}, {256, 2300}, {0, 40},   {1, 1},
+                                             {63, 63},   {65, 4001},  {130, 194}};
+  check_attention(false, 128, 32, 8, chunked_seqs);
+  check_attention(false, 64, 14, 2, chunked_seqs);
   std::vector<SeqSpec> decode_seqs;
   for (int c : {1, 15, 16, 17, 255, 256, 257, 1000, 2048, 0, 4097}) decode_seqs.push_back({1, c});
   for (auto variant : {pd::kernels::cuda::DecodeKernel::kTensorCore, pd::kernels::cuda::DecodeKernel::kCudaCore}) {
@@ -554,6 +644,6 @@ int main(int argc, char** argv) {
     if (!r.pass) ++failures;
   }
   std::printf("%d checks, %d failed\n", static_cast<int>(g_rows.size()), failures);
-  if (argc > 1 && std::string(argv[1]) == "--bench") run_benchmarks();
+  if (argc > 1 && std::string(argv[1]) == "--bench") failures += run_benchmarks();
   return failures == 0 ? 0 : 1;
 }

@@ -1,10 +1,15 @@
 // Paged attention over [num_blocks][2][16][num_kv_heads][head_dim] bf16 KV.
 //
 // Prefill (and chunked prefill): FlashAttention-2 style on mma.sync
-// m16n8k16 (bf16 in, fp32 accumulate). One CTA = 64 query rows of one q head
-// (4 warps x 16 rows); key/value tiles of 64 tokens (4 paged blocks) staged in
-// shared memory; online softmax in registers using the documented fragment
-// layout of m16n8k16 (row = lane/4 and lane/4 + 8, columns 2*(lane%4) + {0,1}).
+// m16n8k16 (bf16 in, fp32 accumulate), online softmax in registers using the
+// documented fragment layout of m16n8k16 (row = lane/4 and lane/4 + 8, columns
+// 2*(lane%4) + {0,1}). Two variants (AttentionArgs::prefill_kernel):
+// - kGqaTiled (default): one CTA = 128 (token, head) rows of one GQA group
+//   (8 warps x 16 rows), so each K/V tile is read once for the whole group;
+//   3-stage cp.async pipeline, causal tile skipping, heaviest CTAs first.
+// - kPerHead (the first version, kept for comparison): one CTA = 64 query rows
+//   of one q head (4 warps x 16 rows), synchronous single-buffered K/V tiles.
+// Both stage key/value tiles of 64 tokens (4 paged blocks) in shared memory.
 //
 // Decode: one CTA = (sequence, kv head, partition of 16..256 tokens) serving all
 // q heads of the GQA group, so each K/V byte is read once per step. A warp
@@ -54,13 +59,40 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "memory");
 }
 
+// cp.async: 16 bytes global -> shared without passing through registers;
+// src_bytes 0 zero-fills the destination (keys past the context).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  cp_async_commit();
+  cp_async_wait<0>();
+}
+
+// 2^x on the SFU; exp2(-inf) = +0, which the masked scores rely on.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 constexpr int kPrefillRows = 64;  // query rows per CTA
 constexpr int kPrefillKeys = 64;  // keys per tile (4 KV blocks)
 constexpr int kPrefillWarps = 4;
 constexpr int kSmemPad = 8;  // bf16 per row: breaks the bank pattern of 32-bit fragment loads
 
 template <int kHeadDim>
-__global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(AttentionArgs a) {
+__global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_per_head_kernel(AttentionArgs a) {
   constexpr int kStride = kHeadDim + kSmemPad;
   constexpr int kKSteps = kHeadDim / 16;       // k-steps of Q K^T
   constexpr int kSTiles = kPrefillKeys / 8;    // n-tiles of S
@@ -226,6 +258,302 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(A
     if (r1 < q_len)
       *reinterpret_cast<__nv_bfloat162*>(out1 + c) = __floats2bfloat162_rn(o[nt][2] * inv1, o[nt][3] * inv1);
   }
+}
+
+// ------------------------------------------ prefill, GQA-tiled (the default)
+// The q heads of a GQA group read the same keys, so one CTA serves one
+// (sequence, kv head) and its M dimension is the flattened (token, head) space
+// of that group: row r is token r / G, q head r % G (G = q heads per kv head).
+// Each K/V tile fetched from the paged cache then feeds G heads, and a CTA's
+// 128 rows span only 128 / G tokens, so few of its tiles cross the diagonal.
+// 8 warps x 16 rows; each warp keeps its own online softmax in registers
+// (scores pre-scaled by log2(e), exp2 on the SFU). K/V tiles of 64 keys flow
+// through a 3-stage cp.async ring: tile j + 2 is in flight while tile j is
+// computed, with one barrier per tile. A warp skips tiles wholly above its
+// causal diagonal and masks only the tiles that cross it. CTAs start heaviest
+// first (the last token tiles see the most keys) so the causal tail is short.
+constexpr int kGqaWarps = 8;
+constexpr int kGqaThreads = kGqaWarps * 32;
+constexpr int kGqaRows = kGqaWarps * 16;  // flattened (token, head) rows per CTA
+constexpr int kGqaKeys = 64;              // keys per tile (4 KV blocks)
+constexpr int kGqaStages = 3;
+
+template <int kHeadDim>
+constexpr int gqa_prefill_smem_bytes() {
+  return kGqaStages * 2 * kGqaKeys * (kHeadDim + kSmemPad) * static_cast<int>(sizeof(bf16));
+}
+
+// Copies one K/V tile of one kv head (keys [kb, kb + kGqaKeys)) from the paged
+// cache into shared memory ([kGqaKeys][kHeadDim + kSmemPad] each) with cp.async.
+// Thread t copies 16-byte chunk t % kChunksPerRow of rows t / kChunksPerRow +
+// i * kRowsPerCopy; kRowsPerCopy is a multiple of the block size, so the slot
+// within a block and all offsets are fixed per thread and only the block ids
+// change from tile to tile. Split in two so a tile's block-table reads are
+// issued one iteration before its copies: a dependent global load just before
+// the copies would stall every warp right after the barrier.
+template <int kHeadDim>
+struct KvTileLoader {
+  static constexpr int kStride = kHeadDim + kSmemPad;
+  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per key row
+  static constexpr int kRowsPerCopy = kGqaThreads / kChunksPerRow;
+  static constexpr int kCopies = kGqaKeys / kRowsPerCopy;
+  static_assert(kRowsPerCopy % kKvBlockSize == 0 && kGqaKeys % kRowsPerCopy == 0, "fixed slot per thread");
+
+  int first_row;            // of this thread within the tile
+  int src_offset;           // slot, kv head and chunk within a paged block (elements)
+  int dst_offset;           // first row and chunk within a shared tile (elements)
+  int32_t blocks[kCopies];  // paged block of each of this thread's rows
+
+  __device__ __forceinline__ KvTileLoader(int num_kv_heads, int kv_head) {
+    const int tid = static_cast<int>(threadIdx.x);
+    const int chunk = tid % kChunksPerRow;
+    first_row = tid / kChunksPerRow;
+    src_offset = ((first_row % kKvBlockSize) * num_kv_heads + kv_head) * kHeadDim + chunk * 8;
+    dst_offset = first_row * kStride + chunk * 8;
+  }
+
+  // Keys >= kv_end read the tile's first block (kb < kv_end, so it is mapped); their copies read nothing.
+  __device__ __forceinline__ void fetch_blocks(const int32_t* __restrict__ table, int kb, int kv_end) {
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int key = kb + first_row + i * kRowsPerCopy;
+      blocks[i] = table[static_cast<unsigned>(key < kv_end ? key : kb) / kKvBlockSize];
+    }
+  }
+
+  // Keys >= kv_end are zero-filled, so a masked key never multiplies leftover
+  // shared memory (NaN * 0 = NaN).
+  __device__ __forceinline__ void copy(bf16* k_dst, bf16* v_dst, const bf16* __restrict__ kv_cache, int kb, int kv_end,
+                                       int block_elems) const {
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const bool valid = kb + first_row + i * kRowsPerCopy < kv_end;
+      const bf16* src = kv_cache + static_cast<int64_t>(blocks[i]) * block_elems + src_offset;
+      const int dst = dst_offset + i * kRowsPerCopy * kStride;
+      cp_async_16(k_dst + dst, src, valid);
+      cp_async_16(v_dst + dst, src + block_elems / 2, valid);
+    }
+  }
+};
+
+// Grid: (num_kv_heads, num_seqs, row tiles) with the row tile reversed
+// (blockIdx.z = 0 is the last tile) so the longest CTAs are dispatched first.
+template <int kHeadDim>
+__global__ void __launch_bounds__(kGqaThreads, kHeadDim == 64 ? 2 : 1) prefill_attention_gqa_kernel(AttentionArgs a) {
+  constexpr int kStride = kHeadDim + kSmemPad;
+  constexpr int kTileElems = kGqaKeys * kStride;  // one K or V tile
+  constexpr int kKSteps = kHeadDim / 16;          // k-steps of Q K^T
+  constexpr int kSTiles = kGqaKeys / 8;           // n-tiles of S
+  constexpr int kOTiles = kHeadDim / 8;           // n-tiles of O
+  extern __shared__ __align__(16) unsigned char gqa_smem[];
+  bf16* const stages = reinterpret_cast<bf16*>(gqa_smem);  // [kGqaStages][K, V][kGqaKeys][kStride]
+
+  const int kv_head = blockIdx.x;
+  const int seq = blockIdx.y;
+  const int tile = static_cast<int>(gridDim.z - 1 - blockIdx.z);
+  const int q_begin = a.query_start[seq];
+  const int q_len = a.query_start[seq + 1] - q_begin;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int num_rows = q_len * group;
+  const int row0 = tile * kGqaRows;
+  if (row0 >= num_rows) return;
+  const int ctx = a.context_lens[seq];
+  const int first_pos = ctx - q_len;  // position of the sequence's first query
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int tq = lane & 3;
+  const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: matrix index, row within it
+
+  // This thread's fragment rows (g and g + 8 of the warp's 16). Rows past the
+  // sequence are clamped onto its last row: they compute a copy, store nothing.
+  const int warp_row0 = row0 + warp * 16;
+  const int ra = warp_row0 + g, rb = ra + 8;
+  const int ra_c = min(ra, num_rows - 1), rb_c = min(rb, num_rows - 1);
+  const int tok_a = ra_c / group, tok_b = rb_c / group;
+  const int head_a = kv_head * group + ra_c % group, head_b = kv_head * group + rb_c % group;
+  const int pos_a = first_pos + tok_a, pos_b = first_pos + tok_b;
+  const bool warp_active = warp_row0 < num_rows;
+  const int warp_min_pos = first_pos + min(warp_row0, num_rows - 1) / group;
+  const int warp_max_pos = first_pos + min(warp_row0 + 15, num_rows - 1) / group;
+  const int cta_max_pos = first_pos + (min(row0 + kGqaRows, num_rows) - 1) / group;
+  const int kv_end = min(ctx, cta_max_pos + 1);  // keys this CTA needs
+  const int num_tiles = kv_end > 0 ? (kv_end + kGqaKeys - 1) / kGqaKeys : 0;
+
+  const int block_elems = 2 * kKvBlockSize * a.num_kv_heads * kHeadDim;  // K and V of one paged block
+  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+  // Prologue: the first kGqaStages - 1 tiles in flight, one commit group each
+  // (empty groups keep the count uniform when there are fewer tiles), and the
+  // block ids of the next tile fetched.
+  KvTileLoader<kHeadDim> loader(a.num_kv_heads, kv_head);
+#pragma unroll
+  for (int j = 0; j < kGqaStages - 1; ++j) {
+    if (j < num_tiles) {
+      bf16* k_dst = stages + j * 2 * kTileElems;
+      loader.fetch_blocks(table, j * kGqaKeys, kv_end);
+      loader.copy(k_dst, k_dst + kTileElems, a.kv_cache, j * kGqaKeys, kv_end, block_elems);
+    }
+    cp_async_commit();
+  }
+  if (kGqaStages - 1 < num_tiles) loader.fetch_blocks(table, (kGqaStages - 1) * kGqaKeys, kv_end);
+  int read_stage = 0, write_stage = kGqaStages - 1;  // ring positions of tiles j and j + kGqaStages - 1
+
+  uint32_t qf[kKSteps][4];
+  {
+    const bf16* qa_row = a.q + (static_cast<int64_t>(q_begin + tok_a) * a.num_q_heads + head_a) * kHeadDim;
+    const bf16* qb_row = a.q + (static_cast<int64_t>(q_begin + tok_b) * a.num_q_heads + head_b) * kHeadDim;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      const int c = kk * 16 + 2 * tq;
+      qf[kk][0] = *reinterpret_cast<const uint32_t*>(qa_row + c);
+      qf[kk][1] = *reinterpret_cast<const uint32_t*>(qb_row + c);
+      qf[kk][2] = *reinterpret_cast<const uint32_t*>(qa_row + c + 8);
+      qf[kk][3] = *reinterpret_cast<const uint32_t*>(qb_row + c + 8);
+    }
+  }
+
+  const float scale_log2 = a.scale * kLog2e;
+  float m_a = -INFINITY, m_b = -INFINITY;  // running max of the scaled scores (log2 units)
+  float l_a = 0.0f, l_b = 0.0f;            // this thread's share of the running row sums
+  float o[kOTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+
+  for (int j = 0; j < num_tiles; ++j) {
+    cp_async_wait<kGqaStages - 2>();  // this thread's copies of tile j have landed
+    __syncthreads();                  // everyone's have, and every warp is done with tile j - 1
+    {
+      // Refill the stage that tile j - 1 used with tile j + kGqaStages - 1.
+      const int jn = j + kGqaStages - 1;
+      if (jn < num_tiles) {
+        bf16* k_dst = stages + write_stage * 2 * kTileElems;
+        loader.copy(k_dst, k_dst + kTileElems, a.kv_cache, jn * kGqaKeys, kv_end, block_elems);
+        if (jn + 1 < num_tiles) loader.fetch_blocks(table, (jn + 1) * kGqaKeys, kv_end);
+      }
+      cp_async_commit();
+      write_stage = write_stage == kGqaStages - 1 ? 0 : write_stage + 1;
+    }
+    const bf16* k_s = stages + read_stage * 2 * kTileElems;
+    const bf16* v_s = k_s + kTileElems;
+    read_stage = read_stage == kGqaStages - 1 ? 0 : read_stage + 1;
+    const int kb = j * kGqaKeys;
+    if (!warp_active || kb > warp_max_pos) continue;  // every key of the tile is in this warp's future
+
+    float s[kSTiles][4];
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; nt += 2) {
+        // Matrix m = lm: keys of n-tile nt + m / 2, head-dim half m % 2 of k-step kk.
+        uint32_t b[4];
+        ldmatrix_x4(b, k_s + ((nt + (lm >> 1)) * 8 + lr) * kStride + kk * 16 + (lm & 1) * 8);
+        mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
+        mma_bf16_16816(s[nt + 1], qf[kk], b[2], b[3]);
+      }
+    }
+    // Only a tile that reaches past this warp's first position can hold a key
+    // in some row's future (keys >= kv_end are past every row's position too).
+    if (kb + kGqaKeys - 1 > warp_min_pos) {
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = kb + nt * 8 + 2 * tq + (e & 1);
+          if (key > (e < 2 ? pos_a : pos_b)) s[nt][e] = -INFINITY;
+        }
+      }
+    }
+    float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt) {
+      mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {  // the 4 lanes of a quad share rows
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+    }
+    const float new_m_a = fmaxf(m_a, mx_a * scale_log2);
+    const float new_m_b = fmaxf(m_b, mx_b * scale_log2);
+    // A row with no valid key yet stays at -inf; subtracting 0 then keeps
+    // exp2(-inf - base) = 0 instead of exp2(-inf + inf) = NaN.
+    const float base_a = new_m_a == -INFINITY ? 0.0f : new_m_a;
+    const float base_b = new_m_b == -INFINITY ? 0.0f : new_m_b;
+    const float alpha_a = fast_exp2(m_a - base_a);
+    const float alpha_b = fast_exp2(m_b - base_b);
+    m_a = new_m_a;
+    m_b = new_m_b;
+    float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt) {
+      s[nt][0] = fast_exp2(fmaf(s[nt][0], scale_log2, -base_a));
+      s[nt][1] = fast_exp2(fmaf(s[nt][1], scale_log2, -base_a));
+      s[nt][2] = fast_exp2(fmaf(s[nt][2], scale_log2, -base_b));
+      s[nt][3] = fast_exp2(fmaf(s[nt][3], scale_log2, -base_b));
+      sum_a += s[nt][0] + s[nt][1];
+      sum_b += s[nt][2] + s[nt][3];
+    }
+    l_a = l_a * alpha_a + sum_a;
+    l_b = l_b * alpha_b + sum_b;
+#pragma unroll
+    for (int nt = 0; nt < kOTiles; ++nt) {
+      o[nt][0] *= alpha_a;
+      o[nt][1] *= alpha_a;
+      o[nt][2] *= alpha_b;
+      o[nt][3] *= alpha_b;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kGqaKeys / 16; ++kk) {
+      // The S accumulators of n-tiles 2kk, 2kk + 1 are exactly the A fragment of keys [16kk, 16kk + 16).
+      const uint32_t pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int nt = 0; nt < kOTiles; nt += 2) {
+        // Matrix m: keys kk*16 + (m % 2) * 8 .., head-dim columns (nt + m / 2) * 8 .., transposed.
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_s + (kk * 16 + (lm & 1) * 8 + lr) * kStride + (nt + (lm >> 1)) * 8);
+        mma_bf16_16816(o[nt], pa, b[0], b[1]);
+        mma_bf16_16816(o[nt + 1], pa, b[2], b[3]);
+      }
+    }
+  }
+  if (!warp_active) return;
+
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+  }
+  const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
+  const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+  bf16* out_a = a.out + (static_cast<int64_t>(q_begin + tok_a) * a.num_q_heads + head_a) * kHeadDim;
+  bf16* out_b = a.out + (static_cast<int64_t>(q_begin + tok_b) * a.num_q_heads + head_b) * kHeadDim;
+#pragma unroll
+  for (int nt = 0; nt < kOTiles; ++nt) {
+    const int c = nt * 8 + 2 * tq;
+    if (ra < num_rows)
+      *reinterpret_cast<__nv_bfloat162*>(out_a + c) = __floats2bfloat162_rn(o[nt][0] * inv_a, o[nt][1] * inv_a);
+    if (rb < num_rows)
+      *reinterpret_cast<__nv_bfloat162*>(out_b + c) = __floats2bfloat162_rn(o[nt][2] * inv_b, o[nt][3] * inv_b);
+  }
+}
+
+template <int kHeadDim>
+cudaError_t launch_prefill_gqa(const AttentionArgs& args, cudaStream_t stream) {
+  constexpr int kSmemBytes = gqa_prefill_smem_bytes<kHeadDim>();  // > 48 KiB: needs the opt-in
+  cudaError_t err = cudaFuncSetAttribute(prefill_attention_gqa_kernel<kHeadDim>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int64_t rows = static_cast<int64_t>(args.max_query_len) * (args.num_q_heads / args.num_kv_heads);
+  const int64_t row_tiles = (rows + kGqaRows - 1) / kGqaRows;
+  if (row_tiles > 65535 || args.num_seqs > 65535) return cudaErrorInvalidConfiguration;  // grid y/z limits
+  const dim3 grid(args.num_kv_heads, args.num_seqs, static_cast<unsigned>(row_tiles));
+  prefill_attention_gqa_kernel<kHeadDim><<<grid, kGqaThreads, kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
 }
 
 // ---------------------------------------------------------------- decode
@@ -416,15 +744,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 // tile with its own online softmax, merged across warps at the end.
 constexpr int kMmaDecodeKeys = 64;
 constexpr int kMmaDecodeWarps = 4;
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int src_bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-}
 
 template <int kHeadDim>
 __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
@@ -650,11 +969,14 @@ cudaError_t launch_decode_d(const AttentionArgs& args, float* workspace, int32_t
 
 cudaError_t launch_prefill_attention(const AttentionArgs& args, cudaStream_t stream) {
   if (args.num_seqs == 0 || args.max_query_len == 0) return cudaSuccess;
+  if (args.prefill_kernel == PrefillKernel::kGqaTiled) {
+    return args.head_dim == 128 ? launch_prefill_gqa<128>(args, stream) : launch_prefill_gqa<64>(args, stream);
+  }
   const dim3 grid((args.max_query_len + kPrefillRows - 1) / kPrefillRows, args.num_q_heads, args.num_seqs);
   if (args.head_dim == 128) {
-    prefill_attention_kernel<128><<<grid, kPrefillWarps * 32, 0, stream>>>(args);
+    prefill_attention_per_head_kernel<128><<<grid, kPrefillWarps * 32, 0, stream>>>(args);
   } else {
-    prefill_attention_kernel<64><<<grid, kPrefillWarps * 32, 0, stream>>>(args);
+    prefill_attention_per_head_kernel<64><<<grid, kPrefillWarps * 32, 0, stream>>>(args);
   }
   return cudaGetLastError();
 }

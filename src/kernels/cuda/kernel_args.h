@@ -50,6 +50,10 @@ struct RopeKvArgs {
 // Decode attention variants: tensor cores (the GQA group as the rows of an
 // m16n8k16 tile) or CUDA cores (dot products split over lanes + shuffles).
 enum class DecodeKernel : uint8_t { kTensorCore, kCudaCore };
+// Prefill attention variants: all q heads of a GQA group per CTA with a
+// pipelined K/V ring (the default), or one q head per CTA (the first version,
+// kept so both can be compared in one run).
+enum class PrefillKernel : uint8_t { kGqaTiled, kPerHead };
 
 struct AttentionArgs {
   const bf16* q = nullptr;
@@ -71,6 +75,7 @@ struct AttentionArgs {
   // (0 = kDecodePartitionTokens). Smaller partitions give small batches more CTAs.
   int32_t decode_partition_tokens = 0;
   DecodeKernel decode_kernel = DecodeKernel::kTensorCore;
+  PrefillKernel prefill_kernel = PrefillKernel::kGqaTiled;
 };
 
 // Per-row sampling parameters for sample_rows (device array).
