@@ -299,3 +299,46 @@ def test_request_body_asks_for_exact_lengths_and_usage():
     assert body == {"model": "m", "prompt": planned.prompt_ids, "max_tokens": 7, "temperature": 0.0, "stream": True,
                     "stream_options": {"include_usage": True}, "ignore_eos": True, "top_k": 1}
     assert options.endpoint.path_prefix == ""  # a trailing /v1 in --base-url is accepted
+
+
+def test_staircase_plan_windows():
+    import argparse
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pdbench_cli", PDBENCH)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    args = argparse.Namespace(staircase_window_s=20.0, warmup_requests=3, input_len=64, output_len=16,
+                              range_ratio=0.0, vocab_size=1000, min_token_id=10, seed=1, burstiness=1.0)
+    rates = [1.0, 4.0]
+    plan = cli.staircase_plan(args, rates)
+    assert [p.index for _, p in plan] == list(range(len(plan)))
+    arrivals = [p.arrival_s for _, p in plan]
+    assert arrivals == sorted(arrivals)
+    warmups = [p for _, p in plan if p.warmup]
+    assert len(warmups) == 3 and all(tag == 0 for tag, p in plan if p.warmup)
+    lead_in = plan[3][1].arrival_s
+    for k, rate in enumerate(rates):
+        measured = [p for tag, p in plan if tag == k and not p.warmup]
+        start, end = lead_in + k * 20.0, lead_in + (k + 1) * 20.0
+        assert all(start <= p.arrival_s < end for p in measured)
+        # Poisson counts: mean rate x window, well inside 4 standard deviations.
+        expected = rate * 20.0
+        assert abs(len(measured) - expected) < 4 * math.sqrt(expected) + 1
+    # Each window has its own prompts (no prefix-cache reuse across rates).
+    first = {tuple(p.prompt_ids) for tag, p in plan if tag == 0}
+    assert not first & {tuple(p.prompt_ids) for tag, p in plan if tag == 1}
+
+
+def test_staircase_sweep_against_server(server, tmp_path):
+    out = tmp_path / "stair.json"
+    proc = run_pdbench("sweep", "--base-url", server.base_url, "--rates", "4,8", "--staircase-window-s", "1.5",
+                       "--input-len", "32", "--output-len", "8", "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
+                       "--json-out", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["config"]["staircase_window_s"] == 1.5
+    assert [r["request_rate"] for r in doc["runs"]] == [4.0, 8.0]
+    for run in doc["runs"]:
+        assert run["completed"] >= 1 and run["failed"] == 0
+        assert run["slo"]["mean_itl"]["attainment"] == 1.0
+    assert doc["goodput"]["mean_itl"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import math
@@ -24,7 +25,7 @@ from pdbenchlib import report  # noqa: E402
 from pdbenchlib.http_stream import Endpoint, PdbenchError, fetch_json  # noqa: E402
 from pdbenchlib.runner import ClientOptions, execute_run, rate_label  # noqa: E402
 from pdbenchlib.stats import Slo, goodput, summarize_run  # noqa: E402
-from pdbenchlib.workload import WorkloadSpec, length_bounds, plan_requests  # noqa: E402
+from pdbenchlib.workload import PlannedRequest, WorkloadSpec, length_bounds, plan_requests  # noqa: E402
 
 JSON_FORMAT_VERSION = 1
 # Qwen2/2.5/3 tokenizers (and builtin:tiny, which uses Qwen3's) have their first special
@@ -185,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
                                             GOODPUT_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sweep.add_argument("--rates", type=_rate_list, required=True, help="comma-separated request rates, req/s")
+    sweep.add_argument("--staircase-window-s", type=_positive_float, default=None,
+                       help="one continuous run instead of one run per rate: rate k's requests arrive in the "
+                            "k-th window of this many seconds while earlier windows' requests still run, so "
+                            "each rate starts loaded (closer to steady state than a run from idle when "
+                            "requests outlive a window); requests per rate = rate x window (--num-requests "
+                            "is ignored); warm-up requests, if any, come before the first window")
     _add_load_flags(sweep)
 
     plot = commands.add_parser("plot", help="PNGs from sweep JSON files",
@@ -277,6 +284,8 @@ async def _benchmark(args: argparse.Namespace, rates: list[float], is_sweep: boo
               f"(+{args.warmup_requests} warm-up), input {args.input_len}, output {args.output_len}, "
               f"range ratio {args.range_ratio:g}", file=sys.stderr, flush=True)
     exit_code = EXIT_OK
+    if is_sweep and args.staircase_window_s:
+        return await _staircase(args, rates, options, slo, document)
     for run_index, rate in enumerate(rates):
         spec = WorkloadSpec(input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
                             vocab_size=args.vocab_size, min_token_id=args.min_token_id, seed=args.seed,
@@ -306,6 +315,60 @@ async def _benchmark(args: argparse.Namespace, rates: list[float], is_sweep: boo
     if exit_code != EXIT_OK:
         print("pdbench: error: a run finished without one successful request (see the errors above)",
               file=sys.stderr)
+    return exit_code
+
+
+def staircase_plan(args: argparse.Namespace, rates: list[float]) -> list[tuple[int, PlannedRequest]]:
+    """(rate index, request) in send order: rate k's measured requests arrive inside
+    [k*W, (k+1)*W) after the warm-up lead-in, each window with its own seeded prompts."""
+    window = args.staircase_window_s
+    plan: list[tuple[int, PlannedRequest]] = []
+    offset = 0.0
+    for k, rate in enumerate(rates):
+        if not math.isfinite(rate):
+            raise PdbenchError("--staircase-window-s needs finite --rates")
+        warmup = args.warmup_requests if k == 0 else 0
+        # Poisson arrivals: draw more than rate x window and keep those inside the window.
+        spec = WorkloadSpec(input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
+                            vocab_size=args.vocab_size, min_token_id=args.min_token_id, seed=args.seed,
+                            num_requests=max(1, math.ceil(2 * rate * window) + 10), num_warmup=warmup,
+                            request_rate=rate, burstiness=args.burstiness)
+        requests = plan_requests(spec, k)
+        lead_in = requests[warmup].arrival_s  # the warm-ups arrive before the window opens
+        kept = [r for r in requests if r.warmup or r.arrival_s - lead_in < window]
+        for r in kept:
+            plan.append((k, dataclasses.replace(r, index=len(plan), arrival_s=offset + r.arrival_s)))
+        offset += lead_in + window
+    return plan
+
+
+async def _staircase(args: argparse.Namespace, rates: list[float], options: ClientOptions, slo: Slo,
+                     document: dict) -> int:
+    plan = staircase_plan(args, rates)
+    label = f"staircase {','.join(f'{r:g}' for r in rates)} req/s, {args.staircase_window_s:g} s windows"
+    document["config"]["staircase_window_s"] = args.staircase_window_s
+    outcome = await execute_run(options, [p for _, p in plan], label)
+    exit_code = EXIT_OK
+    for k, rate in enumerate(rates):
+        results = [res for (tag, _), res in zip(plan, outcome.results) if tag == k]
+        run = {"label": rate_label(rate, args.max_concurrency), "request_rate": rate,
+               "max_concurrency": args.max_concurrency, **summarize_run(results, slo),
+               "client_loop_lag_ms": outcome.client_loop_lag_ms}
+        if args.save_requests:
+            run["requests"] = [r.to_json() for r in results]
+        if run["completed"] == 0:
+            exit_code = EXIT_RUN_FAILED
+        document["runs"].append(run)
+        print(report.run_table(run, document["config"]["slo"]), flush=True)
+        print(flush=True)
+    if slo.enabled:
+        document["goodput"] = {
+            variant: goodput([(r["request_rate"], r["slo"][variant]["attainment"]) for r in document["runs"]],
+                             args.goodput_target)
+            for variant in ("mean_itl", "p99_itl")}
+    if args.json_out:
+        _write_json(args.json_out, document)
+    print(report.sweep_table(document), flush=True)
     return exit_code
 
 
