@@ -254,6 +254,18 @@ struct SeqSpec {
   int ctx;
 };
 
+const char* decode_kernel_name(kc::DecodeKernel variant) {
+  switch (variant) {
+    case kc::DecodeKernel::kTensorCore:
+      return "tc";
+    case kc::DecodeKernel::kCudaCore:
+      return "simt";
+    case kc::DecodeKernel::kTensorCoreSingleBuffer:
+      return "tc-1buf";
+  }
+  return "?";
+}
+
 const char* prefill_kernel_name(kc::PrefillKernel variant) {
   return variant == kc::PrefillKernel::kGqaTiled ? "gqa" : "per-head";
 }
@@ -326,7 +338,8 @@ void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_head
   if (decode) {
     shape += " part ";
     shape += std::to_string(partition_tokens > 0 ? partition_tokens : 256);
-    shape += variant == kc::DecodeKernel::kTensorCore ? " tc" : " simt";
+    shape += ' ';
+    shape += decode_kernel_name(variant);
     const size_t ws = kc::decode_attention_workspace_bytes(a.num_seqs, num_q_heads, head_dim, max_ctx,
                                                            partition_tokens > 0 ? partition_tokens : 256);
     DeviceBuffer<uint8_t> d_ws(ws);
@@ -539,7 +552,8 @@ int run_benchmarks() {
   const double gemm_tf = measure_gemm_tflops();
   rows.push_back({"gemm 8192^3 bf16", 0.0, gemm_tf, gemm_tf, "TFLOP/s"});
   // Decode attention, Qwen3-8B layer shape (32/8 heads, D128), batch x 2048 context.
-  for (auto variant : {kc::DecodeKernel::kTensorCore, kc::DecodeKernel::kCudaCore}) {
+  for (auto variant :
+       {kc::DecodeKernel::kTensorCore, kc::DecodeKernel::kTensorCoreSingleBuffer, kc::DecodeKernel::kCudaCore}) {
     for (int batch : {1, 16, 64, 128}) {
       for (int q_heads : {32, 64}) {
         const int ctx = 2048, kvh = 8, d = 128, nb = ctx / 16;
@@ -576,8 +590,8 @@ int run_benchmarks() {
         DeviceBuffer<uint8_t> d_ws(ws);
         const float ms = time_ms([&] { PD_STATUS_CHECK(kc::decode_attention(a, d_ws.get(), ws, nullptr)); });
         const double gbs = cache_elems * 2.0 / (ms * 1e6);
-        rows.push_back({std::string(variant == kc::DecodeKernel::kTensorCore ? "tc" : "simt") + " decode attn b" +
-                            std::to_string(batch) + " ctx2048 " + std::to_string(q_heads) + "/8",
+        rows.push_back({std::string(decode_kernel_name(variant)) + " decode attn b" + std::to_string(batch) +
+                            " ctx2048 " + std::to_string(q_heads) + "/8",
                         ms, gbs, copy_gbs, "GB/s"});
       }
     }
@@ -624,7 +638,9 @@ int main(int argc, char** argv) {
   check_attention(false, 64, 14, 2, chunked_seqs);
   std::vector<SeqSpec> decode_seqs;
   for (int c : {1, 15, 16, 17, 255, 256, 257, 1000, 2048, 0, 4097}) decode_seqs.push_back({1, c});
-  for (auto variant : {pd::kernels::cuda::DecodeKernel::kTensorCore, pd::kernels::cuda::DecodeKernel::kCudaCore}) {
+  for (auto variant :
+       {pd::kernels::cuda::DecodeKernel::kTensorCore, pd::kernels::cuda::DecodeKernel::kTensorCoreSingleBuffer,
+        pd::kernels::cuda::DecodeKernel::kCudaCore}) {
     check_attention(true, 128, 32, 8, decode_seqs, 0, variant);
     check_attention(true, 128, 64, 8, decode_seqs, 0, variant);
     check_attention(true, 64, 14, 2, decode_seqs, 0, variant);

@@ -18,6 +18,7 @@
 // merges the partitions.
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <cfloat>
 #include <cstdint>
 
@@ -84,6 +85,22 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Opts kKernel into `bytes` (> 48 KiB) of dynamic shared memory, once per
+// device (the setting lives in the device's context); later launches, such as
+// those recorded while a decode graph is captured, skip the call.
+template <auto kKernel>
+cudaError_t opt_in_dynamic_smem(int bytes) {
+  static std::atomic<uint64_t> configured_devices{0};  // bit d: done on device d
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (configured_devices.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) configured_devices.fetch_or(bit, std::memory_order_release);
+  return err;
 }
 
 constexpr int kPrefillRows = 64;  // query rows per CTA
@@ -545,8 +562,7 @@ __global__ void __launch_bounds__(kGqaThreads, kHeadDim == 64 ? 2 : 1) prefill_a
 template <int kHeadDim>
 cudaError_t launch_prefill_gqa(const AttentionArgs& args, cudaStream_t stream) {
   constexpr int kSmemBytes = gqa_prefill_smem_bytes<kHeadDim>();  // > 48 KiB: needs the opt-in
-  cudaError_t err = cudaFuncSetAttribute(prefill_attention_gqa_kernel<kHeadDim>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t err = opt_in_dynamic_smem<prefill_attention_gqa_kernel<kHeadDim>>(kSmemBytes);
   if (err != cudaSuccess) return err;
   const int64_t rows = static_cast<int64_t>(args.max_query_len) * (args.num_q_heads / args.num_kv_heads);
   const int64_t row_tiles = (rows + kGqaRows - 1) / kGqaRows;
@@ -738,26 +754,163 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 // ------------------------------------------------ decode on tensor cores
 // One CTA = (partition, kv head, sequence). The G q heads of the group are the
 // rows of a 16-row m16n8k16 A operand (rows >= G are zero), so S = Q K^T and
-// O += P V run on tensor cores and each K/V byte is read once per step. Key
-// tiles of 64 tokens (4 paged blocks) arrive in shared memory through cp.async
-// (zero-filled past the partition); warp w owns keys [16w, 16w + 16) of every
-// tile with its own online softmax, merged across warps at the end.
+// O += P V run on tensor cores and each K/V byte is read once per step. Each
+// warp runs its own online softmax over its share of the keys, 16 at a time;
+// the warps are merged at the end. Two ways to stage the keys (DecodeKernel):
+// - kTensorCore (default): warp w owns the paged blocks w, w + 4, ... of the
+//   partition and streams them through its own 2-stage cp.async ring, so up to
+//   two blocks per warp are in flight and warps never wait for each other
+//   before the merge; the block ids come from one table read per warp.
+// - kTensorCoreSingleBuffer (the first version): key tiles of 64 tokens (4
+//   paged blocks) are loaded by the whole CTA, waited for, then computed.
+// Keys past the partition are zero-filled in shared memory and masked.
 constexpr int kMmaDecodeKeys = 64;
 constexpr int kMmaDecodeWarps = 4;
+constexpr int kMmaDecodeMaxRows = 8;  // group bucket: only A rows 0..7 carry heads
+constexpr int kDecodeRingStages = 2;
+
+// Q fragment of the GQA group: A row g < group is q head kv_head * group + g.
+template <int kHeadDim>
+__device__ __forceinline__ void load_decode_q(uint32_t (&qa)[kHeadDim / 16][4], const AttentionArgs& a, int seq,
+                                              int kv_head, int group) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int tq = lane & 3;
+  const bool has = g < group;
+  const bf16* qp =
+      a.q + (static_cast<int64_t>(a.query_start[seq]) * a.num_q_heads + kv_head * group + (has ? g : 0)) * kHeadDim;
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    const int c = kk * 16 + 2 * tq;
+    qa[kk][0] = has ? *reinterpret_cast<const uint32_t*>(qp + c) : 0u;
+    qa[kk][1] = 0u;
+    qa[kk][2] = has ? *reinterpret_cast<const uint32_t*>(qp + c + 8) : 0u;
+    qa[kk][3] = 0u;
+  }
+}
+
+// One warp's online-softmax step over 16 keys: rows 0..15 of k_rows / v_rows
+// (row stride kHeadDim + kSmemPad) hold keys key0 .. key0 + 15; keys >= part_end are masked.
+template <int kHeadDim>
+__device__ __forceinline__ void decode_mma_step(const bf16* k_rows, const bf16* v_rows,
+                                                const uint32_t (&qa)[kHeadDim / 16][4], int key0, int part_end,
+                                                float scale_log2, float& m0, float& l0, float (&o)[kHeadDim / 8][4]) {
+  constexpr int kStride = kHeadDim + kSmemPad;
+  const int lane = threadIdx.x & 31;
+  const int tq = lane & 3;
+  const int lm = lane >> 3, lr = lane & 7;
+  // S for the 16 keys: two n-tiles.
+  float sc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t b[4];
+    ldmatrix_x4(b, k_rows + ((lm >> 1) * 8 + lr) * kStride + kk * 16 + (lm & 1) * 8);
+    mma_bf16_16816(sc[0], qa[kk], b[0], b[1]);
+    mma_bf16_16816(sc[1], qa[kk], b[2], b[3]);
+  }
+  float mx = -FLT_MAX;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = key0 + nt * 8 + 2 * tq + e;
+      sc[nt][e] = key < part_end ? sc[nt][e] * scale_log2 : -FLT_MAX;
+      mx = fmaxf(mx, sc[nt][e]);
+    }
+  }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m0, mx);
+  const float alpha = exp2f(m0 - m_new);
+  m0 = m_new;
+  float sum = 0.0f;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      sc[nt][e] = sc[nt][e] == -FLT_MAX ? 0.0f : exp2f(sc[nt][e] - m_new);
+      sum += sc[nt][e];
+    }
+  }
+  l0 = l0 * alpha + sum;
+#pragma unroll
+  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+    o[nt][0] *= alpha;
+    o[nt][1] *= alpha;
+  }
+  const uint32_t pa[4] = {pack_bf16x2(sc[0][0], sc[0][1]), 0u, pack_bf16x2(sc[1][0], sc[1][1]), 0u};
+#pragma unroll
+  for (int nt = 0; nt < kHeadDim / 8; nt += 2) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, v_rows + ((lm & 1) * 8 + lr) * kStride + (nt + (lm >> 1)) * 8);
+    mma_bf16_16816(o[nt], pa, b[0], b[1]);
+    mma_bf16_16816(o[nt + 1], pa, b[2], b[3]);
+  }
+}
+
+// Merges the warps' (m, l, o) of one CTA and writes the partition's partial
+// output and log2-sum-exp. Every thread of the CTA must call it; o_s is
+// shared memory of kMmaDecodeWarps * kMmaDecodeMaxRows * kHeadDim floats that
+// may alias the key staging area (the first barrier protects it).
+template <int kHeadDim>
+__device__ __forceinline__ void decode_mma_merge(const float (&o)[kHeadDim / 8][4], float m0, float l0, float* o_s,
+                                                 float (&m_s)[kMmaDecodeWarps][kMmaDecodeMaxRows],
+                                                 float (&l_s)[kMmaDecodeWarps][kMmaDecodeMaxRows],
+                                                 const AttentionArgs& a, int group, int seq, int kv_head, int part,
+                                                 int32_t num_partitions, float* __restrict__ part_lse,
+                                                 float* __restrict__ part_out) {
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int tq = lane & 3;
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  __syncthreads();  // every warp is done with the staging area o_s may alias
+  if (g < group) {
+#pragma unroll
+    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+      float* dst = o_s + (warp * kMmaDecodeMaxRows + g) * kHeadDim + nt * 8 + 2 * tq;
+      dst[0] = o[nt][0];
+      dst[1] = o[nt][1];
+    }
+    if (tq == 0) {
+      m_s[warp][g] = m0;
+      l_s[warp][g] = l0;
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < group * kHeadDim; idx += kMmaDecodeWarps * 32) {
+    const int h = idx / kHeadDim;
+    const int d = idx % kHeadDim;
+    float mm = -FLT_MAX;
+#pragma unroll
+    for (int w = 0; w < kMmaDecodeWarps; ++w) mm = fmaxf(mm, m_s[w][h]);
+    float sum = 0.0f, out = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaDecodeWarps; ++w) {
+      const float f = m_s[w][h] == -FLT_MAX ? 0.0f : exp2f(m_s[w][h] - mm);
+      sum += l_s[w][h] * f;
+      out += o_s[(w * kMmaDecodeMaxRows + h) * kHeadDim + d] * f;
+    }
+    const int q_head = kv_head * group + h;
+    const int64_t pidx = (static_cast<int64_t>(seq) * a.num_q_heads + q_head) * num_partitions + part;
+    part_out[pidx * kHeadDim + d] = out / sum;
+    if (d == 0) part_lse[pidx] = mm + log2f(sum);
+  }
+}
 
 template <int kHeadDim>
 __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
     decode_attention_mma_kernel(AttentionArgs a, float* __restrict__ part_lse, float* __restrict__ part_out,
                                 int32_t num_partitions) {
   constexpr int kStride = kHeadDim + kSmemPad;
-  constexpr int kKSteps = kHeadDim / 16;
   constexpr int kOTiles = kHeadDim / 8;
   constexpr int kChunksPerRow = kHeadDim / 8;
-  constexpr int kMaxRows = 8;  // group bucket: only A rows 0..7 carry heads
   __shared__ alignas(16) bf16 k_s[kMmaDecodeKeys][kStride];
   __shared__ alignas(16) bf16 v_s[kMmaDecodeKeys][kStride];
-  __shared__ float m_s[kMmaDecodeWarps][kMaxRows];
-  __shared__ float l_s[kMmaDecodeWarps][kMaxRows];
+  __shared__ float m_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
+  __shared__ float l_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
+  static_assert(sizeof(k_s) >= sizeof(float) * kMmaDecodeWarps * kMmaDecodeMaxRows * kHeadDim, "o_s must fit in k_s");
 
   const int seq = blockIdx.z;
   const int kv_head = blockIdx.y;
@@ -765,29 +918,13 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   const int ctx = a.context_lens[seq];
   const int part_tokens = a.decode_partition_tokens;
   const int part_begin = part * part_tokens;
-  if (part_begin >= ctx) return;
+  if (part_begin >= ctx) return;  // the reduce reads only partitions below ctx
   const int part_end = min(ctx, part_begin + part_tokens);
   const int group = a.num_q_heads / a.num_kv_heads;
   const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2;
-  const int tq = lane & 3;
-  const int lm = lane >> 3, lr = lane & 7;
-  const int q_row = a.query_start[seq];
 
-  uint32_t qa[kKSteps][4];
-  {
-    const bool has = g < group;
-    const bf16* qp = a.q + (static_cast<int64_t>(q_row) * a.num_q_heads + kv_head * group + (has ? g : 0)) * kHeadDim;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      const int c = kk * 16 + 2 * tq;
-      qa[kk][0] = has ? *reinterpret_cast<const uint32_t*>(qp + c) : 0u;
-      qa[kk][1] = 0u;
-      qa[kk][2] = has ? *reinterpret_cast<const uint32_t*>(qp + c + 8) : 0u;
-      qa[kk][3] = 0u;
-    }
-  }
+  uint32_t qa[kHeadDim / 16][4];
+  load_decode_q<kHeadDim>(qa, a, seq, kv_head, group);
   const float scale_log2 = a.scale * kLog2e;
   float m0 = -FLT_MAX, l0 = 0.0f;
   float o[kOTiles][4];
@@ -813,93 +950,110 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
     }
     cp_async_wait_all();
     __syncthreads();
+    // Warp w: keys [16w, 16w + 16) of the tile.
+    decode_mma_step<kHeadDim>(&k_s[warp * 16][0], &v_s[warp * 16][0], qa, kb + warp * 16, part_end, scale_log2, m0, l0,
+                              o);
+  }
+  decode_mma_merge<kHeadDim>(o, m0, l0, reinterpret_cast<float*>(&k_s[0][0]), m_s, l_s, a, group, seq, kv_head, part,
+                             num_partitions, part_lse, part_out);
+}
 
-    // S for this warp's 16 keys: two n-tiles.
-    float sc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-    const int key0 = warp * 16;
+template <int kHeadDim>
+constexpr int decode_ring_smem_bytes() {
+  return kMmaDecodeWarps * kDecodeRingStages * 2 * kKvBlockSize * (kHeadDim + kSmemPad) *
+         static_cast<int>(sizeof(bf16));
+}
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(kMmaDecodeWarps * 32)
+    decode_attention_mma_ring_kernel(AttentionArgs a, float* __restrict__ part_lse, float* __restrict__ part_out,
+                                     int32_t num_partitions) {
+  constexpr int kStride = kHeadDim + kSmemPad;
+  constexpr int kOTiles = kHeadDim / 8;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kBlockTileElems = kKvBlockSize * kStride;  // one K or V block in shared memory
+  constexpr int kCopiesPerLane = kKvBlockSize * kChunksPerRow / 32;
+  constexpr int kMaxBlocksPerWarp = kDecodePartitionTokens / kKvBlockSize / kMmaDecodeWarps;
+  static_assert(kKvBlockSize * kChunksPerRow % 32 == 0, "a block splits evenly over a warp");
+  static_assert(kMaxBlocksPerWarp <= 32, "one lane per block id of a warp");
+  static_assert(decode_ring_smem_bytes<kHeadDim>() >=
+                    static_cast<int>(sizeof(float)) * kMmaDecodeWarps * kMmaDecodeMaxRows * kHeadDim,
+                "o_s must fit in the rings");
+  extern __shared__ __align__(16) unsigned char decode_ring_smem[];
+  __shared__ float m_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
+  __shared__ float l_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
+
+  const int seq = blockIdx.z;
+  const int kv_head = blockIdx.y;
+  const int part = blockIdx.x;
+  const int ctx = a.context_lens[seq];
+  const int part_tokens = a.decode_partition_tokens;
+  const int part_begin = part * part_tokens;
+  if (part_begin >= ctx) return;  // the reduce reads only partitions below ctx
+  const int part_end = min(ctx, part_begin + part_tokens);
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  // [kDecodeRingStages][K, V][kKvBlockSize][kStride] per warp.
+  bf16* const ring = reinterpret_cast<bf16*>(decode_ring_smem) + warp * kDecodeRingStages * 2 * kBlockTileElems;
+
+  // This warp's blocks: partition blocks warp, warp + 4, ... (part_begin is a
+  // multiple of the block size). Lane t holds the id of the t-th.
+  const int part_blocks = (part_end - part_begin + kKvBlockSize - 1) / kKvBlockSize;
+  const int num_mine = part_blocks > warp ? (part_blocks - warp + kMmaDecodeWarps - 1) / kMmaDecodeWarps : 0;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+  const int32_t my_block = lane < num_mine ? table[part_begin / kKvBlockSize + warp + lane * kMmaDecodeWarps] : 0;
+
+  const int block_elems = 2 * kKvBlockSize * a.num_kv_heads * kHeadDim;  // K and V of one paged block
+  // Lane's copies: chunk lane % kChunksPerRow of slots lane / kChunksPerRow + c * (32 / kChunksPerRow).
+  const int lane_chunk = lane % kChunksPerRow;
+  const int lane_slot = lane / kChunksPerRow;
+  constexpr int kSlotsPerCopy = 32 / kChunksPerRow;
+  // Issues the copies of this warp's t-th block into ring stage `stage` (warp-uniform t).
+  auto copy_block = [&](int t, int stage) {
+    const int32_t block = __shfl_sync(0xffffffffu, my_block, t);
+    const int key0 = part_begin + (warp + t * kMmaDecodeWarps) * kKvBlockSize;
+    const bf16* src = a.kv_cache + static_cast<int64_t>(block) * block_elems +
+                      (lane_slot * a.num_kv_heads + kv_head) * kHeadDim + lane_chunk * 8;
+    bf16* dst = ring + stage * 2 * kBlockTileElems + lane_slot * kStride + lane_chunk * 8;
 #pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      uint32_t b[4];
-      ldmatrix_x4(b, &k_s[key0 + (lm >> 1) * 8 + lr][kk * 16 + (lm & 1) * 8]);
-      mma_bf16_16816(sc[0], qa[kk], b[0], b[1]);
-      mma_bf16_16816(sc[1], qa[kk], b[2], b[3]);
+    for (int c = 0; c < kCopiesPerLane; ++c) {
+      const int slot = c * kSlotsPerCopy;  // added to lane_slot
+      const bool valid = key0 + lane_slot + slot < part_end;
+      cp_async_16(dst + slot * kStride, src + slot * a.num_kv_heads * kHeadDim, valid);
+      cp_async_16(dst + kBlockTileElems + slot * kStride, src + block_elems / 2 + slot * a.num_kv_heads * kHeadDim,
+                  valid);
     }
-    float mx = -FLT_MAX;
+  };
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int key = kb + key0 + nt * 8 + 2 * tq + e;
-        sc[nt][e] = key < part_end ? sc[nt][e] * scale_log2 : -FLT_MAX;
-        mx = fmaxf(mx, sc[nt][e]);
-      }
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m0, mx);
-    const float alpha = exp2f(m0 - m_new);
-    m0 = m_new;
-    float sum = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        sc[nt][e] = sc[nt][e] == -FLT_MAX ? 0.0f : exp2f(sc[nt][e] - m_new);
-        sum += sc[nt][e];
-      }
-    }
-    l0 = l0 * alpha + sum;
-#pragma unroll
-    for (int nt = 0; nt < kOTiles; ++nt) {
-      o[nt][0] *= alpha;
-      o[nt][1] *= alpha;
-    }
-    const uint32_t pa[4] = {pack_bf16x2(sc[0][0], sc[0][1]), 0u, pack_bf16x2(sc[1][0], sc[1][1]), 0u};
-#pragma unroll
-    for (int nt = 0; nt < kOTiles; nt += 2) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, &v_s[key0 + (lm & 1) * 8 + lr][(nt + (lm >> 1)) * 8]);
-      mma_bf16_16816(o[nt], pa, b[0], b[1]);
-      mma_bf16_16816(o[nt + 1], pa, b[2], b[3]);
-    }
+  for (int t = 0; t < kDecodeRingStages; ++t) {
+    if (t < num_mine) copy_block(t, t);
+    cp_async_commit();
   }
 
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  __syncthreads();                                    // k_s is reused below for the per-warp outputs
-  float* o_s = reinterpret_cast<float*>(&k_s[0][0]);  // [warps][kMaxRows][kHeadDim]
-  static_assert(sizeof(k_s) >= sizeof(float) * kMmaDecodeWarps * kMaxRows * kHeadDim, "o_s must fit in k_s");
-  if (g < group) {
+  uint32_t qa[kHeadDim / 16][4];
+  load_decode_q<kHeadDim>(qa, a, seq, kv_head, group);
+  const float scale_log2 = a.scale * kLog2e;
+  float m0 = -FLT_MAX, l0 = 0.0f;
+  float o[kOTiles][4];
 #pragma unroll
-    for (int nt = 0; nt < kOTiles; ++nt) {
-      float* dst = o_s + (warp * kMaxRows + g) * kHeadDim + nt * 8 + 2 * tq;
-      dst[0] = o[nt][0];
-      dst[1] = o[nt][1];
-    }
-    if (tq == 0) {
-      m_s[warp][g] = m0;
-      l_s[warp][g] = l0;
-    }
+  for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+
+  int stage = 0;
+  for (int t = 0; t < num_mine; ++t) {
+    cp_async_wait<kDecodeRingStages - 1>();  // this lane's copies of block t have landed
+    __syncwarp();                            // ... and every lane's
+    const bf16* k_rows = ring + stage * 2 * kBlockTileElems;
+    decode_mma_step<kHeadDim>(k_rows, k_rows + kBlockTileElems, qa,
+                              part_begin + (warp + t * kMmaDecodeWarps) * kKvBlockSize, part_end, scale_log2, m0, l0,
+                              o);
+    __syncwarp();  // every lane is done reading the stage before it is refilled
+    if (t + kDecodeRingStages < num_mine) copy_block(t + kDecodeRingStages, stage);
+    cp_async_commit();
+    stage = stage == kDecodeRingStages - 1 ? 0 : stage + 1;
   }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < group * kHeadDim; idx += kMmaDecodeWarps * 32) {
-    const int h = idx / kHeadDim;
-    const int d = idx % kHeadDim;
-    float mm = -FLT_MAX;
-#pragma unroll
-    for (int w = 0; w < kMmaDecodeWarps; ++w) mm = fmaxf(mm, m_s[w][h]);
-    float sum = 0.0f, out = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kMmaDecodeWarps; ++w) {
-      const float f = m_s[w][h] == -FLT_MAX ? 0.0f : exp2f(m_s[w][h] - mm);
-      sum += l_s[w][h] * f;
-      out += o_s[(w * kMaxRows + h) * kHeadDim + d] * f;
-    }
-    const int q_head = kv_head * group + h;
-    const int64_t pidx = (static_cast<int64_t>(seq) * a.num_q_heads + q_head) * num_partitions + part;
-    part_out[pidx * kHeadDim + d] = out / sum;
-    if (d == 0) part_lse[pidx] = mm + log2f(sum);
-  }
+  decode_mma_merge<kHeadDim>(o, m0, l0, reinterpret_cast<float*>(decode_ring_smem), m_s, l_s, a, group, seq, kv_head,
+                             part, num_partitions, part_lse, part_out);
 }
 
 template <int kHeadDim>
@@ -943,9 +1097,16 @@ cudaError_t launch_decode_mma(const AttentionArgs& args, float* workspace, int32
                               cudaStream_t stream) {
   float* lse = workspace;
   float* out = workspace + static_cast<size_t>(args.num_seqs) * args.num_q_heads * num_partitions;
-  decode_attention_mma_kernel<kHeadDim>
-      <<<dim3(num_partitions, args.num_kv_heads, args.num_seqs), kMmaDecodeWarps * 32, 0, stream>>>(args, lse, out,
-                                                                                                    num_partitions);
+  const dim3 grid(num_partitions, args.num_kv_heads, args.num_seqs);
+  if (args.decode_kernel == DecodeKernel::kTensorCore) {
+    constexpr int kSmemBytes = decode_ring_smem_bytes<kHeadDim>();  // > 48 KiB for D128: needs the opt-in
+    cudaError_t attr = opt_in_dynamic_smem<decode_attention_mma_ring_kernel<kHeadDim>>(kSmemBytes);
+    if (attr != cudaSuccess) return attr;
+    decode_attention_mma_ring_kernel<kHeadDim>
+        <<<grid, kMmaDecodeWarps * 32, kSmemBytes, stream>>>(args, lse, out, num_partitions);
+  } else {
+    decode_attention_mma_kernel<kHeadDim><<<grid, kMmaDecodeWarps * 32, 0, stream>>>(args, lse, out, num_partitions);
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   decode_reduce_kernel<kHeadDim>
@@ -955,7 +1116,7 @@ cudaError_t launch_decode_mma(const AttentionArgs& args, float* workspace, int32
 
 template <int kHeadDim>
 cudaError_t launch_decode_d(const AttentionArgs& args, float* workspace, int32_t num_partitions, cudaStream_t stream) {
-  if (args.decode_kernel == DecodeKernel::kTensorCore) {
+  if (args.decode_kernel != DecodeKernel::kCudaCore) {
     return launch_decode_mma<kHeadDim>(args, workspace, num_partitions, stream);
   }
   const int group = args.num_q_heads / args.num_kv_heads;

@@ -48,8 +48,10 @@ struct RopeKvArgs {
 // block_tables[s * max_blocks_per_seq + j]. GQA: q head h reads kv head
 // h / (num_q_heads / num_kv_heads).
 // Decode attention variants: tensor cores (the GQA group as the rows of an
-// m16n8k16 tile) or CUDA cores (dot products split over lanes + shuffles).
-enum class DecodeKernel : uint8_t { kTensorCore, kCudaCore };
+// m16n8k16 tile; per-warp 2-stage cp.async rings of paged blocks), CUDA cores
+// (dot products split over lanes + shuffles), or the first tensor-core version
+// (CTA-wide single-buffered 64-key tiles, kept so both can be compared in one run).
+enum class DecodeKernel : uint8_t { kTensorCore, kCudaCore, kTensorCoreSingleBuffer };
 // Prefill attention variants: all q heads of a GQA group per CTA with a
 // pipelined K/V ring (the default), or one q head per CTA (the first version,
 // kept so both can be compared in one run).
