@@ -547,8 +547,14 @@ __global__ void __launch_bounds__(kGqaThreads, kHeadDim == 64 ? 2 : 1) prefill_a
   }
   const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
   const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
-  bf16* out_a = a.out + (static_cast<int64_t>(q_begin + tok_a) * a.num_q_heads + head_a) * kHeadDim;
-  bf16* out_b = a.out + (static_cast<int64_t>(q_begin + tok_b) * a.num_q_heads + head_b) * kHeadDim;
+  // Output rows from the row index again (cheaper than keeping them live through the loop).
+  const int out_ra = row0 + warp * 16 + g, out_rb = out_ra + 8;
+  bf16* out_a =
+      a.out +
+      (static_cast<int64_t>(q_begin + out_ra / group) * a.num_q_heads + kv_head * group + out_ra % group) * kHeadDim;
+  bf16* out_b =
+      a.out +
+      (static_cast<int64_t>(q_begin + out_rb / group) * a.num_q_heads + kv_head * group + out_rb % group) * kHeadDim;
 #pragma unroll
   for (int nt = 0; nt < kOTiles; ++nt) {
     const int c = nt * 8 + 2 * tq;
