@@ -1,5 +1,5 @@
 // The interface every transport implements. Internal to pd_xfer: callers use
-// Engine/Session; backends never see unnormalised ops.
+// Engine/Session; backends never see unvalidated ops.
 #pragma once
 
 #include <memory>
@@ -42,6 +42,13 @@ class Route {
   virtual ~Route() = default;
 };
 
+// The form of the ops a backend's post() receives. Both are validated completely first
+// (bounds, disjoint destinations): a rejected batch never reaches post().
+enum class OpForm : uint8_t {
+  kSortedMerged,  // sorted by destination, every run contiguous on both sides merged
+  kCallerOrder,   // the caller's ops as given; the backend merges consecutive runs itself
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -63,7 +70,9 @@ class Backend {
   // Connects to (or replaces, for a new boot nonce) the peer.
   virtual Status connect(const EngineDesc& peer) = 0;
   virtual Result<std::shared_ptr<Route>> open_route(const LocalRegion& local, const MemDesc& remote) = 0;
-  // Posts normalised, bounds-checked ops (DESIGN.md §3.1). An error means nothing is in flight.
+  // What post() receives on `route`.
+  virtual OpForm op_form(const Route& route) const { return OpForm::kSortedMerged; }
+  // Posts validated ops in op_form() (DESIGN.md §3.1). An error means nothing is in flight.
   virtual Result<std::unique_ptr<BackendBatch>> post(const std::shared_ptr<Route>& route, Direction direction,
                                                      std::span<const Op> ops) = 0;
 };

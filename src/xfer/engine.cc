@@ -342,24 +342,32 @@ Result<XferId> Engine::post(SessionState& session, Direction direction, std::spa
     return failed_precondition("peer '{}' boot {} was replaced by a newer boot; open a new session",
                                session.remote.engine_name, session.remote.boot_nonce);
   }
-  // Per-thread scratch: a batch of thousands of ops allocates nothing after the first.
-  thread_local std::vector<Op> normalized_ops;
-  std::vector<Op>* normalized = &normalized_ops;
-  if (Status s = normalize_ops_into(ops, direction, session.local->local.bytes, session.remote.bytes, normalized_ops);
-      !s.ok()) {
+  // The whole batch is checked before anything is posted. A backend that takes the
+  // caller's order gets the caller's span as is: no sort, no copy.
+  std::span<const Op> to_post = ops;
+  Status valid;
+  if (session.backend->op_form(*session.route) == OpForm::kCallerOrder) {
+    valid = validate_ops(ops, direction, session.local->local.bytes, session.remote.bytes);
+  } else {
+    // Per-thread scratch: a batch of thousands of ops allocates nothing after the first.
+    thread_local std::vector<Op> normalized_ops;
+    valid = normalize_ops_into(ops, direction, session.local->local.bytes, session.remote.bytes, normalized_ops);
+    to_post = normalized_ops;
+  }
+  if (!valid.ok()) {
     num_batches_rejected_.fetch_add(1);
-    return s;
+    return valid;
   }
   auto batch = std::make_shared<Batch>();
   batch->local = session.local;
   batch->peer = session.peer;
   batch->deadline = deadline.when();
-  if (normalized->empty()) {
+  if (to_post.empty()) {
     batch->retired = true;
     batch->state.status = TransferStatus::kDone;
   } else {
     session.local->num_inflight.fetch_add(1);
-    Result<std::unique_ptr<BackendBatch>> posted = session.backend->post(session.route, direction, *normalized);
+    Result<std::unique_ptr<BackendBatch>> posted = session.backend->post(session.route, direction, to_post);
     if (!posted.ok()) {
       session.local->num_inflight.fetch_sub(1);
       num_batches_rejected_.fetch_add(1);

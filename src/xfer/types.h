@@ -31,9 +31,17 @@ struct EngineConfig {
   // Progress thread never sleeps (lowest latency, one busy core per engine). Otherwise it
   // sleeps in epoll on the worker's wakeup fd whenever nothing is in flight.
   bool ucx_busy_poll = false;
-  // cuda backend: "kernel" (one gather/scatter launch per batch) or "copy_engine"
-  // (one cudaMemcpyAsync per merged op).
+  // cuda backend: "kernel" (gather/scatter kernel launches), "copy_engine" (one
+  // cudaMemcpyAsync per merged op) or "copy_batch" (cudaMemcpyBatchAsync per launch
+  // group; needs CUDA 12.8+, refused otherwise).
   std::string cuda_copy_mode = "kernel";
+  // cuda backend: post a batch as it is validated, in the caller's order (consecutive
+  // contiguous ops merged, no sort; a batch of > 1,000 ops starts with a launch of 128 so
+  // the GPU starts at once). false: sort and merge the whole batch first, then post.
+  bool cuda_post_pipeline = true;
+  // cuda backend: streams per local device; batches (and the launches of a large batch)
+  // take them in turn, so one launch's tail overlaps the next one's start. 1..16.
+  uint32_t cuda_num_streams = 4;
   // Copy-kernel shape: bytes per work item, CTAs per SM, threads per CTA.
   uint32_t cuda_chunk_bytes = 64 * 1024;
   uint32_t cuda_ctas_per_sm = 4;

@@ -75,14 +75,17 @@ __global__ void gather_scatter_inline_kernel(const __grid_constant__ InlineOps<k
   copy_chunks(table.ops, num_ops, num_chunks, chunk_bytes);
 }
 
+// The parameter block is read straight from `host_ops` (InlineOps<kCapacity> is an array
+// of kCapacity CopyOps, and the caller's buffer holds kMaxInlineOps >= kCapacity): the
+// driver copies it once, where a by-value launch copied the table twice more.
 template <uint32_t kCapacity>
 cudaError_t launch_inline(const CopyOp* host_ops, uint32_t num_ops, uint64_t num_chunks, uint32_t chunk_bytes,
                           unsigned grid, unsigned threads_per_cta, cudaStream_t stream) {
-  static thread_local InlineOps<kCapacity> table;  // up to 32 KiB: kept off the stack
-  for (uint32_t i = 0; i < num_ops; ++i) table.ops[i] = host_ops[i];
-  gather_scatter_inline_kernel<kCapacity>
-      <<<grid, threads_per_cta, 0, stream>>>(table, num_ops, num_chunks, chunk_bytes);
-  return cudaGetLastError();
+  static_assert(sizeof(InlineOps<kCapacity>) == kCapacity * sizeof(CopyOp), "the table is a plain array");
+  static_assert(kCapacity <= kMaxInlineOps, "the caller's buffer holds kMaxInlineOps ops");
+  void* args[] = {const_cast<CopyOp*>(host_ops), &num_ops, &num_chunks, &chunk_bytes};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&gather_scatter_inline_kernel<kCapacity>), dim3(grid),
+                          dim3(threads_per_cta), args, 0, stream);
 }
 
 }  // namespace

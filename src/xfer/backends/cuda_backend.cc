@@ -2,23 +2,32 @@
 //
 // Regions are exported as cudaIpcMemHandle_t (+ the region's offset inside its
 // allocation); the importer maps the peer's allocation once per (peer boot, region).
-// A batch is posted on one dedicated stream per local device, in one of three modes:
-//   kernel      — the op table is uploaded once (pinned slot -> device slot), then ONE
-//                 launch of a gather/scatter kernel copies every op with 16-byte vector
-//                 loads/stores over NVLink (the default: one launch instead of one
-//                 copy per 64 KiB block);
-//   copy_engine — one cudaMemcpyAsync per merged op (the alternative);
+// A batch is posted on the streams of its local device (cuda_num_streams of them, taken
+// in turn by batches and by the launches of a large batch) in one of four modes:
+//   kernel      — launches of a gather/scatter kernel that copies every op with 16-byte
+//                 vector loads/stores over NVLink, op tables of <= 1,000 ops passed in
+//                 the launch parameters (the default: one launch instead of one copy per
+//                 64 KiB block);
+//   copy_engine — one cudaMemcpyAsync per merged op;
+//   copy_batch  — one cudaMemcpyBatchAsync per group of ops (CUDA 12.8+);
 //   staging     — no peer access between the two GPUs: each op goes through a pinned
-//                 host buffer (D2H then H2D, stream-ordered so the buffer is reusable).
-// An event recorded after the batch is its completion; test() queries it.
+//                 host buffer (D2H then H2D, on the device's first stream so the buffer
+//                 is reusable in stream order).
+// With cuda_post_pipeline the engine hands over the caller's validated ops unsorted and
+// the first launch leaves before the tables of the rest are built (copy_plan.h).
+// An event recorded after the batch's work on each stream it used is its completion;
+// test() queries them: a done batch's data is complete in the peer's memory.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "xfer/backends/copy_kernel.h"
+#include "xfer/backends/copy_plan.h"
+#include "xfer/ops.h"
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -31,6 +40,31 @@ namespace pd::xfer {
 namespace {
 
 constexpr uint64_t kStagingBytes = 8ull << 20;
+constexpr uint32_t kMaxStreamsPerDevice = 16;
+
+#if CUDART_VERSION >= 12080
+constexpr bool kHaveMemcpyBatch = true;
+#else
+constexpr bool kHaveMemcpyBatch = false;
+#endif
+
+// One cudaMemcpyBatchAsync of `count` copies, sources read in stream order.
+cudaError_t memcpy_batch(void** dsts, void** srcs, size_t* sizes, size_t count, cudaStream_t stream) {
+#if CUDART_VERSION >= 12080
+  cudaMemcpyAttributes attributes = {};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t first_copy_of_attributes = 0;
+#if CUDART_VERSION >= 13000
+  return cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attributes, &first_copy_of_attributes, 1, stream);
+#else
+  size_t failed_copy = 0;
+  return cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attributes, &first_copy_of_attributes, 1, &failed_copy,
+                              stream);
+#endif
+#else
+  return cudaErrorNotSupported;
+#endif
+}
 
 // Sets the calling thread's current device for a scope and restores the caller's
 // choice after: the connector's threads keep whatever device they had.
@@ -52,7 +86,7 @@ class DeviceGuard {
   cudaError_t status_ = cudaSuccess;
 };
 
-enum class CopyMode { kKernel, kCopyEngine, kStaging };
+enum class CopyMode { kKernel, kCopyEngine, kCopyBatch, kStaging };
 
 Status cuda_status(cudaError_t e, std::string_view what) {
   if (e == cudaSuccess) return Status::Ok();
@@ -80,8 +114,37 @@ struct Imported {
 };
 
 struct DeviceState {
-  cudaStream_t stream = nullptr;
-  void* staging = nullptr;  // pinned, kStagingBytes
+  std::vector<cudaStream_t> streams;  // cuda_num_streams, non-blocking
+  size_t next_stream = 0;             // the stream the next launch takes
+  void* staging = nullptr;            // pinned, kStagingBytes
+};
+
+// Hands out a device's streams in turn to the launches of one post and remembers which
+// it used (each needs the batch's completion event). Staging posts keep to the first
+// stream: they share the device's staging buffer.
+class StreamTurns {
+ public:
+  StreamTurns(DeviceState& state, bool first_stream_only)
+      : state_(state),
+        count_(first_stream_only ? 1 : state.streams.size()),
+        first_(first_stream_only ? 0 : state.next_stream) {}
+  ~StreamTurns() {
+    if (count_ == state_.streams.size()) state_.next_stream = (first_ + taken_) % count_;
+  }
+  cudaStream_t next() {
+    cudaStream_t stream = state_.streams[(first_ + taken_) % count_];
+    if (taken_ < count_) used_[taken_] = stream;
+    ++taken_;
+    return stream;
+  }
+  std::span<const cudaStream_t> used() const { return {used_.data(), std::min(taken_, count_)}; }
+
+ private:
+  DeviceState& state_;
+  size_t count_;
+  size_t first_;
+  size_t taken_ = 0;
+  std::array<cudaStream_t, kMaxStreamsPerDevice> used_{};
 };
 
 struct Pool;
@@ -103,32 +166,47 @@ struct Pool {
   std::vector<cudaEvent_t> free_events;
   std::vector<cudaEvent_t> all_events;
 
-  void give_back(Slot* slot, cudaEvent_t event) {
+  void give_back(Slot* slot, std::span<const cudaEvent_t> events) {
     std::lock_guard lock(mutex);
     if (slot != nullptr) free_slots.push_back(slot);
-    free_events.push_back(event);
+    free_events.insert(free_events.end(), events.begin(), events.end());
   }
 };
 
+// A posted batch: one event per stream it used, each recorded after its work there.
 class CudaBatch : public BackendBatch {
  public:
-  CudaBatch(std::shared_ptr<Pool> pool, Slot* slot, cudaEvent_t event, std::shared_ptr<Route> route, int device)
-      : pool_(std::move(pool)), slot_(slot), event_(event), route_(std::move(route)), device_(device) {}
+  CudaBatch(std::shared_ptr<Pool> pool, Slot* slot, std::vector<cudaEvent_t> events, std::shared_ptr<Route> route)
+      : pool_(std::move(pool)), slot_(slot), events_(std::move(events)), route_(std::move(route)) {}
   ~CudaBatch() override {
-    // Slot and event may only be reused once the GPU is past them.
+    // Slot and events may only be reused once the GPU is past them.
     if (!returned_.load()) {
-      cudaEventSynchronize(event_);
+      for (cudaEvent_t event : events_) cudaEventSynchronize(event);
       retire();
     }
   }
   TransferState test() override {
     if (returned_.load(std::memory_order_acquire)) return final_state();
-    cudaError_t e = cudaEventQuery(event_);
-    if (e == cudaErrorNotReady) return {};
+    // Events before first_pending_ are known complete: each is queried until it is once.
+    size_t i = first_pending_.load(std::memory_order_acquire);
+    cudaError_t error = cudaSuccess;
+    for (; i < events_.size(); ++i) {
+      const cudaError_t e = cudaEventQuery(events_[i]);
+      if (e == cudaErrorNotReady) {
+        size_t known = first_pending_.load(std::memory_order_relaxed);
+        while (known < i && !first_pending_.compare_exchange_weak(known, i, std::memory_order_release)) {
+        }
+        return {};
+      }
+      if (e != cudaSuccess) {
+        error = e;
+        break;
+      }
+    }
     {
       std::lock_guard lock(mutex_);
       if (!returned_.load()) {
-        if (e != cudaSuccess) message_ = fmt::format("CUDA batch failed: {}", cudaGetErrorString(e));
+        if (error != cudaSuccess) message_ = fmt::format("CUDA batch failed: {}", cudaGetErrorString(error));
         retire();
       }
     }
@@ -136,7 +214,11 @@ class CudaBatch : public BackendBatch {
   }
   void wait_until(SteadyClock::time_point until) override {
     while (SteadyClock::now() < until) {
-      if (cudaEventQuery(event_) != cudaErrorNotReady) return;
+      bool pending = false;
+      for (size_t i = first_pending_.load(std::memory_order_acquire); i < events_.size() && !pending; ++i) {
+        pending = cudaEventQuery(events_[i]) == cudaErrorNotReady;
+      }
+      if (!pending) return;
       std::this_thread::yield();
     }
   }
@@ -148,15 +230,15 @@ class CudaBatch : public BackendBatch {
     return {TransferStatus::kFailed, message_};
   }
   void retire() {
-    pool_->give_back(slot_, event_);
+    pool_->give_back(slot_, events_);
     returned_.store(true, std::memory_order_release);
   }
 
   std::shared_ptr<Pool> pool_;
   Slot* slot_;
-  cudaEvent_t event_;
+  const std::vector<cudaEvent_t> events_;
   std::shared_ptr<Route> route_;
-  int device_;
+  std::atomic<size_t> first_pending_{0};
   std::mutex mutex_;
   std::string message_;
   std::atomic<bool> returned_{false};
@@ -169,8 +251,10 @@ class CudaBackend : public Backend {
     std::lock_guard lock(mutex_);
     for (auto& [device, state] : devices_) {
       DeviceGuard guard(device);
-      cudaStreamSynchronize(state.stream);
-      cudaStreamDestroy(state.stream);
+      for (cudaStream_t stream : state.streams) {
+        cudaStreamSynchronize(stream);
+        cudaStreamDestroy(stream);
+      }
       cudaFreeHost(state.staging);
     }
     for (auto& slot : pool_->all_slots) {
@@ -186,8 +270,18 @@ class CudaBackend : public Backend {
       mode_ = CopyMode::kKernel;
     } else if (config_.cuda_copy_mode == "copy_engine") {
       mode_ = CopyMode::kCopyEngine;
+    } else if (config_.cuda_copy_mode == "copy_batch") {
+      if (!kHaveMemcpyBatch) {
+        return invalid_argument("cuda_copy_mode 'copy_batch' needs cudaMemcpyBatchAsync (CUDA 12.8+); built with {}",
+                                CUDART_VERSION);
+      }
+      mode_ = CopyMode::kCopyBatch;
     } else {
-      return invalid_argument("cuda_copy_mode '{}' (expected kernel or copy_engine)", config_.cuda_copy_mode);
+      return invalid_argument("cuda_copy_mode '{}' (expected kernel, copy_engine or copy_batch)",
+                              config_.cuda_copy_mode);
+    }
+    if (config_.cuda_num_streams == 0 || config_.cuda_num_streams > kMaxStreamsPerDevice) {
+      return invalid_argument("cuda_num_streams {} (expected 1..{})", config_.cuda_num_streams, kMaxStreamsPerDevice);
     }
     if (config_.cuda_chunk_bytes == 0 || config_.cuda_chunk_bytes % 16 != 0 || config_.cuda_ctas_per_sm == 0 ||
         config_.cuda_threads_per_cta == 0 || config_.cuda_threads_per_cta % 32 != 0 ||
@@ -330,6 +424,10 @@ class CudaBackend : public Backend {
     return std::shared_ptr<Route>(route);
   }
 
+  OpForm op_form(const Route&) const override {
+    return config_.cuda_post_pipeline ? OpForm::kCallerOrder : OpForm::kSortedMerged;
+  }
+
   Result<std::unique_ptr<BackendBatch>> post(const std::shared_ptr<Route>& route_base, Direction direction,
                                              std::span<const Op> ops) override {
     auto& route = static_cast<CudaRoute&>(*route_base);
@@ -337,127 +435,178 @@ class CudaBackend : public Backend {
     DeviceGuard guard(route.device);
     PD_RETURN_IF_ERROR(cuda_status(guard.status(), "cudaSetDevice"));
     PD_ASSIGN_OR_RETURN(DeviceState * state, device_state(route.device));
-    cudaEvent_t event = nullptr;
-    PD_ASSIGN_OR_RETURN(event, take_event());
     Slot* slot = nullptr;
-    const bool write = direction == Direction::kWrite;
-    auto src_of = [&](const Op& op) { return write ? route.local + op.local_offset : route.remote + op.remote_offset; };
-    auto dst_of = [&](const Op& op) { return write ? route.remote + op.remote_offset : route.local + op.local_offset; };
     Status status;
-    if (route.mode == CopyMode::kKernel) {
-      // Work items: at most cuda_chunk_bytes, but small enough that a small batch (one
-      // layer of KV) still spreads over every CTA the launch can hold.
-      uint64_t total_bytes = 0;
-      for (const Op& op : ops) total_bytes += op.bytes;
-      const uint64_t max_ctas = uint64_t(num_sms_[route.device]) * config_.cuda_ctas_per_sm;
-      const uint64_t even_share = (total_bytes / max_ctas + 4095) / 4096 * 4096;
-      const uint64_t chunk_bytes = std::clamp<uint64_t>(even_share, 4096, config_.cuda_chunk_bytes);
-      // The table is built in ordinary memory and copied into the pinned slot in one
-      // memcpy: pinned pages may be mapped uncached, where 8-byte stores are slow.
-      thread_local std::vector<CopyOp> host_table;
-      host_table.resize(ops.size());
-      CopyOp* table = host_table.data();
-      const bool inline_ops = ops.size() <= kMaxInlineOps;
-      if (!inline_ops && config_.cuda_split_large_batches) {
-        // Launch-parameter sub-launches of <= kMaxInlineOps ops each: no table upload, and
-        // the GPU starts on the first group while the host builds the next. Work items are
-        // sized for about four waves per group so that group boundaries cost little.
-        for (size_t begin = 0; begin < ops.size() && status.ok(); begin += kMaxInlineOps) {
-          const size_t n = std::min<size_t>(kMaxInlineOps, ops.size() - begin);
-          uint64_t group_bytes = 0;
-          for (size_t i = begin; i < begin + n; ++i) group_bytes += ops[i].bytes;
-          const uint64_t share = (group_bytes / (4 * max_ctas) + 4095) / 4096 * 4096;
-          const uint64_t group_chunk = std::clamp<uint64_t>(share, 4096, config_.cuda_chunk_bytes);
-          uint64_t group_chunks = 0;
-          for (size_t i = 0; i < n; ++i) {
-            const Op& op = ops[begin + i];
-            table[i] = {reinterpret_cast<uint64_t>(src_of(op)), reinterpret_cast<uint64_t>(dst_of(op)), op.bytes,
-                        group_chunks};
-            group_chunks += (op.bytes + group_chunk - 1) / group_chunk;
-          }
-          const unsigned group_grid = static_cast<unsigned>(std::min<uint64_t>(group_chunks, max_ctas));
-          status = cuda_status(launch_gather_scatter_inline(table, static_cast<uint32_t>(n), group_chunks,
-                                                            static_cast<uint32_t>(group_chunk), group_grid,
-                                                            config_.cuda_threads_per_cta, state->stream),
-                               "launching the copy kernel");
-        }
-      } else if (!inline_ops) {
-        auto taken = take_slot(route.device, ops.size());
-        if (!taken.ok()) {
-          pool_->give_back(nullptr, event);
-          return taken.status();
-        }
-        slot = *taken;
+    std::vector<cudaEvent_t> events;
+    {
+      StreamTurns turns(*state, route.mode == CopyMode::kStaging);
+      switch (route.mode) {
+        case CopyMode::kKernel:
+          status = post_kernel(route, direction, ops, turns, &slot);
+          break;
+        case CopyMode::kCopyEngine:
+          status = post_copies(route, direction, ops, turns.next());
+          break;
+        case CopyMode::kCopyBatch:
+          status = post_copy_batches(route, direction, ops, turns);
+          break;
+        case CopyMode::kStaging:
+          status = post_staged(route, direction, ops, *state, turns.next());
+          break;
       }
-      const bool single_launch = inline_ops || !config_.cuda_split_large_batches;
-      uint64_t num_chunks = 0;
-      for (size_t i = 0; single_launch && i < ops.size(); ++i) {
-        table[i] = {reinterpret_cast<uint64_t>(src_of(ops[i])), reinterpret_cast<uint64_t>(dst_of(ops[i])),
-                    ops[i].bytes, num_chunks};
-        num_chunks += (ops[i].bytes + chunk_bytes - 1) / chunk_bytes;
-      }
-      const unsigned grid = static_cast<unsigned>(std::min<uint64_t>(num_chunks, max_ctas));
-      if (!single_launch) {
-        // posted above, group by group
-      } else if (inline_ops) {
-        status = cuda_status(launch_gather_scatter_inline(table, static_cast<uint32_t>(ops.size()), num_chunks,
-                                                          static_cast<uint32_t>(chunk_bytes), grid,
-                                                          config_.cuda_threads_per_cta, state->stream),
-                             "launching the copy kernel");
-      } else {
-        std::memcpy(slot->host, table, ops.size() * sizeof(CopyOp));
-        status = cuda_status(
-            cudaMemcpyAsync(slot->dev, slot->host, ops.size() * sizeof(CopyOp), cudaMemcpyHostToDevice, state->stream),
-            "uploading the op table");
-        if (status.ok()) {
-          status = cuda_status(launch_gather_scatter(slot->dev, static_cast<uint32_t>(ops.size()), num_chunks,
-                                                     static_cast<uint32_t>(chunk_bytes), grid,
-                                                     config_.cuda_threads_per_cta, state->stream),
-                               "launching the copy kernel");
+      // Events are recorded even after an error so that whatever was enqueued is waited
+      // for before the slot and events return to the pool.
+      for (cudaStream_t stream : turns.used()) {
+        Result<cudaEvent_t> event = take_event();
+        cudaError_t recorded = event.ok() ? cudaEventRecord(*event, stream) : cudaErrorUnknown;
+        if (event.ok()) events.push_back(*event);
+        if (recorded != cudaSuccess) {
+          // Nothing may stay in flight behind an error: wait for what was enqueued.
+          for (cudaStream_t s : turns.used()) cudaStreamSynchronize(s);
+          pool_->give_back(slot, events);
+          return event.ok() ? cuda_status(recorded, "cudaEventRecord") : event.status();
         }
-      }
-    } else if (route.mode == CopyMode::kCopyEngine) {
-      for (const Op& op : ops) {
-        status = cuda_status(cudaMemcpyAsync(dst_of(op), src_of(op), op.bytes, cudaMemcpyDefault, state->stream),
-                             "cudaMemcpyAsync");
-        if (!status.ok()) break;
-      }
-    } else {
-      for (const Op& op : ops) {
-        for (uint64_t done = 0; done < op.bytes && status.ok(); done += kStagingBytes) {
-          const uint64_t n = std::min(kStagingBytes, op.bytes - done);
-          status = cuda_status(cudaMemcpyAsync(state->staging, src_of(op) + done, n, cudaMemcpyDefault, state->stream),
-                               "staging copy out");
-          if (status.ok()) {
-            status =
-                cuda_status(cudaMemcpyAsync(dst_of(op) + done, state->staging, n, cudaMemcpyDefault, state->stream),
-                            "staging copy in");
-          }
-        }
-        if (!status.ok()) break;
       }
     }
-    // The event is recorded even after an error so that whatever was enqueued is
-    // waited for before the slot returns to the pool.
-    cudaError_t recorded = cudaEventRecord(event, state->stream);
-    auto batch = std::make_unique<CudaBatch>(pool_, slot, event, route_base, route.device);
-    if (recorded != cudaSuccess) {
-      cudaStreamSynchronize(state->stream);
-      return cuda_status(recorded, "cudaEventRecord");
-    }
-    if (!status.ok()) return status;  // the batch's destructor waits for the event
+    auto batch = std::make_unique<CudaBatch>(pool_, slot, std::move(events), route_base);
+    if (!status.ok()) return status;  // the batch's destructor waits for its events
     return std::unique_ptr<BackendBatch>(std::move(batch));
   }
 
  private:
+  // Copy-kernel launches. Batches of <= kMaxInlineOps (merged) ops: one launch with its
+  // table in the launch parameters. Larger ones: launches of <= kMaxInlineOps ops on the
+  // streams in turn (the first only kFirstLaunchOps when pipelined), or with
+  // cuda_split_large_batches = false one launch after uploading the whole table.
+  Status post_kernel(const CudaRoute& route, Direction direction, std::span<const Op> ops, StreamTurns& turns,
+                     Slot** slot) {
+    const uint64_t max_ctas = uint64_t(num_sms_[route.device]) * config_.cuda_ctas_per_sm;
+    const auto local_base = reinterpret_cast<uint64_t>(route.local);
+    const auto remote_base = reinterpret_cast<uint64_t>(route.remote);
+    const bool pipelined = config_.cuda_post_pipeline;
+    if (ops.size() > kMaxInlineOps && !config_.cuda_split_large_batches) {
+      ConsecutiveMerger merger(ops);
+      thread_local std::vector<Op> merged;
+      thread_local std::vector<CopyOp> table;
+      merged.resize(ops.size());
+      merged.resize(merger.next(merged));
+      table.resize(merged.size());
+      const LaunchShape shape = build_copy_table(merged, direction, local_base, remote_base, max_ctas, 1,
+                                                 config_.cuda_chunk_bytes, table.data());
+      PD_ASSIGN_OR_RETURN(*slot, take_slot(route.device, table.size()));
+      // The table is built in ordinary memory and copied into the pinned slot in one
+      // memcpy: pinned pages may be mapped uncached, where 8-byte stores are slow.
+      std::memcpy((*slot)->host, table.data(), table.size() * sizeof(CopyOp));
+      cudaStream_t stream = turns.next();
+      PD_RETURN_IF_ERROR(cuda_status(
+          cudaMemcpyAsync((*slot)->dev, (*slot)->host, table.size() * sizeof(CopyOp), cudaMemcpyHostToDevice, stream),
+          "uploading the op table"));
+      return cuda_status(launch_gather_scatter((*slot)->dev, shape.num_ops, shape.num_chunks, shape.chunk_bytes,
+                                               shape.grid, config_.cuda_threads_per_cta, stream),
+                         "launching the copy kernel");
+    }
+    thread_local LaunchScratch scratch;
+    KernelLaunchPlanner planner(ops, direction, local_base, remote_base, max_ctas, config_.cuda_chunk_bytes, pipelined,
+                                scratch);
+    while (!planner.done()) {
+      const KernelLaunchPlanner::Launch launch = planner.next();
+      PD_RETURN_IF_ERROR(
+          cuda_status(launch_gather_scatter_inline(launch.table, launch.shape.num_ops, launch.shape.num_chunks,
+                                                   launch.shape.chunk_bytes, launch.shape.grid,
+                                                   config_.cuda_threads_per_cta, turns.next()),
+                      "launching the copy kernel"));
+    }
+    return Status::Ok();
+  }
+
+  // One cudaMemcpyAsync per merged op, all on one stream.
+  Status post_copies(const CudaRoute& route, Direction direction, std::span<const Op> ops, cudaStream_t stream) {
+    const auto local_base = reinterpret_cast<uint64_t>(route.local);
+    const auto remote_base = reinterpret_cast<uint64_t>(route.remote);
+    ConsecutiveMerger merger(ops);
+    std::array<Op, 256> merged;
+    while (!merger.done()) {
+      const size_t n = merger.next(merged);
+      for (size_t i = 0; i < n; ++i) {
+        const CopyAddresses at = copy_addresses(merged[i], direction, local_base, remote_base);
+        PD_RETURN_IF_ERROR(
+            cuda_status(cudaMemcpyAsync(reinterpret_cast<void*>(at.dst), reinterpret_cast<const void*>(at.src),
+                                        merged[i].bytes, cudaMemcpyDefault, stream),
+                        "cudaMemcpyAsync"));
+      }
+    }
+    return Status::Ok();
+  }
+
+  // cudaMemcpyBatchAsync: pipelined, one call per launch group (the streams in turn);
+  // otherwise one call for the whole (sorted, merged) batch.
+  Status post_copy_batches(const CudaRoute& route, Direction direction, std::span<const Op> ops, StreamTurns& turns) {
+    const auto local_base = reinterpret_cast<uint64_t>(route.local);
+    const auto remote_base = reinterpret_cast<uint64_t>(route.remote);
+    const bool pipelined = config_.cuda_post_pipeline;
+    thread_local std::vector<Op> merged;
+    thread_local std::vector<void*> dsts, srcs;
+    thread_local std::vector<size_t> sizes;
+    ConsecutiveMerger merger(ops);
+    for (size_t group = 0; !merger.done(); ++group) {
+      merged.resize(pipelined ? launch_capacity(group, ops.size(), true) : ops.size());
+      const size_t n = merger.next(merged);
+      dsts.resize(n);
+      srcs.resize(n);
+      sizes.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        const CopyAddresses at = copy_addresses(merged[i], direction, local_base, remote_base);
+        dsts[i] = reinterpret_cast<void*>(at.dst);
+        srcs[i] = reinterpret_cast<void*>(at.src);
+        sizes[i] = merged[i].bytes;
+      }
+      PD_RETURN_IF_ERROR(
+          cuda_status(memcpy_batch(dsts.data(), srcs.data(), sizes.data(), n, turns.next()), "cudaMemcpyBatchAsync"));
+    }
+    return Status::Ok();
+  }
+
+  // Through the device's pinned staging buffer, in pieces of kStagingBytes.
+  Status post_staged(const CudaRoute& route, Direction direction, std::span<const Op> ops, DeviceState& state,
+                     cudaStream_t stream) {
+    const auto local_base = reinterpret_cast<uint64_t>(route.local);
+    const auto remote_base = reinterpret_cast<uint64_t>(route.remote);
+    ConsecutiveMerger merger(ops);
+    std::array<Op, 256> merged;
+    while (!merger.done()) {
+      const size_t n = merger.next(merged);
+      for (size_t i = 0; i < n; ++i) {
+        const CopyAddresses at = copy_addresses(merged[i], direction, local_base, remote_base);
+        for (uint64_t done = 0; done < merged[i].bytes; done += kStagingBytes) {
+          const uint64_t piece = std::min(kStagingBytes, merged[i].bytes - done);
+          PD_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(state.staging, reinterpret_cast<const void*>(at.src + done),
+                                                         piece, cudaMemcpyDefault, stream),
+                                         "staging copy out"));
+          PD_RETURN_IF_ERROR(cuda_status(
+              cudaMemcpyAsync(reinterpret_cast<void*>(at.dst + done), state.staging, piece, cudaMemcpyDefault, stream),
+              "staging copy in"));
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
   Result<DeviceState*> device_state(int device) {
     auto it = devices_.find(device);
     if (it != devices_.end()) return &it->second;
     DeviceState state;
-    PD_RETURN_IF_ERROR(
-        cuda_status(cudaStreamCreateWithFlags(&state.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
-    PD_RETURN_IF_ERROR(cuda_status(cudaMallocHost(&state.staging, kStagingBytes), "cudaMallocHost (staging)"));
-    return &devices_.emplace(device, state).first->second;
+    Status status;
+    for (uint32_t i = 0; i < config_.cuda_num_streams && status.ok(); ++i) {
+      cudaStream_t stream = nullptr;
+      status = cuda_status(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      if (status.ok()) state.streams.push_back(stream);
+    }
+    if (status.ok()) status = cuda_status(cudaMallocHost(&state.staging, kStagingBytes), "cudaMallocHost (staging)");
+    if (!status.ok()) {
+      for (cudaStream_t stream : state.streams) cudaStreamDestroy(stream);
+      return status;
+    }
+    return &devices_.emplace(device, std::move(state)).first->second;
   }
 
   Result<cudaEvent_t> take_event() {

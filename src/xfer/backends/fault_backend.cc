@@ -85,6 +85,7 @@ class FaultBackend : public Backend {
   Result<std::shared_ptr<Route>> open_route(const LocalRegion& local, const MemDesc& remote) override {
     return inner_->open_route(local, remote);
   }
+  OpForm op_form(const Route& route) const override { return inner_->op_form(route); }
   Result<std::unique_ptr<BackendBatch>> post(const std::shared_ptr<Route>& route, Direction direction,
                                              std::span<const Op> ops) override {
     FaultSpec fault = control_->take();
