@@ -20,6 +20,8 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -39,7 +41,7 @@ constexpr int64_t kIoTimeoutMs = 120'000;
 
 struct Options {
   std::string backend = "cuda";
-  std::string scenarios = "contiguous,kv,kv_layers,small";
+  std::string scenarios = "contiguous,kv,kv_layers,small,mixed";
   int iters = 10;
   int warmup = 2;
   bool json = false;
@@ -65,11 +67,82 @@ struct Options {
   bool ucx_busy_poll = false;
   bool host_malloc = false;
   bool cuda_upload_table = false;
+  bool cuda_post_pipeline = true;
+  uint32_t cuda_streams = 4;
   int gpu_warmup_ms = 300;
   // Target engine on a thread of this process instead of a forked process (cuda:
   // pointers instead of IPC, for machines where CUDA IPC is not available).
   bool same_process = false;
+  // Engine settings to compare in one run: "name:key=value,..." (keys: mode, pipeline,
+  // streams, chunk, ctas, threads, upload_table). Empty: one variant from the flags.
+  std::vector<std::string> variants;
+  bool compare = false;
 };
+
+// A named set of engine settings; every scenario runs once per variant.
+struct Variant {
+  std::string name;
+  Options options;
+  std::string settings() const {
+    const Options& o = options;
+    if (o.backend != "cuda") return o.ucx_tls.empty() ? "ucx" : "ucx tls=" + o.ucx_tls;
+    return fmt::format("mode={} pipeline={} streams={} chunk={} ctas/sm={} threads={}{}", o.cuda_mode,
+                       o.cuda_post_pipeline ? 1 : 0, o.cuda_streams, o.cuda_chunk_bytes, o.cuda_ctas_per_sm,
+                       o.cuda_threads, o.cuda_upload_table ? " upload_table" : "");
+  }
+};
+
+// The comparison the cuda figures in docs/perf/xfer.md come from: the previous post
+// (sort first, one stream), each change alone, both, and the copy-engine modes.
+const char* const kCompareVariants[] = {
+    "old:pipeline=0,streams=1",
+    "pipeline:pipeline=1,streams=1",
+    "streams4:pipeline=0,streams=4",
+    "new:pipeline=1,streams=4",
+    "ce_per_op:mode=copy_engine,pipeline=0,streams=1",
+    "ce_batch:mode=copy_batch,pipeline=1,streams=4",
+};
+
+// Parses "name:key=value,key=value" on top of `base`.
+std::optional<Variant> parse_variant(const std::string& spec, const Options& base, std::string* error) {
+  Variant v{spec.substr(0, spec.find(':')), base};
+  if (v.name.empty()) {
+    *error = "variant '" + spec + "' has no name";
+    return std::nullopt;
+  }
+  std::string rest = spec.find(':') == std::string::npos ? "" : spec.substr(spec.find(':') + 1);
+  std::istringstream fields(rest);
+  std::string field;
+  while (std::getline(fields, field, ',')) {
+    const auto eq = field.find('=');
+    const std::string key = field.substr(0, eq);
+    const std::string value = eq == std::string::npos ? "" : field.substr(eq + 1);
+    try {
+      if (key == "mode" && (value == "kernel" || value == "copy_engine" || value == "copy_batch")) {
+        v.options.cuda_mode = value;
+      } else if (key == "pipeline" && (value == "0" || value == "1")) {
+        v.options.cuda_post_pipeline = value == "1";
+      } else if (key == "streams") {
+        v.options.cuda_streams = static_cast<uint32_t>(std::stoul(value));
+      } else if (key == "chunk") {
+        v.options.cuda_chunk_bytes = static_cast<uint32_t>(std::stoul(value));
+      } else if (key == "ctas") {
+        v.options.cuda_ctas_per_sm = static_cast<uint32_t>(std::stoul(value));
+      } else if (key == "threads") {
+        v.options.cuda_threads = static_cast<uint32_t>(std::stoul(value));
+      } else if (key == "upload_table" && (value == "0" || value == "1")) {
+        v.options.cuda_upload_table = value == "1";
+      } else {
+        *error = "variant '" + spec + "': unknown setting '" + field + "'";
+        return std::nullopt;
+      }
+    } catch (const std::exception&) {
+      *error = "variant '" + spec + "': bad number in '" + field + "'";
+      return std::nullopt;
+    }
+  }
+  return v;
+}
 
 // ---- control channel ----
 
@@ -109,6 +182,8 @@ xfer::EngineConfig engine_config(const Options& o, const std::string& name) {
   c.cuda_ctas_per_sm = o.cuda_ctas_per_sm;
   c.cuda_threads_per_cta = o.cuda_threads;
   c.cuda_split_large_batches = !o.cuda_upload_table;
+  c.cuda_post_pipeline = o.cuda_post_pipeline;
+  c.cuda_num_streams = o.cuda_streams;
   c.batch_timeout_ms = 60'000;
   return c;
 }
@@ -226,6 +301,8 @@ struct Scenario {
 };
 
 struct Measured {
+  std::string variant;
+  std::string settings;
   std::string name;
   uint64_t bytes = 0;
   uint64_t num_ops = 0;
@@ -264,23 +341,42 @@ class Initiator {
  public:
   Initiator(const Options& o, int fd, size_t bytes) : o_(o), fd_(fd), bytes_(bytes) {}
 
-  bool setup() {
-    auto engine = xfer::Engine::create(engine_config(o_, "xferbench-initiator"));
+  // Receives the target's descriptors (once per run).
+  bool receive_target() {
+    auto peer = xfer::decode_engine_desc(recv_blob(fd_));
+    auto remote = xfer::decode_mem_desc(recv_blob(fd_));
+    if (!peer.ok() || !remote.ok()) return fail("target descriptors did not arrive");
+    peer_desc_ = *peer;
+    remote_desc_ = *remote;
+    return true;
+  }
+
+  // A fresh engine with `variant`'s settings, its own source region (filled with the
+  // pattern) and a session to the target. end_variant() takes them down again.
+  bool begin_variant(const Variant& variant) {
+    error_.clear();
+    auto engine = xfer::Engine::create(engine_config(variant.options, "xferbench-initiator"));
     if (!engine.ok()) return fail(engine.status().to_string());
     engine_ = std::move(engine).value();
     const bool gpu = o_.backend == "cuda";
     auto mem = allocate_and_register(o_, *engine_, gpu, o_.local_device, bytes_, local_);
     if (!mem.ok()) return fail(mem.status().to_string());
-    if (!local_.fill(o_.seed)) return fail("filling the source region");
     local_desc_ = *mem;
-    auto peer = xfer::decode_engine_desc(recv_blob(fd_));
-    auto remote = xfer::decode_mem_desc(recv_blob(fd_));
-    if (!peer.ok() || !remote.ok()) return fail("target descriptors did not arrive");
-    if (Status s = engine_->connect(*peer); !s.ok()) return fail(s.to_string());
-    auto session = engine_->session(local_desc_, *remote, o_.backend);
+    registered_ = true;
+    if (!local_.fill(o_.seed)) return fail("filling the source region");
+    if (Status s = engine_->connect(peer_desc_); !s.ok()) return fail(s.to_string());
+    auto session = engine_->session(local_desc_, remote_desc_, o_.backend);
     if (!session.ok()) return fail(session.status().to_string());
     session_ = *session;
     return true;
+  }
+
+  void end_variant() {
+    session_ = xfer::Session();  // sessions go before their engine
+    if (engine_ && registered_) (void)engine_->deregister(local_desc_.region_id);
+    registered_ = false;
+    engine_.reset();
+    local_.release();
   }
 
   Measured run(const Scenario& sc) {
@@ -370,12 +466,9 @@ class Initiator {
   }
 
   void finish() {
+    end_variant();
     uint8_t cmd = 'Q';
     io_all(fd_, &cmd, 1, true);
-    session_ = xfer::Session();  // sessions go before their engine
-    (void)engine_->deregister(local_desc_.region_id);
-    engine_.reset();
-    local_.release();
   }
 
   const std::string& error() const {
@@ -393,6 +486,9 @@ class Initiator {
   std::unique_ptr<xfer::Engine> engine_;
   Buffer local_;
   xfer::MemDesc local_desc_;
+  bool registered_ = false;
+  xfer::EngineDesc peer_desc_;
+  xfer::MemDesc remote_desc_;
   xfer::Session session_;
   std::string error_;
 };
@@ -512,8 +608,24 @@ int run(const Options& o) {
     close(fds[1]);
   }
   Initiator initiator(o, fds[0], region_bytes);
-  if (!initiator.setup()) {
+  std::vector<Variant> variants;
+  {
+    std::vector<std::string> specs = o.variants;
+    if (o.compare) specs.insert(specs.end(), std::begin(kCompareVariants), std::end(kCompareVariants));
+    if (specs.empty()) specs.push_back(o.backend == "cuda" ? "cli" : o.backend);
+    for (const std::string& spec : specs) {
+      std::string error;
+      std::optional<Variant> v = parse_variant(spec, o, &error);
+      if (!v) {
+        std::fprintf(stderr, "xferbench: %s\n", error.c_str());
+        return 2;
+      }
+      variants.push_back(*v);
+    }
+  }
+  if (!initiator.receive_target() || !initiator.begin_variant(variants[0])) {
     std::fprintf(stderr, "xferbench: setup failed: %s\n", initiator.error().c_str());
+    initiator.end_variant();
     if (child > 0) {
       kill(child, SIGKILL);
       waitpid(child, nullptr, 0);
@@ -558,9 +670,51 @@ int run(const Options& o) {
     for (uint64_t i = 0; i < n; ++i) ops.push_back({src[i] * kSmall, dst[i] * kSmall, kSmall});
     scenarios.push_back({"small_4k", {ops}, kSmall});
   }
+  if (wanted("mixed")) {
+    // Odd sizes (1 B .. 300 KiB) at unaligned offsets, one op per 512 KiB slot on each
+    // side, every fifth op continuing the one before on both sides (merged by the engine):
+    // checks the byte paths and the merging, not a bandwidth target.
+    constexpr uint64_t kSlot = 512 * 1024;
+    const uint64_t slots = region_bytes / kSlot;
+    const uint64_t n = std::min<uint64_t>(1200, slots);
+    const std::vector<uint64_t> src = random_ids(rng, slots, n);
+    const std::vector<uint64_t> dst = random_ids(rng, slots, n);
+    std::vector<Op> ops;
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint64_t start = rng() % 65536;
+      const uint64_t bytes = 1 + rng() % (300 * 1024);
+      ops.push_back({src[i] * kSlot + start, dst[i] * kSlot + start / 3, bytes});
+      if (i % 5 == 4) {
+        const Op& last = ops.back();
+        const uint64_t more = 1 + rng() % (kSlot - 65536 - 300 * 1024);  // still inside both slots
+        ops.push_back({last.local_offset + last.bytes, last.remote_offset + last.bytes, more});
+      }
+    }
+    scenarios.push_back({"mixed", {ops}, 0});
+  }
 
   std::vector<Measured> results;
-  for (const Scenario& sc : scenarios) results.push_back(initiator.run(sc));
+  for (size_t v = 0; v < variants.size(); ++v) {
+    if (v > 0) {
+      initiator.end_variant();
+      if (!initiator.begin_variant(variants[v])) {
+        Measured failed;
+        failed.error = "variant setup failed: " + initiator.error();
+        for (const Scenario& sc : scenarios) {
+          failed.name = sc.name;
+          failed.variant = variants[v].name;
+          failed.settings = variants[v].settings();
+          results.push_back(failed);
+        }
+        continue;
+      }
+    }
+    for (const Scenario& sc : scenarios) {
+      results.push_back(initiator.run(sc));
+      results.back().variant = variants[v].name;
+      results.back().settings = variants[v].settings();
+    }
+  }
   initiator.finish();
   int status = 0;
   if (child > 0) {
@@ -570,10 +724,20 @@ int run(const Options& o) {
     status = target_status << 8;  // as if exited with target_status
   }
 
-  // References, after the engines are gone (the GPUs and cores are free again).
+  // References, after the engines are gone (the GPUs and cores are free again), once per
+  // scenario: every variant's row of a scenario moves the same bytes.
   std::vector<std::string> reference_commands;
+  std::map<std::string, const Measured*> referenced;
   for (Measured& m : results) {
     if (!m.error.empty()) continue;
+    if (auto done = referenced.find(m.name); done != referenced.end()) {
+      m.reference_name = done->second->reference_name;
+      m.reference_gbps = done->second->reference_gbps;
+      m.reference_ops_per_s = done->second->reference_ops_per_s;
+      m.kernel_gbps = done->second->kernel_gbps;
+      continue;
+    }
+    referenced[m.name] = &m;
     if (o.backend == "cuda") {
 #ifdef XFERBENCH_HAVE_CUDA
       if (o.gpu_warmup_ms > 0) gpu_spin({o.local_device, o.remote_device}, o.gpu_warmup_ms);
@@ -607,14 +771,16 @@ int run(const Options& o) {
   if (o.json) {
     nlohmann::json j;
     j["backend"] = o.backend;
-    j["cuda_mode"] = o.cuda_mode;
+    for (const Variant& v : variants) j["variants"].push_back({{"name", v.name}, {"settings", v.settings()}});
     j["ucx_tls"] = o.ucx_tls;
     j["iters"] = o.iters;
     j["block_bytes"] = block_bytes;
     j["all_verified_byte_exact"] = all_exact;
     j["reference_commands"] = reference_commands;
     for (const Measured& m : results) {
-      j["scenarios"].push_back({{"name", m.name},
+      j["scenarios"].push_back({{"variant", m.variant},
+                                {"settings", m.settings},
+                                {"name", m.name},
                                 {"bytes", m.bytes},
                                 {"ops", m.num_ops},
                                 {"batches", m.num_batches},
@@ -635,21 +801,42 @@ int run(const Options& o) {
     }
     std::printf("%s\n", j.dump(2).c_str());
   }
-  std::printf("\nxferbench backend=%s%s  (GB/s = 1e9 B/s; median of %d iterations; every iteration verified)\n",
-              o.backend.c_str(), o.backend == "cuda" ? (" mode=" + o.cuda_mode).c_str() : "", o.iters);
-  std::printf("%-11s %8s %6s %4s %8s %10s %8s %10s %6s %8s %6s %8s %7s %8s  %s\n", "scenario", "MiB", "ops", "btch",
-              "GB/s", "ops/s", "ref GB/s", "ref ops/s", "ratio", "b2b GB/s", "b2b x", "kern GB/s", "post us",
-              "verified", "reference");
+  std::printf("\nxferbench backend=%s  (GB/s = 1e9 B/s; median of %d iterations; every iteration verified)\n",
+              o.backend.c_str(), o.iters);
+  for (const Variant& v : variants) std::printf("  variant %-10s %s\n", v.name.c_str(), v.settings().c_str());
+  std::printf("%-10s %-11s %8s %6s %4s %8s %10s %8s %10s %6s %8s %6s %8s %7s %8s  %s\n", "variant", "scenario", "MiB",
+              "ops", "btch", "GB/s", "ops/s", "ref GB/s", "ref ops/s", "ratio", "b2b GB/s", "b2b x", "kern GB/s",
+              "post us", "verified", "reference");
   for (const Measured& m : results) {
     if (!m.error.empty()) {
-      std::printf("%-11s ERROR %s\n", m.name.c_str(), m.error.c_str());
+      std::printf("%-10s %-11s ERROR %s\n", m.variant.c_str(), m.name.c_str(), m.error.c_str());
       continue;
     }
     const double ref = m.reference_gbps > 0 ? m.reference_gbps : 1e300;
-    std::printf("%-11s %8.1f %6llu %4zu %8.2f %10.0f %8.2f %10.0f %6.3f %8.2f %6.3f %8.2f %7.1f %8s  %s\n",
-                m.name.c_str(), m.bytes / 1048576.0, static_cast<unsigned long long>(m.num_ops), m.num_batches, m.gbps,
-                m.ops_per_s, m.reference_gbps, m.reference_ops_per_s, m.gbps / ref, m.b2b_gbps, m.b2b_gbps / ref,
-                m.kernel_gbps, m.post_us, m.mismatches == 0 ? "exact" : "MISMATCH", m.reference_name.c_str());
+    std::printf("%-10s %-11s %8.1f %6llu %4zu %8.2f %10.0f %8.2f %10.0f %6.3f %8.2f %6.3f %8.2f %7.1f %8s  %s\n",
+                m.variant.c_str(), m.name.c_str(), m.bytes / 1048576.0, static_cast<unsigned long long>(m.num_ops),
+                m.num_batches, m.gbps, m.ops_per_s, m.reference_gbps, m.reference_ops_per_s, m.gbps / ref, m.b2b_gbps,
+                m.b2b_gbps / ref, m.kernel_gbps, m.post_us, m.mismatches == 0 ? "exact" : "MISMATCH",
+                m.reference_name.c_str());
+  }
+  if (variants.size() > 1) {
+    // One line per scenario: each variant's ratio to the reference (b2b ratio after '/').
+    std::printf("\nratio to the reference (per-iteration / back-to-back), by variant\n%-11s", "scenario");
+    for (const Variant& v : variants) std::printf(" %13s", v.name.c_str());
+    std::printf("\n");
+    for (const Scenario& sc : scenarios) {
+      std::printf("%-11s", sc.name.c_str());
+      for (const Variant& v : variants) {
+        auto m = std::find_if(results.begin(), results.end(),
+                              [&](const Measured& r) { return r.name == sc.name && r.variant == v.name; });
+        if (m == results.end() || !m->error.empty() || m->reference_gbps <= 0) {
+          std::printf(" %13s", "error");
+        } else {
+          std::printf("   %5.3f/%5.3f", m->gbps / m->reference_gbps, m->b2b_gbps / m->reference_gbps);
+        }
+      }
+      std::printf("\n");
+    }
   }
   return all_exact && WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
 }
@@ -661,12 +848,22 @@ int main(int argc, char** argv) {
   pd::xferbench::Options o;
   CLI::App app{"xferbench: transfer-engine benchmark (two processes, one backend)"};
   app.add_option("--backend", o.backend, "cuda or ucx")->check(CLI::IsMember({"cuda", "ucx"}));
-  app.add_option("--scenarios", o.scenarios, "comma list of contiguous,kv,kv_layers,small");
+  app.add_option("--scenarios", o.scenarios, "comma list of contiguous,kv,kv_layers,small,mixed");
   app.add_option("--iters", o.iters, "timed iterations per scenario")->check(CLI::Range(1, 100000));
   app.add_option("--warmup", o.warmup, "untimed (but verified) iterations first")->check(CLI::Range(0, 1000));
   app.add_flag("--json", o.json, "print JSON before the table");
   app.add_option("--ucx-tls", o.ucx_tls, "UCX_TLS for the engine and ucx_perftest (e.g. posix,self or tcp)");
-  app.add_option("--cuda-mode", o.cuda_mode, "kernel or copy_engine")->check(CLI::IsMember({"kernel", "copy_engine"}));
+  app.add_option("--cuda-mode", o.cuda_mode, "kernel, copy_engine or copy_batch (cudaMemcpyBatchAsync)")
+      ->check(CLI::IsMember({"kernel", "copy_engine", "copy_batch"}));
+  app.add_option("--cuda-post-pipeline", o.cuda_post_pipeline,
+                 "cuda: 1 = validate in place and launch as tables are built (default), 0 = sort and merge first");
+  app.add_option("--cuda-streams", o.cuda_streams, "cuda: streams per device taken in turn (default 4)")
+      ->check(CLI::Range(1, 16));
+  app.add_option("--variant", o.variants,
+                 "run every scenario once per variant NAME:key=value,... (keys: mode, pipeline, streams, chunk, "
+                 "ctas, threads, upload_table); repeatable");
+  app.add_flag("--compare", o.compare,
+               "cuda: run the standard comparison variants (old, pipeline, streams4, new, ce_per_op, ce_batch)");
   app.add_option("--cuda-chunk-bytes", o.cuda_chunk_bytes, "copy-kernel bytes per work item");
   app.add_option("--cuda-ctas-per-sm", o.cuda_ctas_per_sm, "copy-kernel CTAs per SM");
   app.add_option("--cuda-threads", o.cuda_threads, "copy-kernel threads per CTA");
