@@ -435,7 +435,10 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
       events += sse_event(
           chat_chunk(g.header, static_cast<int32_t>(item.index), chat_role_delta(), nullptr, nullptr, nullptr));
     }
-    bool has_payload = !out.text_delta.empty() || !logprobs.is_null() || out.finished;
+    // Without a tokenizer there is never text: each step's tokens still get their chunk,
+    // or a streaming client would see nothing until the end (and measure TTFT as e2e).
+    const bool untokenized_tokens = !tokenizer_ && !out.new_token_ids.empty();
+    bool has_payload = !out.text_delta.empty() || !logprobs.is_null() || out.finished || untokenized_tokens;
     if (has_payload) {
       json finish = out.finished ? finish_reason_json(choice.finish_reason) : json(nullptr);
       json stop = out.finished ? choice.stop_reason : json(nullptr);

@@ -16,8 +16,12 @@ implementations gives the bf16 noise floor of HF against itself.
 
     python3 tests/gpu/hf_parity.py --pdserve .devcarry/bin/pdserve --json-out $OUT/hf_parity.json
 
-Pass: no NaN; max top-5 logprob error <= 0.15 nats and mean <= 0.02; every argmax
-disagreement has an HF margin <= 0.1 nats (a tie within bf16 noise). GPU only.
+The bf16 reference is itself only bf16: HF rounds RoPE's cos/sin to bf16, its attention
+kernel differs from ours, and errors grow with the context. So both bf16 implementations
+are also measured against HF in fp32 (the same weights upcast): ours must be at least as
+close to fp32 as HF-bf16 is (mean top-5 logprob error <= 1.25x HF-bf16's + 0.005, argmax
+disagreements with fp32 <= 1.25x HF-bf16's + 2), with no NaN. pdserve runs once per
+attention-kernel set (PDSERVE_CUDA_ATTENTION=default and legacy). GPU only.
 """
 from __future__ import annotations
 
@@ -49,7 +53,9 @@ TOP = 5
 LISTEN_RE = re.compile(r"pdserve listening on http://([0-9.]+):(\d+)")
 
 
-def build_model(name: str, out_dir: str, device: torch.device) -> Qwen3ForCausalLM:
+def build_model(name: str, out_dir: str | None, device: torch.device,
+                dtype: torch.dtype = torch.bfloat16) -> Qwen3ForCausalLM:
+    """Seeded random weights, rounded to bf16 first: the fp32 model holds the same values."""
     cfg = Qwen3Config(**CONFIGS[name], max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
                       initializer_range=0.02)
     torch.manual_seed(1234)
@@ -60,14 +66,18 @@ def build_model(name: str, out_dir: str, device: torch.device) -> Qwen3ForCausal
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return model
+    if out_dir is not None:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    return model.to(dtype)
 
 
-def start_pdserve(binary: str, model_dir: str, cuda_device: int) -> tuple[subprocess.Popen, str, list[str]]:
+def start_pdserve(binary: str, model_dir: str, cuda_device: int,
+                  attention: str) -> tuple[subprocess.Popen, str, list[str]]:
+    env = dict(os.environ, PDSERVE_CUDA_ATTENTION=attention)
     proc = subprocess.Popen([binary, "--model", model_dir, "--device", "cuda", "--cuda-device", str(cuda_device),
                              "--port", "0", "--max-model-len", "2048", "--gpu-memory-utilization", "0.4",
-                             "--max-num-seqs", "64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--max-num-seqs", "64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
     lines: list[str] = []
     found = threading.Event()
     url = []
@@ -112,23 +122,36 @@ def teacher_forced(model, prompt: list[int], tokens: list[int], device) -> torch
     return torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)], dim=-1)
 
 
-def compare(name: str, model, results: list[tuple[list[int], dict]], device) -> dict:
+def compare(name: str, model, model32, results: list[tuple[list[int], dict]], device) -> dict:
     max_err, sum_err, count, nan = 0.0, 0.0, 0, False
+    hf_max_err, hf_sum_err = 0.0, 0.0
+    ours_vs32_max, ours_vs32_sum, hf_vs32_max, hf_vs32_sum = 0.0, 0.0, 0.0, 0.0
+    ours_flips32, hf_flips32 = 0, 0
     disagreements = []
     free_identical, free_total, first_divergence = 0, 0, []
     for prompt, resp in results:
         lp = resp["choices"][0]["logprobs"]
         tokens = [token_id(t) for t in lp["tokens"]]
         ref = teacher_forced(model, prompt, tokens, device)
+        ref32 = teacher_forced(model32, prompt, tokens, device)
         for step, (tok, top) in enumerate(zip(tokens, lp["top_logprobs"])):
             for text, ours in top.items():
                 if ours is None or math.isnan(ours):
                     nan = True
                     continue
-                err = abs(ours - ref[step, token_id(text)].item())
+                tid = token_id(text)
+                err = abs(ours - ref[step, tid].item())
                 max_err = max(max_err, err)
                 sum_err += err
+                e32 = abs(ours - ref32[step, tid].item())
+                h32 = abs(ref[step, tid].item() - ref32[step, tid].item())
+                ours_vs32_max, hf_vs32_max = max(ours_vs32_max, e32), max(hf_vs32_max, h32)
+                ours_vs32_sum += e32
+                hf_vs32_sum += h32
                 count += 1
+            best32 = int(torch.argmax(ref32[step]).item())
+            ours_flips32 += int(tok != best32)
+            hf_flips32 += int(int(torch.argmax(ref[step]).item()) != best32)
             hf_best = int(torch.argmax(ref[step]).item())
             if hf_best != tok:
                 disagreements.append({"prompt_len": len(prompt), "step": step,
@@ -143,7 +166,11 @@ def compare(name: str, model, results: list[tuple[list[int], dict]], device) -> 
         free_identical += same
         free_total += len(tokens)
         first_divergence.append(same)
-    return {"config": name, "max_logprob_err": max_err, "mean_logprob_err": sum_err / max(count, 1), "nan": nan,
+    n = max(count, 1)
+    return {"config": name, "max_logprob_err": max_err, "mean_logprob_err": sum_err / n, "nan": nan,
+            "fp32_ref": {"ours_max": ours_vs32_max, "ours_mean": ours_vs32_sum / n, "hf_bf16_max": hf_vs32_max,
+                         "hf_bf16_mean": hf_vs32_sum / n, "ours_argmax_flips": ours_flips32,
+                         "hf_bf16_argmax_flips": hf_flips32},
             "argmax_disagreements": disagreements, "free_running_identical_prefix": first_divergence,
             "free_running_identical_tokens": free_identical, "free_running_tokens": free_total}
 
@@ -171,6 +198,7 @@ def main() -> int:
     parser.add_argument("--cuda-device", type=int, default=0, help="GPU for pdserve")
     parser.add_argument("--hf-device", type=int, default=0, help="GPU for HF")
     parser.add_argument("--configs", default="tiny,1b")
+    parser.add_argument("--attention", default="default,legacy", help="PDSERVE_CUDA_ATTENTION values to run")
     parser.add_argument("--keep-dir", default=None, help="save the models here (default: a temporary folder)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
@@ -180,49 +208,54 @@ def main() -> int:
     ok = True
     for name in args.configs.split(","):
         model_dir = os.path.join(args.keep_dir, name) if args.keep_dir else tempfile.mkdtemp(prefix=f"hf_{name}_")
-        t0 = time.time()
         model = build_model(name, model_dir, device)
-        proc, url, lines = start_pdserve(args.pdserve, model_dir, args.cuda_device)
-        try:
-            vocab = CONFIGS[name]["vocab_size"]
-            prompts = [torch.randint(100, vocab - 100, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-            out: list = [None] * len(prompts)
+        model32 = build_model(name, None, device, dtype=torch.float32)
+        vocab = CONFIGS[name]["vocab_size"]
+        prompts = [torch.randint(100, vocab - 100, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+        for kernels in args.attention.split(","):
+            t0 = time.time()
+            proc, url, lines = start_pdserve(args.pdserve, model_dir, args.cuda_device, kernels)
+            try:
+                out: list = [None] * len(prompts)
 
-            def worker(i):
-                out[i] = complete(url, prompts[i])
+                def worker(i):
+                    out[i] = complete(url, prompts[i])
 
-            threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if any(o is None for o in out):
-                raise RuntimeError("a request failed:\n" + "\n".join(lines[-20:]))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
-        results = list(zip(prompts, out))
-        row = compare(name, model, results, device)
-        row.update(hf_self_noise(model, results, device))
-        row["seconds"] = time.time() - t0
-        ties_ok = all(d["margin"] <= 0.1 for d in row["argmax_disagreements"])
-        row["pass"] = (not row["nan"]) and row["max_logprob_err"] <= 0.15 and row["mean_logprob_err"] <= 0.02 and ties_ok
-        ok = ok and row["pass"]
-        report.append(row)
-        print(json.dumps(row), flush=True)
-        del model
+                threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                if any(o is None for o in out):
+                    raise RuntimeError("a request failed:\n" + "\n".join(lines[-20:]))
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+            results = list(zip(prompts, out))
+            row = compare(name, model, model32, results, device)
+            row["attention"] = kernels
+            row.update(hf_self_noise(model, results, device))
+            row["seconds"] = time.time() - t0
+            f = row["fp32_ref"]
+            row["pass"] = (not row["nan"]) and f["ours_mean"] <= 1.25 * f["hf_bf16_mean"] + 0.005 and \
+                f["ours_argmax_flips"] <= 1.25 * f["hf_bf16_argmax_flips"] + 2
+            ok = ok and row["pass"]
+            report.append(row)
+            print(json.dumps(row), flush=True)
+        del model, model32
         torch.cuda.empty_cache()
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)
-    print("\n| config | top-5 logprob err max / mean | argmax disagreements (max HF margin) | HF eager vs sdpa "
-          "disagreements | free-running identical tokens | pass |")
-    print("|---|---|---|---|---|---|")
+    print("\n| config | attention | vs HF bf16: err max / mean, argmax diff | vs HF fp32, ours: err max / mean, "
+          "flips | vs HF fp32, HF bf16: err max / mean, flips | HF eager vs sdpa flips | free-running identical | pass |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in report:
-        d = r["argmax_disagreements"]
-        margin = max((x["margin"] for x in d), default=0.0)
-        print(f"| {r['config']} | {r['max_logprob_err']:.4f} / {r['mean_logprob_err']:.5f} | {len(d)} of "
-              f"{len(PROMPT_LENGTHS) * STEPS} ({margin:.4f}) | {r['hf_eager_vs_sdpa_argmax_disagreements']} | "
+        d, f = r["argmax_disagreements"], r["fp32_ref"]
+        print(f"| {r['config']} | {r['attention']} | {r['max_logprob_err']:.3f} / {r['mean_logprob_err']:.4f}, {len(d)} | "
+              f"{f['ours_max']:.3f} / {f['ours_mean']:.4f}, {f['ours_argmax_flips']} | "
+              f"{f['hf_bf16_max']:.3f} / {f['hf_bf16_mean']:.4f}, {f['hf_bf16_argmax_flips']} | "
+              f"{r['hf_eager_vs_sdpa_argmax_disagreements']} | "
               f"{r['free_running_identical_tokens']}/{r['free_running_tokens']} | {r['pass']} |")
     return 0 if ok else 1
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import urllib.request
+from pathlib import Path
 import signal
 import socket
 import subprocess
@@ -111,3 +113,22 @@ def test_full_engine_queue_answers_503_and_recovers(procs):
              and metric_value(server.metrics(), "pd_num_requests_waiting") == 0, 30, "the queue to drain")
     status, raw, _ = server.post("/v1/completions", {"prompt": "fourth", "max_tokens": 4})
     assert status == 200, raw
+
+
+def test_model_without_tokenizer_streams_a_chunk_per_token(procs):
+    # tests/data/golden/qwen3 holds config + safetensors and no tokenizer: only token-id
+    # prompts work, the text is empty, and each step must still reach the client as a chunk.
+    model_dir = Path(__file__).resolve().parents[1] / "data" / "golden" / "qwen3"
+    server = start_pdserve(procs, "--model", str(model_dir))
+    body = {"model": str(model_dir), "prompt": [11, 12, 13, 14], "max_tokens": 6, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    req = urllib.request.Request(
+        f"{server.base_url}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as response:
+        events = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    with_choices = [c for c in chunks if c.get("choices")]
+    # One chunk per generated token (the last one also carries finish_reason).
+    assert len(with_choices) == 6, chunks
+    assert with_choices[-1]["choices"][0]["finish_reason"] == "length"

@@ -396,6 +396,7 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   pre.context_lens = ints + off_ctx_ + shape.num_decode;
   pre.block_tables = ints + off_tables_ + static_cast<size_t>(shape.num_decode) * max_blocks_per_seq_;
   pre.num_seqs = shape.num_prefill;
+  pre.prefill_kernel = options_.prefill_kernel;
   pre.max_query_len = shape.max_prefill_q;
   pre.max_context_len = shape.max_context;
 

@@ -35,6 +35,7 @@ struct CudaRunnerOptions {
   int32_t num_kv_blocks = 0;            // > 0: exactly this many blocks (overrides the utilization sizing)
   bool enable_cuda_graphs = true;
   kernels::cuda::DecodeKernel decode_kernel = kernels::cuda::DecodeKernel::kTensorCore;
+  kernels::cuda::PrefillKernel prefill_kernel = kernels::cuda::PrefillKernel::kGqaTiled;
   uint64_t dummy_seed = 0;
 };
 

@@ -1,10 +1,34 @@
 #include "engine/runner_cuda/load_cuda_runner.h"
 
+#include <cstdlib>
+#include <string_view>
+
+#include "common/log.h"
 #include "model/weights.h"
 
 namespace pd::engine {
 
-Result<std::unique_ptr<ModelRunner>> load_cuda_runner(const CudaLoadRequest& request) {
+namespace {
+
+// PDSERVE_CUDA_ATTENTION=legacy selects the previous attention kernels (per-head
+// prefill, single-buffered decode): an escape hatch while a new kernel is young,
+// and the way to compare the two inside one deployment.
+Result<CudaRunnerOptions> with_attention_override(CudaRunnerOptions options) {
+  const char* choice = std::getenv("PDSERVE_CUDA_ATTENTION");
+  if (choice == nullptr || std::string_view(choice).empty() || std::string_view(choice) == "default") return options;
+  if (std::string_view(choice) != "legacy")
+    return invalid_argument("PDSERVE_CUDA_ATTENTION must be 'default' or 'legacy', got '{}'", choice);
+  options.prefill_kernel = kernels::cuda::PrefillKernel::kPerHead;
+  options.decode_kernel = kernels::cuda::DecodeKernel::kTensorCoreSingleBuffer;
+  PD_LOG_WARN("cuda runner: legacy attention kernels (PDSERVE_CUDA_ATTENTION=legacy)");
+  return options;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ModelRunner>> load_cuda_runner(const CudaLoadRequest& original) {
+  CudaLoadRequest request = original;
+  PD_ASSIGN_OR_RETURN(request.options, with_attention_override(request.options));
   if (request.load_format != "auto" && request.load_format != "safetensors" && request.load_format != "dummy") {
     return invalid_argument("load_format must be auto, safetensors or dummy, got '{}'", request.load_format);
   }
