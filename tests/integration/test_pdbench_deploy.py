@@ -1,0 +1,48 @@
+"""tools/pdbench/deploy.py: a whole deployment (router + instances) around a command."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import bin_path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "tools" / "pdbench" / "deploy.py"
+PDBENCH = ROOT / "tools" / "pdbench" / "pdbench.py"
+
+
+def deploy(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(DEPLOY), "--bin-dir", str(Path(bin_path("pdserve")).parent), *args],
+                          capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("config", ["pd-write", "pd-read"])
+def test_pd_deployment_moves_kv_and_ends_clean(config, tmp_path):
+    proc = deploy("--config", config, "--log-dir", str(tmp_path), "--",
+                  sys.executable, str(PDBENCH), "run", "--base-url", "{url}", "--max-concurrency", "4",
+                  "--num-requests", "8", "--input-len", "40", "--output-len", "4", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    moved = [int(m.replace(",", "")) for m in re.findall(r"KV bytes moved ([0-9,]+)", proc.stderr)]
+    assert len(moved) == 2 and sum(moved) > 0, proc.stderr
+    assert re.findall(r"KV blocks in use (\d+)", proc.stderr) == ["0", "0"]
+    assert (tmp_path / "producer.log").stat().st_size > 0 and (tmp_path / "consumer.log").stat().st_size > 0
+
+
+def test_collocated_deployment_passes_the_command_status_through(tmp_path):
+    ok = deploy("--config", "collocated", "--num-collocated", "2", "--log-dir", str(tmp_path), "--",
+                sys.executable, "-c", "import os, sys, urllib.request; "
+                "urllib.request.urlopen(os.environ['PDBENCH_URL'] + '/v1/models', timeout=10); sys.exit(3)")
+    assert ok.returncode == 3, ok.stderr[-3000:]
+    assert len(re.findall(r"collocated\d: KV blocks in use 0", ok.stderr)) == 2
+
+
+def test_missing_command_and_bad_model_are_clear_errors(tmp_path):
+    usage = deploy("--config", "pd-write")
+    assert usage.returncode == 2 and "give the command to run" in usage.stderr
+    bad = deploy("--config", "pd-write", "--model", str(tmp_path / "no-such-model"), "--log-dir", str(tmp_path),
+                 "--ready-timeout-s", "60", "--", "true")
+    assert bad.returncode == 1 and "exited with" in bad.stderr and "before it was ready" in bad.stderr
