@@ -308,9 +308,14 @@ def test_staircase_plan_windows():
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     args = argparse.Namespace(staircase_window_s=20.0, warmup_requests=3, input_len=64, output_len=16,
-                              range_ratio=0.0, vocab_size=1000, min_token_id=10, seed=1, burstiness=1.0)
+                              range_ratio=0.0, vocab_size=1000, min_token_id=10, seed=1, burstiness=1.0,
+                              staircase_tail_s=None)
     rates = [1.0, 4.0]
     plan = cli.staircase_plan(args, rates)
+    with_tail = cli.staircase_plan(argparse.Namespace(**{**vars(args), "staircase_tail_s": 10.0}), rates)
+    tail = with_tail[len(plan):]
+    assert with_tail[:len(plan)] == plan and tail
+    assert all(tag == 1 and p.warmup and p.arrival_s >= plan[-1][1].arrival_s for tag, p in tail)
     assert [p.index for _, p in plan] == list(range(len(plan)))
     arrivals = [p.arrival_s for _, p in plan]
     assert arrivals == sorted(arrivals)

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "each rate starts loaded (closer to steady state than a run from idle when "
                             "requests outlive a window); requests per rate = rate x window (--num-requests "
                             "is ignored); warm-up requests, if any, come before the first window")
+    sweep.add_argument("--staircase-tail-s", type=_positive_float, default=None,
+                       help="with --staircase-window-s: keep the top rate arriving this many more seconds, "
+                            "unmeasured, so the last window is not measured in a draining server")
     _add_load_flags(sweep)
 
     plot = commands.add_parser("plot", help="PNGs from sweep JSON files",
@@ -339,6 +342,19 @@ def staircase_plan(args: argparse.Namespace, rates: list[float]) -> list[tuple[i
         for r in kept:
             plan.append((k, dataclasses.replace(r, index=len(plan), arrival_s=offset + r.arrival_s)))
         offset += lead_in + window
+    tail = getattr(args, "staircase_tail_s", None) or 0.0
+    if tail > 0:
+        # The top rate keeps arriving for `tail` seconds, excluded from every statistic, so the
+        # last window's requests live their whole life under that load instead of a draining server.
+        rate = rates[-1]
+        spec = WorkloadSpec(input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
+                            vocab_size=args.vocab_size, min_token_id=args.min_token_id, seed=args.seed,
+                            num_requests=max(1, math.ceil(2 * rate * tail) + 10), num_warmup=0,
+                            request_rate=rate, burstiness=args.burstiness)
+        for r in plan_requests(spec, len(rates)):
+            if r.arrival_s < tail:
+                plan.append((len(rates) - 1, dataclasses.replace(r, index=len(plan), warmup=True,
+                                                                 arrival_s=offset + r.arrival_s)))
     return plan
 
 
@@ -347,6 +363,7 @@ async def _staircase(args: argparse.Namespace, rates: list[float], options: Clie
     plan = staircase_plan(args, rates)
     label = f"staircase {','.join(f'{r:g}' for r in rates)} req/s, {args.staircase_window_s:g} s windows"
     document["config"]["staircase_window_s"] = args.staircase_window_s
+    document["config"]["staircase_tail_s"] = args.staircase_tail_s
     outcome = await execute_run(options, [p for _, p in plan], label)
     exit_code = EXIT_OK
     for k, rate in enumerate(rates):

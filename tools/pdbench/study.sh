@@ -32,7 +32,7 @@ bench="python3 $root/tools/pdbench/pdbench.py"
 probe="$bench run --base-url {url} --max-concurrency 1 --num-requests 8 --warmup-requests 2 --input-len ${ISL:-2000} \
   --output-len 16 --seed 11 --label $config --save-requests --json-out $out/ttft_$config.json --quiet"
 sweep="$bench sweep --base-url {url} --rates $rates --staircase-window-s $window --warmup-requests 4 \
-  --input-len ${ISL:-2000} --output-len ${OSL:-1000} --slo-ttft-ms 1000 --slo-itl-ms 50 --request-timeout-s 240 \
+  --staircase-tail-s ${TAIL_S:-$window} --input-len ${ISL:-2000} --output-len ${OSL:-1000} --slo-ttft-ms 1000 --slo-itl-ms 50 --request-timeout-s 240 \
   --label $config --save-requests --json-out $out/sweep_$config.json"
 python3 "$root/tools/pdbench/deploy.py" --device "${DEVICE:-cuda}" --gpus 0,1 --bin-dir "$bin" --model "$model" \
   --log-dir "$out/logs_$config" "${deploy[@]}" -- bash -c "$probe && $sweep"
