@@ -21,14 +21,22 @@ make it cheap. Needs torch + transformers (run it where they are installed):
   python3 make_golden.py --out ../../tests/data/golden
 """
 import argparse
+import copy
 import json
 import os
 import struct
 import sys
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_long")
 NUM_DECODE_STEPS = 32
 PROMPT_LEN = 21
+# qwen3_long: head_dim 128 at positions up to ~1.5k, where a RoPE frequency that is
+# off by one bf16 rounding (0.4% relative) turns the angle by radians. Its weights are
+# stored in bf16 (rounded before the reference runs, so the fp32 reference holds the
+# same values) and only some prompt rows are kept, to keep the files small.
+LONG_PROMPT_LEN = 1500
+LONG_DECODE_STEPS = 8
+LONG_CHECKED_POSITIONS = list(range(0, LONG_PROMPT_LEN, 100)) + [LONG_PROMPT_LEN - 1]
 
 
 def family_config_kwargs(family):
@@ -66,14 +74,18 @@ def family_config_kwargs(family):
     if family == "qwen3":
         # head_dim 32 != hidden/heads (16): exercises the explicit head_dim.
         return "Qwen3ForCausalLM", dict(common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)
+    if family == "qwen3_long":
+        return "Qwen3ForCausalLM", dict(common, vocab_size=256, hidden_size=128, num_attention_heads=2,
+                                        num_key_value_heads=1, head_dim=128, max_position_embeddings=2048,
+                                        rope_theta=1000000.0, tie_word_embeddings=True)
     raise ValueError(f"unknown family {family!r}")
 
 
-def prompt_token_ids(seed, vocab_size):
+def prompt_token_ids(seed, vocab_size, length=PROMPT_LEN):
     """A fixed pseudo-random prompt (an LCG, so it needs no numpy/torch)."""
     state = (seed * 6364136223846793005 + 1442695040888963407) % (1 << 64)
     ids = []
-    for _ in range(PROMPT_LEN):
+    for _ in range(length):
         state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
         ids.append(3 + (state >> 33) % (vocab_size - 3))
     return ids
@@ -207,13 +219,109 @@ def make_family(family, out_root, seed, torch, transformers):
     print(f"{family}: prompt {len(prompt)} tokens, greedy {greedy[:8]}..., files in {out}")
 
 
+def row_relative_errors(torch, ours, ref):
+    """Per row: ||ours - ref|| / ||ref|| (the measure the C++ test applies)."""
+    return ((ours - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).tolist()
+
+
+def make_long_family(family, out_root, seed, torch, transformers):
+    """qwen3_long: bf16-valued weights, a LONG_PROMPT_LEN prompt, LONG_DECODE_STEPS greedy steps,
+    prompt rows at LONG_CHECKED_POSITIONS only. The reference is the model as from_pretrained
+    builds it: RoPE frequencies computed in fp32. A model.to(torch.bfloat16) rounds that buffer
+    (it is not a weight, so the files never carry it) and a later .to(torch.float32) keeps the
+    rounding; golden.json records how far the logits move then, which shows that the test
+    tells the two apart."""
+    arch, kwargs = family_config_kwargs(family)
+    model_cls = getattr(transformers, arch)
+    config = transformers.Qwen3Config(**kwargs)
+    config.architectures = [arch]
+    try:
+        config._attn_implementation = "eager"
+    except Exception:
+        pass
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    reinit_parameters(model, torch, seed + 17)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).to(torch.float32))
+    out = os.path.join(out_root, family)
+    os.makedirs(out, exist_ok=True)
+    # Saved from a bf16 copy, so that `model` keeps its fp32 RoPE frequencies.
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+
+    prompt = prompt_token_ids(seed + FAMILIES.index(family), config.vocab_size, LONG_PROMPT_LEN)
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.no_grad():
+        prompt_logits = model(input_ids=ids, use_cache=False).logits[0].to(torch.float32)
+        tokens = list(prompt)
+        greedy, decode_rows = [], []
+        for _ in range(LONG_DECODE_STEPS):
+            logits = model(input_ids=torch.tensor([tokens], dtype=torch.long), use_cache=False).logits[0, -1]
+            logits = logits.to(torch.float32)
+            top2 = torch.topk(logits, 2).values
+            if float(top2[0] - top2[1]) < 1e-3:
+                print(f"warning: {family} step {len(greedy)} top-2 margin {float(top2[0] - top2[1]):.2e}",
+                      file=sys.stderr)
+            decode_rows.append(logits.tolist())
+            greedy.append(int(torch.argmax(logits).item()))
+            tokens.append(greedy[-1])
+        rotary = model.model.rotary_emb
+        exact = rotary.inv_freq.clone()
+        rotary.inv_freq = exact.to(torch.bfloat16).to(torch.float32)
+        rounded = model(input_ids=ids, use_cache=False).logits[0].to(torch.float32)
+        rotary.inv_freq = exact
+    rows = torch.tensor(LONG_CHECKED_POSITIONS)
+    sensitivity = row_relative_errors(torch, rounded[rows], prompt_logits[rows])
+
+    try:
+        reloaded = model_cls.from_pretrained(out, dtype=torch.float32).eval()
+    except TypeError:
+        reloaded = model_cls.from_pretrained(out, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        again = reloaded(input_ids=ids, use_cache=False).logits[0].to(torch.float32)
+    reload_max_abs_diff = float((again - prompt_logits).abs().max())
+    if reload_max_abs_diff > 1e-5:
+        print(f"warning: {family} reloaded model differs: max abs {reload_max_abs_diff}", file=sys.stderr)
+
+    write_f32(os.path.join(out, "prompt_logits.f32"), prompt_logits[rows].tolist())
+    write_f32(os.path.join(out, "decode_logits.f32"), decode_rows)
+    meta = {
+        "family": family,
+        "architecture": arch,
+        "vocab_size": config.vocab_size,
+        "prompt_token_ids": prompt,
+        "greedy_token_ids": greedy,
+        "num_prompt_tokens": len(prompt),
+        "num_decode_steps": LONG_DECODE_STEPS,
+        "prompt_logits_file": "prompt_logits.f32",
+        "prompt_logits_positions": LONG_CHECKED_POSITIONS,
+        "decode_logits_file": "decode_logits.f32",
+        "logits_format": "float32 little-endian, row-major [rows][vocab_size]; prompt rows at prompt_logits_positions",
+        "weights_dtype": "bfloat16",
+        "rope_frequencies_rounded_to_bf16_row_relative_error": sensitivity,
+        "seed": seed,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "reload_max_abs_diff": reload_max_abs_diff,
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "effective_config": json.loads(config.to_json_string()),
+    }
+    with open(os.path.join(out, "golden.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+    print(f"{family}: prompt {len(prompt)} tokens, greedy {greedy}, bf16-rounded RoPE frequencies move the "
+          f"checked rows by up to {max(sensitivity):.3g} relative; files in {out}")
+
+
 def main(argv):
     args = parse_args(argv)
     if args.dry_run:
         for fam in args.families:
             arch, kwargs = family_config_kwargs(fam)
             print(fam, arch, json.dumps(kwargs, sort_keys=True))
-            print("  prompt", prompt_token_ids(args.seed + FAMILIES.index(fam), kwargs["vocab_size"]))
+            length = LONG_PROMPT_LEN if fam == "qwen3_long" else PROMPT_LEN
+            print("  prompt", prompt_token_ids(args.seed + FAMILIES.index(fam), kwargs["vocab_size"], length))
         return 0
     import torch  # noqa: E402 (only needed for the real run)
     import transformers
@@ -222,7 +330,10 @@ def main(argv):
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
     for fam in args.families:
-        make_family(fam, args.out, args.seed, torch, transformers)
+        if fam == "qwen3_long":
+            make_long_family(fam, args.out, args.seed, torch, transformers)
+        else:
+            make_family(fam, args.out, args.seed, torch, transformers)
     return 0
 
 
