@@ -53,9 +53,8 @@ TOP = 5
 LISTEN_RE = re.compile(r"pdserve listening on http://([0-9.]+):(\d+)")
 
 
-def build_model(name: str, out_dir: str | None, device: torch.device,
-                dtype: torch.dtype = torch.bfloat16) -> Qwen3ForCausalLM:
-    """Seeded random weights, rounded to bf16 first: the fp32 model holds the same values."""
+def build_model(name: str, out_dir: str, device: torch.device) -> None:
+    """Seeded random weights, rounded to bf16, saved as the checkpoint both sides load."""
     cfg = Qwen3Config(**CONFIGS[name], max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
                       initializer_range=0.02)
     torch.manual_seed(1234)
@@ -66,9 +65,26 @@ def build_model(name: str, out_dir: str | None, device: torch.device,
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
-    if out_dir is not None:
-        model.save_pretrained(out_dir, safe_serialization=True)
-    return model.to(dtype)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def load_reference(model_dir: str, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    """The HF reference as a user gets it: from_pretrained in the given dtype. Not `model.to(dtype)`
+    of an fp32-built model: that also rounds the RoPE inverse-frequency buffer to bf16, which moves
+    logits at long positions by several percent (tests/unit/model/golden_parity_test.cc, qwen3_long)."""
+    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    rotary = model.model.rotary_emb
+    cfg = model.config
+    # Whatever the loading path did to the buffer, the frequencies are computed in fp32 (as at init).
+    head_dim = cfg.head_dim
+    theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
+    exact = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    print(f"[hf_parity] {dtype} reference: inv_freq was {rotary.inv_freq.dtype}, max |diff| to fp32 "
+          f"{(rotary.inv_freq.float() - exact).abs().max().item():.3e}; set to fp32", flush=True)
+    rotary.inv_freq = exact
+    if hasattr(rotary, "original_inv_freq"):
+        rotary.original_inv_freq = exact
+    return model
 
 
 def start_pdserve(binary: str, model_dir: str, cuda_device: int,
@@ -208,8 +224,9 @@ def main() -> int:
     ok = True
     for name in args.configs.split(","):
         model_dir = os.path.join(args.keep_dir, name) if args.keep_dir else tempfile.mkdtemp(prefix=f"hf_{name}_")
-        model = build_model(name, model_dir, device)
-        model32 = build_model(name, None, device, dtype=torch.float32)
+        build_model(name, model_dir, device)
+        model = load_reference(model_dir, device, torch.bfloat16)
+        model32 = load_reference(model_dir, device, torch.float32)
         vocab = CONFIGS[name]["vocab_size"]
         prompts = [torch.randint(100, vocab - 100, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
         for kernels in args.attention.split(","):
