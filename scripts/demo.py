@@ -10,81 +10,17 @@ from the instances' /metrics) and shuts everything down with SIGTERM.
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
+import tempfile
+from pathlib import Path
 import time
-import urllib.request
 
-LISTEN_RE = {
-    "pdrouter": re.compile(r"pdrouter listening on http://([0-9.]+):(\d+)"),
-    "pdserve": re.compile(r"pdserve listening on http://([0-9.]+):(\d+)"),
-}
-REGISTRATION_RE = re.compile(r"pdrouter registration on tcp://([0-9.]+):(\d+)")
-
-
-class Process:
-    """A child process whose output is echoed (prefixed) and scanned for patterns."""
-
-    def __init__(self, name: str, argv: list[str], env: dict | None = None):
-        self.name = name
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, start_new_session=True)
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self):
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            with self.cond:
-                self.lines.append(line)
-                self.cond.notify_all()
-            if VERBOSE or "listening" in line or "error" in line.lower():
-                print(f"  [{self.name}] {line}", flush=True)
-        with self.cond:
-            self.cond.notify_all()
-
-    def wait_for(self, pattern: re.Pattern, timeout_s: float) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while True:
-                for line in self.lines:
-                    if m := pattern.search(line):
-                        return m
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready:\n"
-                                       + "\n".join(self.lines[-20:]))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{self.name} not ready within {timeout_s:.0f} s:\n" + "\n".join(self.lines[-20:]))
-                self.cond.wait(min(left, 0.5))
-
-    def stop(self, timeout_s: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                print(f"  [{self.name}] did not stop within {timeout_s:.0f} s; killing it")
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def http_get(url: str, timeout_s: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return response.read().decode()
-
-
-def metric_sum(metrics_text: str, name: str, label_filter: str = "") -> float:
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {") and label_filter in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools", "pdbench"))
+# The process handling is tools/pdbench/deploy.py's (one copy for the demo and the benchmarks).
+from deploy import LISTEN_RE, REGISTRATION_RE, Process, http_get, metric_sum, router_health  # noqa: E402
 
 
 def main() -> int:
@@ -97,8 +33,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--verbose", action="store_true", help="echo every log line of the processes")
     args = parser.parse_args()
-    global VERBOSE
-    VERBOSE = args.verbose
+    log_dir = Path(tempfile.mkdtemp(prefix="pddemo-"))
 
     device = args.device
     if device == "auto":
@@ -116,9 +51,9 @@ def main() -> int:
     try:
         print(f"[demo] starting pdrouter ({args.mode.upper()} mode)")
         router = Process("router", [f"{bin_dir}/pdrouter", "--port", "0", "--registration-port", "0",
-                                    "--mode", args.mode])
+                                    "--mode", args.mode], log_dir, args.verbose)
         processes.append(router)
-        rhost, rport = router.wait_for(LISTEN_RE["pdrouter"], 30).groups()
+        rhost, rport = router.wait_for(LISTEN_RE, 30).groups()
         reg_port = int(router.wait_for(REGISTRATION_RE, 30).group(2))
         router_url = f"http://{rhost}:{rport}"
 
@@ -129,14 +64,15 @@ def main() -> int:
                                                     "proxy_ping_port": reg_port}}
             print(f"[demo] starting pdserve {role} on {args.model} ({device})")
             proc = Process(role, [f"{bin_dir}/pdserve", "--model", args.model, "--device", device, "--port", "0",
-                                  "--max-model-len", "2048", "--kv-transfer-config", json.dumps(config)])
+                                  "--max-model-len", "2048", "--kv-transfer-config", json.dumps(config)],
+                           log_dir, args.verbose)
             processes.append(proc)
-            host, port = proc.wait_for(LISTEN_RE["pdserve"], 300).groups()
+            host, port = proc.wait_for(LISTEN_RE, 300).groups()
             instances[role] = f"http://{host}:{port}"
 
         deadline = time.monotonic() + 30
         while True:
-            health = json.loads(http_get(f"{router_url}/health"))
+            health = json.loads(router_health(f"{router_url}/health"))
             roles = json.dumps(health)
             if "producer" in roles and "consumer" in roles:
                 break
@@ -201,7 +137,6 @@ def main() -> int:
     return exit_code
 
 
-VERBOSE = False
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -255,6 +255,21 @@ def _write_json(path: Path, document: dict) -> None:
     temporary.replace(path)
 
 
+def _run_entry(args: argparse.Namespace, rate: float, results: list, slo: Slo, loop_lag_ms: dict) -> dict:
+    """One rate's record of the JSON document (per-request data with --save-requests)."""
+    run = {"label": rate_label(rate, args.max_concurrency), "request_rate": rate if math.isfinite(rate) else None,
+           "max_concurrency": args.max_concurrency, **summarize_run(results, slo), "client_loop_lag_ms": loop_lag_ms}
+    if args.save_requests:
+        run["requests"] = [r.to_json() for r in results]
+    return run
+
+
+def _set_goodput(document: dict, target: float) -> None:
+    document["goodput"] = {
+        variant: goodput([(r["request_rate"], r["slo"][variant]["attainment"]) for r in document["runs"]], target)
+        for variant in ("mean_itl", "p99_itl")}
+
+
 async def _benchmark(args: argparse.Namespace, rates: list[float], is_sweep: bool) -> int:
     endpoint = Endpoint.parse(args.base_url, args.api_key)
     longest = (length_bounds(args.input_len, args.range_ratio)[1] + length_bounds(args.output_len, args.range_ratio)[1])
@@ -296,19 +311,12 @@ async def _benchmark(args: argparse.Namespace, rates: list[float], is_sweep: boo
                             burstiness=args.burstiness)
         label = rate_label(rate, args.max_concurrency)
         outcome = await execute_run(options, plan_requests(spec, run_index), label)
-        run = {"label": label, "request_rate": rate if math.isfinite(rate) else None,
-               "max_concurrency": args.max_concurrency, **summarize_run(outcome.results, slo),
-               "client_loop_lag_ms": outcome.client_loop_lag_ms}
-        if args.save_requests:
-            run["requests"] = [r.to_json() for r in outcome.results]
+        run = _run_entry(args, rate, outcome.results, slo, outcome.client_loop_lag_ms)
         if run["completed"] == 0:
             exit_code = EXIT_RUN_FAILED
         document["runs"].append(run)
         if is_sweep and slo.enabled:
-            document["goodput"] = {
-                variant: goodput([(r["request_rate"], r["slo"][variant]["attainment"]) for r in document["runs"]],
-                                 args.goodput_target)
-                for variant in ("mean_itl", "p99_itl")}
+            _set_goodput(document, args.goodput_target)
         if args.json_out:
             _write_json(args.json_out, document)
         print(report.run_table(run, document["config"]["slo"]), flush=True)
@@ -368,21 +376,14 @@ async def _staircase(args: argparse.Namespace, rates: list[float], options: Clie
     exit_code = EXIT_OK
     for k, rate in enumerate(rates):
         results = [res for (tag, _), res in zip(plan, outcome.results) if tag == k]
-        run = {"label": rate_label(rate, args.max_concurrency), "request_rate": rate,
-               "max_concurrency": args.max_concurrency, **summarize_run(results, slo),
-               "client_loop_lag_ms": outcome.client_loop_lag_ms}
-        if args.save_requests:
-            run["requests"] = [r.to_json() for r in results]
+        run = _run_entry(args, rate, results, slo, outcome.client_loop_lag_ms)
         if run["completed"] == 0:
             exit_code = EXIT_RUN_FAILED
         document["runs"].append(run)
         print(report.run_table(run, document["config"]["slo"]), flush=True)
         print(flush=True)
     if slo.enabled:
-        document["goodput"] = {
-            variant: goodput([(r["request_rate"], r["slo"][variant]["attainment"]) for r in document["runs"]],
-                             args.goodput_target)
-            for variant in ("mean_itl", "p99_itl")}
+        _set_goodput(document, args.goodput_target)
     if args.json_out:
         _write_json(args.json_out, document)
     print(report.sweep_table(document), flush=True)
