@@ -14,8 +14,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools", "pdbench"))
@@ -27,7 +27,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bin-dir", default="build/bin")
     parser.add_argument("--model", default="builtin:tiny")
-    parser.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when nvidia-smi sees a GPU)")
+    parser.add_argument("--device", default="auto",
+                        help="cpu | cuda | auto (cuda when nvidia-smi sees a GPU and --model is not builtin:tiny)")
     parser.add_argument("--mode", default="write", choices=["write", "read"], help="P/D transfer mode")
     parser.add_argument("--prompt", default="Explain prefill/decode disaggregation in one paragraph.")
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -35,13 +36,24 @@ def main() -> int:
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="pddemo-"))
 
+    try:
+        gpu_lines = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+        num_gpus = sum(1 for line in gpu_lines.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.TimeoutExpired):
+        num_gpus = 0
     device = args.device
-    if device == "auto":
-        try:
-            gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-            device = "cuda" if "GPU" in gpus else "cpu"
-        except (OSError, subprocess.TimeoutExpired):
-            device = "cpu"
+    if args.model == "builtin:tiny" and device != "cpu":
+        # The tiny model's head_dim (32) has no CUDA kernel instantiation (64 and 128 only):
+        # it is the CPU demo. On a GPU, pass a real model (an HF directory) with --model.
+        if device == "cuda":
+            print("[demo] error: builtin:tiny runs on the CPU only; give an HF model directory with --model "
+                  "for --device cuda", file=sys.stderr)
+            return 2
+        device = "cpu"
+    elif device == "auto":
+        device = "cuda" if num_gpus > 0 else "cpu"
+    # Producer on GPU 0, consumer on GPU 1 when there are two (every GPU stays visible: CUDA IPC).
+    cuda_device = {"producer": 0, "consumer": 1 if num_gpus > 1 else 0}
 
     from openai import OpenAI  # installed by scripts/install_deps.sh
 
@@ -63,9 +75,11 @@ def main() -> int:
                       "kv_connector_extra_config": {"read_mode": args.mode == "read", "proxy_ip": "127.0.0.1",
                                                     "proxy_ping_port": reg_port}}
             print(f"[demo] starting pdserve {role} on {args.model} ({device})")
-            proc = Process(role, [f"{bin_dir}/pdserve", "--model", args.model, "--device", device, "--port", "0",
-                                  "--max-model-len", "2048", "--kv-transfer-config", json.dumps(config)],
-                           log_dir, args.verbose)
+            argv = [f"{bin_dir}/pdserve", "--model", args.model, "--device", device, "--port", "0",
+                    "--max-model-len", "2048", "--kv-transfer-config", json.dumps(config)]
+            if device == "cuda":
+                argv += ["--cuda-device", str(cuda_device[role])]
+            proc = Process(role, argv, log_dir, args.verbose)
             processes.append(proc)
             host, port = proc.wait_for(LISTEN_RE, 300).groups()
             instances[role] = f"http://{host}:{port}"
