@@ -15,6 +15,7 @@
 #include "engine/engine.h"
 #include "engine/runner/load_model.h"
 #include "server/http_server.h"
+#include "server/load_options.h"
 #include "server/openai_service.h"
 #include "server/server_config.h"
 #include "tokenizer/tokenizer.h"
@@ -25,19 +26,7 @@ constexpr int64_t kShutdownDrainMs = 3000;
 
 int run(pd::server::ServerConfig config) {
   using namespace pd;
-  engine::ModelLoadOptions load_options;
-  load_options.model = config.model;
-  load_options.load_format = config.load_format;
-  load_options.device = config.device;
-  load_options.seed = config.seed;
-  load_options.block_size = config.block_size;
-  load_options.kv_cache_bytes = config.kv_cache_bytes;
-  load_options.num_kv_blocks = static_cast<int32_t>(config.num_kv_blocks);
-  load_options.max_model_len = config.max_model_len.value_or(0);
-  load_options.cuda_device = config.cuda_device;
-  load_options.gpu_memory_utilization = config.gpu_memory_utilization;
-  load_options.max_num_seqs = config.max_num_seqs;
-  load_options.max_num_batched_tokens = config.max_num_batched_tokens;
+  const engine::ModelLoadOptions load_options = server::model_load_options(config);
   auto loaded = engine::load_model(load_options);
   if (!loaded.ok()) {
     PD_LOG_ERROR("cannot load model '{}': {}", config.model, loaded.status().to_string());
