@@ -140,7 +140,6 @@ def teacher_forced(model, prompt: list[int], tokens: list[int], device) -> torch
 
 def compare(name: str, model, model32, results: list[tuple[list[int], dict]], device) -> dict:
     max_err, sum_err, count, nan = 0.0, 0.0, 0, False
-    hf_max_err, hf_sum_err = 0.0, 0.0
     ours_vs32_max, ours_vs32_sum, hf_vs32_max, hf_vs32_sum = 0.0, 0.0, 0.0, 0.0
     ours_flips32, hf_flips32 = 0, 0
     disagreements = []

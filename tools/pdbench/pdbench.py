@@ -350,7 +350,7 @@ def staircase_plan(args: argparse.Namespace, rates: list[float]) -> list[tuple[i
         for r in kept:
             plan.append((k, dataclasses.replace(r, index=len(plan), arrival_s=offset + r.arrival_s)))
         offset += lead_in + window
-    tail = getattr(args, "staircase_tail_s", None) or 0.0
+    tail = args.staircase_tail_s or 0.0
     if tail > 0:
         # The top rate keeps arriving for `tail` seconds, excluded from every statistic, so the
         # last window's requests live their whole life under that load instead of a draining server.

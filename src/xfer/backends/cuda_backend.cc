@@ -519,8 +519,11 @@ class CudaBackend : public Backend {
     return Status::Ok();
   }
 
-  // One cudaMemcpyAsync per merged op, all on one stream.
-  Status post_copies(const CudaRoute& route, Direction direction, std::span<const Op> ops, cudaStream_t stream) {
+  // Calls copy(addresses, bytes) for each op after merging neighbours contiguous on both
+  // sides, in the caller's order; stops at the first error.
+  template <typename CopyFn>
+  static Status for_each_merged_copy(const CudaRoute& route, Direction direction, std::span<const Op> ops,
+                                     CopyFn&& copy) {
     const auto local_base = reinterpret_cast<uint64_t>(route.local);
     const auto remote_base = reinterpret_cast<uint64_t>(route.remote);
     ConsecutiveMerger merger(ops);
@@ -528,14 +531,19 @@ class CudaBackend : public Backend {
     while (!merger.done()) {
       const size_t n = merger.next(merged);
       for (size_t i = 0; i < n; ++i) {
-        const CopyAddresses at = copy_addresses(merged[i], direction, local_base, remote_base);
-        PD_RETURN_IF_ERROR(
-            cuda_status(cudaMemcpyAsync(reinterpret_cast<void*>(at.dst), reinterpret_cast<const void*>(at.src),
-                                        merged[i].bytes, cudaMemcpyDefault, stream),
-                        "cudaMemcpyAsync"));
+        PD_RETURN_IF_ERROR(copy(copy_addresses(merged[i], direction, local_base, remote_base), merged[i].bytes));
       }
     }
     return Status::Ok();
+  }
+
+  // One cudaMemcpyAsync per merged op, all on one stream.
+  Status post_copies(const CudaRoute& route, Direction direction, std::span<const Op> ops, cudaStream_t stream) {
+    return for_each_merged_copy(route, direction, ops, [&](const CopyAddresses& at, uint64_t bytes) {
+      return cuda_status(cudaMemcpyAsync(reinterpret_cast<void*>(at.dst), reinterpret_cast<const void*>(at.src), bytes,
+                                         cudaMemcpyDefault, stream),
+                         "cudaMemcpyAsync");
+    });
   }
 
   // cudaMemcpyBatchAsync: pipelined, one call per launch group (the streams in turn);
@@ -569,26 +577,18 @@ class CudaBackend : public Backend {
   // Through the device's pinned staging buffer, in pieces of kStagingBytes.
   Status post_staged(const CudaRoute& route, Direction direction, std::span<const Op> ops, DeviceState& state,
                      cudaStream_t stream) {
-    const auto local_base = reinterpret_cast<uint64_t>(route.local);
-    const auto remote_base = reinterpret_cast<uint64_t>(route.remote);
-    ConsecutiveMerger merger(ops);
-    std::array<Op, 256> merged;
-    while (!merger.done()) {
-      const size_t n = merger.next(merged);
-      for (size_t i = 0; i < n; ++i) {
-        const CopyAddresses at = copy_addresses(merged[i], direction, local_base, remote_base);
-        for (uint64_t done = 0; done < merged[i].bytes; done += kStagingBytes) {
-          const uint64_t piece = std::min(kStagingBytes, merged[i].bytes - done);
-          PD_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(state.staging, reinterpret_cast<const void*>(at.src + done),
-                                                         piece, cudaMemcpyDefault, stream),
-                                         "staging copy out"));
-          PD_RETURN_IF_ERROR(cuda_status(
-              cudaMemcpyAsync(reinterpret_cast<void*>(at.dst + done), state.staging, piece, cudaMemcpyDefault, stream),
-              "staging copy in"));
-        }
+    return for_each_merged_copy(route, direction, ops, [&](const CopyAddresses& at, uint64_t bytes) -> Status {
+      for (uint64_t done = 0; done < bytes; done += kStagingBytes) {
+        const uint64_t piece = std::min(kStagingBytes, bytes - done);
+        PD_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(state.staging, reinterpret_cast<const void*>(at.src + done),
+                                                       piece, cudaMemcpyDefault, stream),
+                                       "staging copy out"));
+        PD_RETURN_IF_ERROR(cuda_status(
+            cudaMemcpyAsync(reinterpret_cast<void*>(at.dst + done), state.staging, piece, cudaMemcpyDefault, stream),
+            "staging copy in"));
       }
-    }
-    return Status::Ok();
+      return Status::Ok();
+    });
   }
 
   Result<DeviceState*> device_state(int device) {

@@ -131,48 +131,69 @@ SeqStep seq_step(int32_t offset, int32_t num_new, int32_t num_computed, const st
   return s;
 }
 
-// Runs the prompt in chunks of the given sizes (one chunk = the whole prompt
-// when chunks == {prompt size}), checking every prompt row; then 32 greedy
-// decode steps through the cache, checking logits and the sampled token.
+// Runs the prompt in chunks of the given sizes over `table`, checking every stored
+// prompt row (sparse goldens store some rows only; returns how many were checked);
+// then the greedy decode steps through the cache, checking logits and the sampled token.
+int32_t check_prompt_then_decode(CpuModelRunner& runner, const Golden& g, const std::string& family,
+                                 const std::vector<int32_t>& chunks, const std::vector<int32_t>& table,
+                                 int32_t block_size, RowStats* stats) {
+  int32_t done = 0, rows_checked = 0;
+  for (int32_t chunk : chunks) {
+    StepInput in;
+    in.token_ids.assign(g.prompt.begin() + done, g.prompt.begin() + done + chunk);
+    const bool last = done + chunk == static_cast<int32_t>(g.prompt.size());
+    in.seqs.push_back(seq_step(0, chunk, done, table, last, block_size));
+    auto logits = runner.forward(in, CpuModelRunner::LogitsRows::kAll);
+    EXPECT_TRUE(logits.ok()) << logits.status().to_string();
+    if (!logits.ok()) return rows_checked;
+    for (int32_t r = 0; r < chunk; ++r) {
+      const float* ref = g.prompt_row(static_cast<size_t>(done + r));
+      if (ref == nullptr) continue;
+      compare_row(logits->data() + static_cast<size_t>(r) * g.vocab, ref, g.vocab,
+                  family + " prompt position " + std::to_string(done + r), stats);
+      ++rows_checked;
+    }
+    done += chunk;
+  }
+  EXPECT_EQ(done, static_cast<int32_t>(g.prompt.size()));
+  const float* last_row = g.prompt_row(g.prompt.size() - 1);
+  EXPECT_NE(last_row, nullptr) << "the golden must store the last prompt row";
+  if (last_row != nullptr) {
+    EXPECT_EQ(argmax(last_row, g.vocab), g.greedy[0]);
+  }
+
+  for (size_t step = 1; step < g.greedy.size(); ++step) {
+    StepInput in;
+    in.token_ids = {g.greedy[step - 1]};
+    const int32_t computed = static_cast<int32_t>(g.prompt.size() + step - 1);
+    in.seqs.push_back(seq_step(0, 1, computed, table, true, block_size));
+    auto logits = runner.forward(in, CpuModelRunner::LogitsRows::kSampled);
+    EXPECT_TRUE(logits.ok()) << logits.status().to_string();
+    if (!logits.ok()) return rows_checked;
+    compare_row(logits->data(), g.decode_row(step), g.vocab, family + " decode step " + std::to_string(step), stats);
+    // The same step through execute(): the engine's greedy sampler must pick HF's token.
+    auto out = runner.execute(in);
+    EXPECT_TRUE(out.ok()) << out.status().to_string();
+    if (!out.ok()) return rows_checked;
+    EXPECT_EQ(out->sampled.size(), 1u);
+    if (out->sampled.size() != 1u) return rows_checked;
+    EXPECT_EQ(out->sampled[0].token_id, g.greedy[step]) << family << " greedy step " << step;
+  }
+  return rows_checked;
+}
+
+// The whole prompt in chunks of the given sizes (one chunk = the whole prompt when
+// chunks == {prompt size}) over a scattered table, then 32 greedy decode steps.
 void run_parity(const std::string& family, const std::vector<int32_t>& chunks) {
   const Golden g = load_golden(golden_root() / family);
   ASSERT_EQ(g.greedy.size(), 32u);
   auto runner = make_runner(family);
   ASSERT_NE(runner, nullptr);
   ASSERT_EQ(runner->vocab_size(), g.vocab);
-  const std::vector<int32_t> table = scattered_block_table(kNumBlocks, 11);
   RowStats stats;
-
-  int32_t done = 0;
-  for (int32_t chunk : chunks) {
-    StepInput in;
-    in.token_ids.assign(g.prompt.begin() + done, g.prompt.begin() + done + chunk);
-    const bool last = done + chunk == static_cast<int32_t>(g.prompt.size());
-    in.seqs.push_back(seq_step(0, chunk, done, table, last));
-    auto logits = runner->forward(in, CpuModelRunner::LogitsRows::kAll);
-    ASSERT_TRUE(logits.ok()) << logits.status().to_string();
-    for (int32_t r = 0; r < chunk; ++r)
-      compare_row(logits->data() + static_cast<size_t>(r) * g.vocab, g.prompt_row(static_cast<size_t>(done + r)),
-                  g.vocab, family + " prompt position " + std::to_string(done + r), &stats);
-    done += chunk;
-  }
-  ASSERT_EQ(done, static_cast<int32_t>(g.prompt.size()));
-  ASSERT_EQ(argmax(g.prompt_row(g.prompt.size() - 1), g.vocab), g.greedy[0]);
-
-  for (size_t step = 1; step < g.greedy.size(); ++step) {
-    StepInput in;
-    in.token_ids = {g.greedy[step - 1]};
-    const int32_t computed = static_cast<int32_t>(g.prompt.size() + step - 1);
-    in.seqs.push_back(seq_step(0, 1, computed, table, true));
-    auto logits = runner->forward(in, CpuModelRunner::LogitsRows::kSampled);
-    ASSERT_TRUE(logits.ok()) << logits.status().to_string();
-    compare_row(logits->data(), g.decode_row(step), g.vocab, family + " decode step " + std::to_string(step), &stats);
-    // The same step through execute(): the engine's greedy sampler must pick HF's token.
-    auto out = runner->execute(in);
-    ASSERT_TRUE(out.ok()) << out.status().to_string();
-    ASSERT_EQ(out->sampled.size(), 1u);
-    ASSERT_EQ(out->sampled[0].token_id, g.greedy[step]) << family << " greedy step " << step;
-  }
+  const int32_t rows =
+      check_prompt_then_decode(*runner, g, family, chunks, scattered_block_table(kNumBlocks, 11), kBlockSize, &stats);
+  EXPECT_EQ(rows, static_cast<int32_t>(g.prompt.size()));
   std::printf("%s chunks=%zu: max relative row error %.3g, max abs diff %.3g\n", family.c_str(), chunks.size(),
               stats.max_rel, stats.max_abs);
   ::testing::Test::RecordProperty(family + "_max_rel", std::to_string(stats.max_rel));
@@ -246,39 +267,10 @@ TEST(GoldenParityLong, Qwen3HeadDim128LongPromptChunkedThenGreedyDecode) {
   auto runner = make_runner(family, kLongBlockSize, kLongNumBlocks, kLongBlockSize * kLongNumBlocks);
   ASSERT_NE(runner, nullptr);
   ASSERT_EQ(runner->vocab_size(), g.vocab);
-  const std::vector<int32_t> table = scattered_block_table(kLongNumBlocks, 5);
   RowStats stats;
-  int32_t done = 0, rows_checked = 0;
-  for (int32_t chunk : {1024, 476}) {
-    StepInput in;
-    in.token_ids.assign(g.prompt.begin() + done, g.prompt.begin() + done + chunk);
-    in.seqs.push_back(seq_step(0, chunk, done, table, done + chunk == 1500, kLongBlockSize));
-    auto logits = runner->forward(in, CpuModelRunner::LogitsRows::kAll);
-    ASSERT_TRUE(logits.ok()) << logits.status().to_string();
-    for (int32_t r = 0; r < chunk; ++r) {
-      const float* ref = g.prompt_row(static_cast<size_t>(done + r));
-      if (ref == nullptr) continue;
-      compare_row(logits->data() + static_cast<size_t>(r) * g.vocab, ref, g.vocab,
-                  family + " prompt position " + std::to_string(done + r), &stats);
-      ++rows_checked;
-    }
-    done += chunk;
-  }
-  EXPECT_EQ(rows_checked, static_cast<int32_t>(g.prompt_positions.size()));
-  ASSERT_EQ(argmax(g.prompt_row(g.prompt.size() - 1), g.vocab), g.greedy[0]);
-  for (size_t step = 1; step < g.greedy.size(); ++step) {
-    StepInput in;
-    in.token_ids = {g.greedy[step - 1]};
-    const int32_t computed = static_cast<int32_t>(g.prompt.size() + step - 1);
-    in.seqs.push_back(seq_step(0, 1, computed, table, true, kLongBlockSize));
-    auto logits = runner->forward(in, CpuModelRunner::LogitsRows::kSampled);
-    ASSERT_TRUE(logits.ok()) << logits.status().to_string();
-    compare_row(logits->data(), g.decode_row(step), g.vocab, family + " decode step " + std::to_string(step), &stats);
-    auto out = runner->execute(in);
-    ASSERT_TRUE(out.ok()) << out.status().to_string();
-    ASSERT_EQ(out->sampled.size(), 1u);
-    ASSERT_EQ(out->sampled[0].token_id, g.greedy[step]) << family << " greedy step " << step;
-  }
+  const int32_t rows = check_prompt_then_decode(*runner, g, family, {1024, 476},
+                                                scattered_block_table(kLongNumBlocks, 5), kLongBlockSize, &stats);
+  EXPECT_EQ(rows, static_cast<int32_t>(g.prompt_positions.size()));
   std::printf("%s: max relative row error %.3g, max abs diff %.3g\n", family.c_str(), stats.max_rel, stats.max_abs);
 }
 
