@@ -5,13 +5,14 @@
 # .devcarry/bin and .devcarry/lib (ignored by git). UCX transport modules come
 # too (UCX loads them at run time). On the GPU machine:
 #   export LD_LIBRARY_PATH=$PWD/.devcarry/lib:$LD_LIBRARY_PATH UCX_MODULE_DIR=$PWD/.devcarry/lib/ucx
-# Usage: tests/gpu/pack_for_device.sh [build dir] program...
+# Usage: [PACK_OUT=dir] tests/gpu/pack_for_device.sh [build dir] program...
+# PACK_OUT (default .devcarry) lets two people pack from one checkout at once.
 set -euo pipefail
 build=${1:-build}
 shift || true
 programs=("$@")
 [ ${#programs[@]} -gt 0 ] || programs=(pdserve pdrouter xferbench pd_gpu_kernel_check pd_gpu_engine_bench)
-out=.devcarry
+out=${PACK_OUT:-.devcarry}
 rm -rf "$out/bin" "$out/lib"
 mkdir -p "$out/bin" "$out/lib/ucx"
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libresolv\.so|libgcc_s\.so|libcuda\.so|libcudart\.so|libcublas|libcublasLt)'
