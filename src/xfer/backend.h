@@ -73,8 +73,14 @@ class Backend {
   // What post() receives on `route`.
   virtual OpForm op_form(const Route& route) const { return OpForm::kSortedMerged; }
   // Posts validated ops in op_form() (DESIGN.md §3.1). An error means nothing is in flight.
+  // `deadline` is the batch's: the engine fails the batch past it whatever the backend
+  // does; a backend with work of its own queued for the batch (ucx staging) drops that
+  // work then too.
   virtual Result<std::unique_ptr<BackendBatch>> post(const std::shared_ptr<Route>& route, Direction direction,
-                                                     std::span<const Op> ops) = 0;
+                                                     std::span<const Op> ops, SteadyClock::time_point deadline) = 0;
+  // The transports a route's batches travel over, e.g. "tcp/eth0" or "posix/memory,sysv/memory"
+  // (comma-separated, as the transport library names them), for logs and tests.
+  virtual std::string route_transports(const Route& route) const { return std::string(name()); }
 };
 
 // Test control of the fault backend (backends/fault_backend.h).

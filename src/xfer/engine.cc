@@ -90,6 +90,9 @@ Result<XferId> Session::read(std::span<const Op> ops, Deadline deadline) {
 std::string_view Session::backend() const {
   return state_ ? state_->backend->name() : std::string_view();
 }
+std::string Session::transports() const {
+  return state_ ? state_->backend->route_transports(*state_->route) : std::string();
+}
 
 // ---- Engine ----
 
@@ -367,7 +370,8 @@ Result<XferId> Engine::post(SessionState& session, Direction direction, std::spa
     batch->state.status = TransferStatus::kDone;
   } else {
     session.local->num_inflight.fetch_add(1);
-    Result<std::unique_ptr<BackendBatch>> posted = session.backend->post(session.route, direction, to_post);
+    Result<std::unique_ptr<BackendBatch>> posted =
+        session.backend->post(session.route, direction, to_post, deadline.when());
     if (!posted.ok()) {
       session.local->num_inflight.fetch_sub(1);
       num_batches_rejected_.fetch_add(1);

@@ -39,6 +39,9 @@ class Session {
   Result<XferId> write(std::span<const Op> ops, Deadline deadline);
   Result<XferId> read(std::span<const Op> ops, Deadline deadline);
   std::string_view backend() const;
+  // What the batches travel over, as the backend's transport library names it: e.g.
+  // "tcp/eth0" or "posix/memory,sysv/memory" for ucx, "cuda" for cuda.
+  std::string transports() const;
   bool valid() const { return state_ != nullptr; }
 
  private:

@@ -22,6 +22,9 @@ struct EngineConfig {
   std::string name;
   // Address whose network interface UCX may use (UCX_NET_DEVICES is derived from it).
   std::string listen_host = "127.0.0.1";
+  // How long engine creation waits for that interface to be running (carrier up: a veth
+  // end just brought up reports none for a while); past it creation fails.
+  int64_t interface_up_timeout_ms = 5'000;
   // Backends to enable, in preference order for "auto" among the usable ones.
   std::vector<std::string> backends = {"ucx", "cuda"};
   // A batch not complete this long after posting fails (the DESIGN's transfer_timeout).

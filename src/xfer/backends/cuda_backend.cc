@@ -429,7 +429,7 @@ class CudaBackend : public Backend {
   }
 
   Result<std::unique_ptr<BackendBatch>> post(const std::shared_ptr<Route>& route_base, Direction direction,
-                                             std::span<const Op> ops) override {
+                                             std::span<const Op> ops, SteadyClock::time_point) override {
     auto& route = static_cast<CudaRoute&>(*route_base);
     std::lock_guard lock(mutex_);
     DeviceGuard guard(route.device);

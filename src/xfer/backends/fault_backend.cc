@@ -86,19 +86,20 @@ class FaultBackend : public Backend {
     return inner_->open_route(local, remote);
   }
   OpForm op_form(const Route& route) const override { return inner_->op_form(route); }
+  std::string route_transports(const Route& route) const override { return inner_->route_transports(route); }
   Result<std::unique_ptr<BackendBatch>> post(const std::shared_ptr<Route>& route, Direction direction,
-                                             std::span<const Op> ops) override {
+                                             std::span<const Op> ops, SteadyClock::time_point deadline) override {
     FaultSpec fault = control_->take();
     switch (fault.mode) {
       case FaultMode::kNone:
-        return inner_->post(route, direction, ops);
+        return inner_->post(route, direction, ops, deadline);
       case FaultMode::kDrop:
         return std::unique_ptr<BackendBatch>(std::make_unique<DecidedBatch>(TransferState{}));
       case FaultMode::kFail:
         return std::unique_ptr<BackendBatch>(
             std::make_unique<DecidedBatch>(TransferState{TransferStatus::kFailed, "injected failure"}));
       case FaultMode::kDelay: {
-        PD_ASSIGN_OR_RETURN(std::unique_ptr<BackendBatch> inner, inner_->post(route, direction, ops));
+        PD_ASSIGN_OR_RETURN(std::unique_ptr<BackendBatch> inner, inner_->post(route, direction, ops, deadline));
         auto release = SteadyClock::now() + std::chrono::milliseconds(fault.delay_ms);
         return std::unique_ptr<BackendBatch>(std::make_unique<DelayedBatch>(std::move(inner), release));
       }

@@ -7,14 +7,19 @@
 // incoming RMA). Completion callbacks run on the progress thread.
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -28,19 +33,74 @@ namespace {
 
 constexpr int64_t kCloseTimeoutMs = 2000;
 
-// Interface that carries `host` (UCX_NET_DEVICES), or empty if none matches.
-std::string interface_for(const std::string& host) {
+// The interface that carries `host` (for UCX_NET_DEVICES) and whether it is
+// operationally up; an empty name if no interface has that address.
+struct Interface {
+  std::string name;
+  bool running = false;
+};
+
+Interface interface_for(const std::string& host) {
   ifaddrs* list = nullptr;
   if (getifaddrs(&list) != 0) return {};
-  std::string found;
-  for (ifaddrs* a = list; a != nullptr && found.empty(); a = a->ifa_next) {
+  Interface found;
+  for (ifaddrs* a = list; a != nullptr && found.name.empty(); a = a->ifa_next) {
     if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
     char text[INET_ADDRSTRLEN] = {};
     inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof(text));
-    if (host == text) found = a->ifa_name;
+    if (host == text) found = {a->ifa_name, (a->ifa_flags & IFF_UP) != 0 && (a->ifa_flags & IFF_RUNNING) != 0};
   }
   freeifaddrs(list);
   return found;
+}
+
+// UCX lists a network device only if it is up *and running* when the context is
+// created, and silently drops a UCX_NET_DEVICES entry that is not (it then advertises
+// only what is left, e.g. loopback, which a peer in another network namespace or on
+// another host cannot reach: its ucp_ep_create fails with "Destination is
+// unreachable"). A veth end brought up a moment ago reports no carrier until the
+// kernel's link watcher runs (up to a second, longer under load), so wait for it,
+// bounded, and refuse to start on an interface that stays down.
+Result<std::string> wait_for_interface(const std::string& host, int64_t timeout_ms) {
+  Deadline deadline = Deadline::after_ms(timeout_ms);
+  while (true) {
+    Interface found = interface_for(host);
+    if (found.name.empty()) return std::string();  // not a local address: let UCX choose
+    if (found.running) return found.name;
+    if (deadline.expired()) {
+      return unavailable("interface {} (address {}) is not running after {} ms: UCX would not use it", found.name, host,
+                         timeout_ms);
+    }
+    // Link state changes arrive on no fd we could wait on portably; poll the real
+    // condition at a short interval until the deadline.
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+// "tl/device" of every lane of an endpoint, from UCX's own description of it
+// (ucp_ep_print_info; UCX 1.13 has no query for an endpoint's transports).
+std::string endpoint_transports(ucp_ep_h ep) {
+  char* text = nullptr;
+  size_t text_bytes = 0;
+  FILE* stream = open_memstream(&text, &text_bytes);
+  if (stream == nullptr) return {};
+  ucp_ep_print_info(ep, stream);
+  std::fclose(stream);
+  std::string info(text, text_bytes);
+  std::free(text);
+  std::vector<std::string> found;
+  // Lines look like "#   lane[0]:  0:tcp/eth0.0 md[0] -> md[0]/tcp/sysdev[255] am ...".
+  for (size_t at = info.find("lane["); at != std::string::npos; at = info.find("lane[", at + 1)) {
+    size_t colon = info.find(':', info.find("]:", at) + 2);
+    if (colon == std::string::npos) break;
+    size_t end = info.find_first_of(" \n", colon);
+    std::string lane = info.substr(colon + 1, end - colon - 1);
+    if (size_t dot = lane.rfind('.'); dot != std::string::npos && lane.find('/') < dot) lane.resize(dot);
+    if (std::find(found.begin(), found.end(), lane) == found.end()) found.push_back(lane);
+  }
+  std::string joined;
+  for (const std::string& lane : found) joined += (joined.empty() ? "" : ",") + lane;
+  return joined;
 }
 
 // Completion of one batch: set once by the flush callback (progress thread).
@@ -129,9 +189,12 @@ class UcxBackend : public Backend {
       return internal_error("ucp_config_read: {}", ucs_status_string(s));
     }
     if (!config.ucx_transports.empty()) ucp_config_modify(ucp_config, "TLS", config.ucx_transports.c_str());
-    if (std::string dev = interface_for(config.listen_host); !dev.empty()) {
-      ucp_config_modify(ucp_config, "NET_DEVICES", dev.c_str());
+    Result<std::string> device = wait_for_interface(config.listen_host, config.interface_up_timeout_ms);
+    if (!device.ok()) {
+      ucp_config_release(ucp_config);
+      return device.status();
     }
+    if (!device->empty()) ucp_config_modify(ucp_config, "NET_DEVICES", device->c_str());
     ucp_params_t params = {};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
@@ -266,6 +329,10 @@ class UcxBackend : public Backend {
     return Status::Ok();
   }
 
+  std::string route_transports(const Route& route) const override {
+    return endpoint_transports(static_cast<const UcxRoute&>(route).peer_->ep);
+  }
+
   Result<std::shared_ptr<Route>> open_route(const LocalRegion& local, const MemDesc& remote) override {
     std::shared_ptr<UcxPeer> peer;
     {
@@ -288,7 +355,7 @@ class UcxBackend : public Backend {
   }
 
   Result<std::unique_ptr<BackendBatch>> post(const std::shared_ptr<Route>& route_base, Direction direction,
-                                             std::span<const Op> ops) override {
+                                             std::span<const Op> ops, SteadyClock::time_point) override {
     auto& route = static_cast<UcxRoute&>(*route_base);
     if (route.peer_->failed.load()) {
       return unavailable("UCX endpoint to '{}' has failed", route.peer_->name);

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <thread>
 
 #include "test_util.h"
 #include "xfer/engine.h"
@@ -161,8 +162,10 @@ std::vector<Op> random_ops(std::mt19937_64& rng, uint64_t num_blocks, uint64_t b
 }
 
 // Writes random batches, then reads them back into a second region, checking the
-// peer's bytes after each write and ours after each read.
-void exchange_and_verify(Engine& engine, ChildPeer& child, size_t bytes, uint64_t seed) {
+// peer's bytes after each write and ours after each read. The sessions must travel over
+// exactly `expected_transports` (as UCX names its lanes: "tcp/<interface>").
+void exchange_and_verify(Engine& engine, ChildPeer& child, size_t bytes, uint64_t seed,
+                         const std::string& expected_transports) {
   std::vector<uint8_t> source(bytes), sink(bytes, 0);
   fill_pattern(source, seed);
   auto src = engine.register_memory(source.data(), bytes, MemKind::kHost);
@@ -173,6 +176,8 @@ void exchange_and_verify(Engine& engine, ChildPeer& child, size_t bytes, uint64_
   auto in = engine.session(*dst, child.mem());
   ASSERT_TRUE(out.ok()) << out.status().to_string();
   ASSERT_TRUE(in.ok());
+  EXPECT_EQ(out->transports(), expected_transports);
+  EXPECT_EQ(in->transports(), expected_transports);
   std::mt19937_64 rng(seed);
   constexpr uint64_t kBlock = 8192;
   std::vector<uint8_t> expected(bytes, 0);
@@ -205,7 +210,7 @@ TEST(TwoProcess, RandomWritesAndReadsOverTcpLoopbackAreByteExact) {
   ASSERT_TRUE(engine);
   auto child = ChildPeer::spawn(named("child"));
   ASSERT_TRUE(child);
-  exchange_and_verify(*engine, *child, 1 << 20, 21);
+  exchange_and_verify(*engine, *child, 1 << 20, 21, "tcp/lo");
 }
 
 TEST(TwoProcess, KilledPeerFailsTheBatchWithinItsDeadlineAndOtherPeersKeepWorking) {
@@ -329,14 +334,43 @@ TEST(TwoProcess, RandomWritesAndReadsAcrossTwoNetworkNamespacesOverVeth) {
   std::string why;
   auto ns = VethNamespace::create(&why);
   if (!ns) GTEST_SKIP() << "cannot build a network namespace here: " << why;
+  // The parent's engine starts while its veth end has no carrier (the far end is down)
+  // and the far end comes up meanwhile: the engine must wait for its interface to run.
+  // Without that wait UCX drops the veth from UCX_NET_DEVICES and advertises loopback
+  // only, which the other namespace cannot reach ("Destination is unreachable").
+  ASSERT_EQ(std::system(fmt::format("ip -n {} link set {} down", ns->name_, ns->peer_veth_).c_str()), 0);
+  std::unique_ptr<Engine> engine;
+  std::thread starter([&] { engine = parent_engine(ns->host_ip_); });
+  const int up = std::system(fmt::format("ip -n {} link set {} up", ns->name_, ns->peer_veth_).c_str());
+  starter.join();
+  ASSERT_EQ(up, 0);
+  ASSERT_TRUE(engine);
   ChildSpec spec = named("remote");
   spec.listen_host = ns->ns_ip_;
   spec.netns = ns->name_;
   auto child = ChildPeer::spawn(spec);
   ASSERT_TRUE(child);
-  auto engine = parent_engine(ns->host_ip_);
-  ASSERT_TRUE(engine);
-  exchange_and_verify(*engine, *child, 1 << 20, 31);
+  // TCP over the veth, nothing else: shared memory would cross the namespaces unseen.
+  exchange_and_verify(*engine, *child, 1 << 20, 31, "tcp/" + ns->veth_);
+}
+
+TEST(TwoProcess, EngineRefusesAnInterfaceThatStaysDownInsteadOfFallingBackToLoopback) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to create a network namespace and a veth pair";
+  std::string why;
+  auto ns = VethNamespace::create(&why);
+  if (!ns) GTEST_SKIP() << "cannot build a network namespace here: " << why;
+  // With the far end down the near end never gets a carrier.
+  ASSERT_EQ(std::system(fmt::format("ip -n {} link set {} down", ns->name_, ns->peer_veth_).c_str()), 0);
+  EngineConfig config;
+  config.name = "parent";
+  config.listen_host = ns->host_ip_;
+  config.backends = {"ucx"};
+  config.ucx_transports = "tcp";
+  config.interface_up_timeout_ms = 300;
+  auto engine = Engine::create(config);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().code(), ErrorCode::kUnavailable);
+  EXPECT_NE(engine.status().message().find(ns->veth_), std::string::npos) << engine.status().to_string();
 }
 
 }  // namespace
