@@ -252,22 +252,25 @@ Result<KvTransferConfig> parse_kv_transfer_config(std::string_view json_text) {
   if (!extra.is_object()) {
     return invalid_argument("kv_connector_extra_config: expected an object, got {}", json_type_name(extra));
   }
-  static const std::set<std::string> kExtraKeys = {"read_mode",         "backend",         "handshake_port",
-                                                   "proxy_ip",          "proxy_ping_port", "http_port",
-                                                   "transfer_timeout",  "defer_timeout",   "recv_abort_timeout",
-                                                   "handshake_timeout", "on_failure",      "control_secret_file",
-                                                   "allowed_peers"};
+  static const std::set<std::string> kExtraKeys = {"read_mode",          "backend",
+                                                   "handshake_port",     "proxy_ip",
+                                                   "proxy_ping_port",    "http_port",
+                                                   "transfer_timeout",   "defer_timeout",
+                                                   "recv_abort_timeout", "handshake_timeout",
+                                                   "on_failure",         "control_secret_file",
+                                                   "allowed_peers",      "first_token_handover"};
   for (const auto& [key, value] : extra.items()) {
     if (!kExtraKeys.count(key)) {
       return invalid_argument(
           "kv_connector_extra_config: unknown key '{}' (known: read_mode, backend, "
           "handshake_port, proxy_ip, proxy_ping_port, http_port, transfer_timeout, "
           "defer_timeout, recv_abort_timeout, handshake_timeout, on_failure, "
-          "control_secret_file, allowed_peers)",
+          "control_secret_file, allowed_peers, first_token_handover)",
           key);
     }
   }
   PD_RETURN_IF_ERROR(read_bool(extra, "read_mode", &config.read_mode));
+  PD_RETURN_IF_ERROR(read_bool(extra, "first_token_handover", &config.first_token_handover));
   std::string backend = "auto";
   PD_RETURN_IF_ERROR(read_string(extra, "backend", &backend));
   if (backend == "auto")

@@ -5,7 +5,8 @@
 //       "handshake_port": 0, "proxy_ip": "", "proxy_ping_port": 0, "http_port": 0,
 //       "transfer_timeout": 30, "defer_timeout": 60, "recv_abort_timeout": 120,
 //       "handshake_timeout": 5, "on_failure": "recompute"|"fail",
-//       "control_secret_file": "", "allowed_peers": ["127.0.0.1", "10.0.0.0/8", "host:port"]}}
+//       "control_secret_file": "", "allowed_peers": ["127.0.0.1", "10.0.0.0/8", "host:port"],
+//       "first_token_handover": true}}
 //
 // Timeouts are seconds (numbers, fractions allowed) as in vLLM; stored as ms.
 // Unknown keys inside kv_connector_extra_config are refused (a typo in a
@@ -35,6 +36,10 @@ const char* failure_policy_name(FailurePolicy policy);
 struct KvTransferConfig {
   KvRole role = KvRole::kBoth;
   bool read_mode = false;  // false = WRITE mode (producer pushes)
+  // Consumer: take the whole prompt's KV and the producer's first output token
+  // instead of computing the last prompt token again (saves one forward step
+  // of TTFT). Off: the consumer computes it, as vLLM's connectors do.
+  bool first_token_handover = true;
   TransferBackend backend = TransferBackend::kAuto;
   int32_t handshake_port = 0;  // control ROUTER port; 0 = pick a free one
   std::string proxy_ip;        // router registration address; empty = no registration

@@ -125,6 +125,19 @@ bool has_transfer_id(MessageType type) {
   return type != MessageType::kMeta && type != MessageType::kMetaOk;
 }
 
+// Optional pair: both keys or neither.
+Status decode_first_token(MapReader& reader, ControlMessage& msg) {
+  const bool has_token = reader.find("first_token") != nullptr;
+  const bool has_key = reader.find("sampling_key") != nullptr;
+  if (has_token != has_key) return invalid_argument("'first_token' and 'sampling_key' come together");
+  if (!has_token) return Status::Ok();
+  int32_t token = 0;
+  PD_RETURN_IF_ERROR(reader.i32("first_token", &token, 0, INT32_MAX));
+  PD_RETURN_IF_ERROR(reader.u64("sampling_key", &msg.sampling_key));
+  msg.first_token = token;
+  return Status::Ok();
+}
+
 Status decode_fields(MapReader& reader, ControlMessage& msg) {
   PD_RETURN_IF_ERROR(reader.str("instance_id", &msg.instance_id, kMaxInstanceIdBytes));
   if (msg.instance_id.empty()) return invalid_argument("'instance_id' is empty");
@@ -186,6 +199,10 @@ Status decode_fields(MapReader& reader, ControlMessage& msg) {
         msg.block_ids.push_back(static_cast<int32_t>(id.via.u64));
       }
       PD_RETURN_IF_ERROR(reader.i32("num_tokens", &msg.num_tokens, 0, INT32_MAX));
+      PD_RETURN_IF_ERROR(reader.i32("kv_tokens", &msg.kv_tokens, 0, INT32_MAX));
+      if (msg.kv_tokens > msg.num_tokens) {
+        return invalid_argument("'kv_tokens' = {} exceeds 'num_tokens' = {}", msg.kv_tokens, msg.num_tokens);
+      }
       if (msg.type == MessageType::kBlocks) {
         PD_RETURN_IF_ERROR(reader.i32("num_skip_blocks", &msg.num_skip_blocks, 0, INT32_MAX));
       }
@@ -195,12 +212,15 @@ Status decode_fields(MapReader& reader, ControlMessage& msg) {
       PD_RETURN_IF_ERROR(reader.boolean("ok", &msg.ok));
       PD_RETURN_IF_ERROR(reader.i32("num_tokens", &msg.num_tokens, 0, INT32_MAX));
       PD_RETURN_IF_ERROR(reader.str("text", &msg.text, kMaxTextBytes, /*required=*/false));
+      PD_RETURN_IF_ERROR(decode_first_token(reader, msg));
       break;
     case MessageType::kAbort:
     case MessageType::kError:
       PD_RETURN_IF_ERROR(reader.str("text", &msg.text, kMaxTextBytes, /*required=*/false));
       break;
     case MessageType::kReadOk:
+      PD_RETURN_IF_ERROR(decode_first_token(reader, msg));
+      break;
     case MessageType::kRelease:
       break;
   }
@@ -256,6 +276,18 @@ bool is_valid_transfer_id(std::string_view id) {
   return true;
 }
 
+namespace {
+
+void pack_first_token(Packer& pk, const ControlMessage& msg) {
+  if (!msg.first_token) return;
+  pack_str(pk, "first_token");
+  pk.pack(static_cast<uint32_t>(*msg.first_token));
+  pack_str(pk, "sampling_key");
+  pk.pack(msg.sampling_key);
+}
+
+}  // namespace
+
 std::vector<uint8_t> encode_message(const ControlMessage& msg) {
   msgpack::sbuffer buffer;
   Packer pk(buffer);
@@ -267,19 +299,21 @@ std::vector<uint8_t> encode_message(const ControlMessage& msg) {
       num_fields += 4;
       break;
     case MessageType::kBlocks:
-      num_fields += 3;
+      num_fields += 4;
       break;
     case MessageType::kRead:
-      num_fields += 2;
+      num_fields += 3;
       break;
     case MessageType::kDone:
-      num_fields += 3;
+      num_fields += 3 + (msg.first_token ? 2 : 0);
       break;
     case MessageType::kAbort:
     case MessageType::kError:
       num_fields += 1;
       break;
     case MessageType::kReadOk:
+      num_fields += msg.first_token ? 2 : 0;
+      break;
     case MessageType::kRelease:
       break;
   }
@@ -331,6 +365,8 @@ std::vector<uint8_t> encode_message(const ControlMessage& msg) {
       for (int32_t id : msg.block_ids) pk.pack(static_cast<uint32_t>(id));
       pack_str(pk, "num_tokens");
       pk.pack(static_cast<uint32_t>(msg.num_tokens));
+      pack_str(pk, "kv_tokens");
+      pk.pack(static_cast<uint32_t>(msg.kv_tokens));
       if (msg.type == MessageType::kBlocks) {
         pack_str(pk, "num_skip_blocks");
         pk.pack(static_cast<uint32_t>(msg.num_skip_blocks));
@@ -343,6 +379,7 @@ std::vector<uint8_t> encode_message(const ControlMessage& msg) {
       pk.pack(static_cast<uint32_t>(msg.num_tokens));
       pack_str(pk, "text");
       pack_str(pk, msg.text.substr(0, kMaxTextBytes));
+      pack_first_token(pk, msg);
       break;
     case MessageType::kAbort:
     case MessageType::kError:
@@ -350,6 +387,8 @@ std::vector<uint8_t> encode_message(const ControlMessage& msg) {
       pack_str(pk, msg.text.substr(0, kMaxTextBytes));
       break;
     case MessageType::kReadOk:
+      pack_first_token(pk, msg);
+      break;
     case MessageType::kRelease:
       break;
   }

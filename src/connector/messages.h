@@ -11,13 +11,16 @@
 //   read            consumer -> producer (READ): the producer block ids it will read;
 //                   the producer checks they are the ones it holds for that transfer
 //   read_ok         producer -> consumer (READ): ids confirmed, hold extended
+//                   (+ the first output token when the consumer asked for it)
 //   done            producer -> consumer (WRITE): all writes completed (ok) or failed
+//                   (+ the first output token when the consumer asked for it)
 //   abort           either way: the transfer is cancelled
 //   release         consumer -> producer (READ): reads finished, free the blocks
 //   error           either way: a refusal (layout mismatch, unknown transfer, ...)
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -27,7 +30,9 @@
 
 namespace pd::connector {
 
-inline constexpr uint32_t kProtocolVersion = 1;
+// 2: kv_tokens in blocks/read, first_token + sampling_key in done/read_ok
+// (first-token hand-over).
+inline constexpr uint32_t kProtocolVersion = 2;
 inline constexpr size_t kMaxFrameBytes = 8u << 20;
 inline constexpr size_t kMaxInstanceIdBytes = 128;
 inline constexpr size_t kMaxBlocksPerTransfer = 1u << 20;
@@ -69,9 +74,17 @@ struct ControlMessage {
   std::string transfer_id;
   std::vector<int32_t> block_ids;  // blocks, read
   int32_t num_skip_blocks = 0;     // blocks: leading prompt blocks the consumer already has
-  int32_t num_tokens = 0;          // blocks, read, done
-  bool ok = false;                 // done
-  std::string text;                // abort reason, done/error message
+  int32_t num_tokens = 0;          // blocks, read, done: the prompt's length
+  // blocks, read: prompt tokens whose KV the consumer takes: num_tokens - 1
+  // (it computes the last one), or num_tokens to ask for the first-token
+  // hand-over.
+  int32_t kv_tokens = 0;
+  bool ok = false;  // done
+  // done (ok), read_ok: the producer's first output token for a consumer that
+  // asked for it, with the first_token_sampling_key of the producer's request.
+  std::optional<int32_t> first_token;
+  uint64_t sampling_key = 0;
+  std::string text;  // abort reason, done/error message
 };
 
 std::vector<uint8_t> encode_message(const ControlMessage& message);

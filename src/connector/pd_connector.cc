@@ -8,6 +8,7 @@
 #include "common/curve_auth.h"
 #include "common/log.h"
 #include "engine/engine_request.h"
+#include "engine/sampling_params.h"
 
 namespace pd::connector {
 namespace {
@@ -135,6 +136,12 @@ Status PdConnector::init() {
                    "Well-formed control messages refused (forged, unknown transfer, wrong peer, bad ids)");
   metrics_.handshakes_refused =
       &reg.counter("pd_connector_handshakes_refused_total", "Handshakes refused (layout mismatch, bad descriptors)");
+  metrics_.first_tokens_accepted =
+      &reg.counter("pd_connector_first_tokens_total", "Consumer: first output tokens handed over by the producer",
+                   {{"result", "accepted"}});
+  metrics_.first_tokens_refused =
+      &reg.counter("pd_connector_first_tokens_total", "Consumer: first output tokens handed over by the producer",
+                   {{"result", "refused_sampling_key"}});
 
   record_.instance_id = options_.instance_id.empty() ? default_instance_id(config_.role) : options_.instance_id;
   if (record_.instance_id.size() > kMaxInstanceIdBytes) {
@@ -360,6 +367,11 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   cp.remote_control = params.remote_control;
   cp.remote_boot_nonce = params.remote_boot_nonce;
   cp.remote_block_ids = params.remote_block_ids;
+  // The producer's first token stands for ours only without logprobs (it sends
+  // no logprobs) and when both legs sample alike (checked by sampling key).
+  cp.want_first_token = config_.first_token_handover && request.sampling().logprobs < 0;
+  cp.sampling_key = engine::first_token_sampling_key(request.sampling());
+  const bool want_first_token = cp.want_first_token;
   const int32_t num_external = consumer_->admit(request.request_id(), std::move(cp), num_local_computed_tokens,
                                                 request.num_prompt_tokens(), now);
   if (num_external < 0) {
@@ -373,6 +385,7 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   metrics_.started_consumer->inc();
   consumer_requests_[request.request_id()] = ConsumerRequest{num_local_computed_tokens, now_ns()};
   match.num_external_tokens = num_external;
+  match.includes_last_prompt_token = want_first_token;
   match.load_async = true;
   match.timeout_ms = config_.recv_abort_timeout_ms;
   return match;
@@ -406,6 +419,13 @@ engine::LayerKvHooks* PdConnector::build_step_hooks(const engine::StepInput& inp
 void PdConnector::after_step(const engine::StepPlan& plan, const Status& status) {
   for (const auto& id : final_step_transfers_) producer_->on_forward_done(id, status.ok());
   final_step_transfers_.clear();
+  run_actions();
+}
+
+void PdConnector::first_token_sampled(const engine::Request& request, int32_t token_id) {
+  auto it = producer_request_transfer_.find(request.request_id());
+  if (it == producer_request_transfer_.end()) return;
+  producer_->first_token_sampled(it->second, token_id, engine::first_token_sampling_key(request.sampling()));
   run_actions();
 }
 
@@ -687,9 +707,9 @@ void PdConnector::run_actions() {
     ConsumerActions ca = consumer_->take_actions();
     const bool idle = pa.sends.empty() && pa.writes.empty() && pa.released_request_ids.empty() && ca.sends.empty() &&
                       ca.handshakes.empty() && ca.dropped_dealers.empty() && ca.reads.empty() &&
-                      ca.finished_recving.empty() && ca.load_failures.empty() && pa.num_timeouts == 0 &&
-                      ca.num_timeouts == 0 && pa.num_refused == 0 && ca.num_refused == 0 && pa.num_completed == 0 &&
-                      pa.num_failed == 0 && ca.num_completed == 0;
+                      ca.finished_recving.empty() && ca.first_tokens.empty() && ca.num_first_tokens_refused == 0 &&
+                      ca.load_failures.empty() && pa.num_timeouts == 0 && ca.num_timeouts == 0 && pa.num_refused == 0 &&
+                      ca.num_refused == 0 && pa.num_completed == 0 && pa.num_failed == 0 && ca.num_completed == 0;
     if (idle) return;
     note_refused(pa.num_refused + ca.num_refused);
     if (pa.num_timeouts + ca.num_timeouts > 0) metrics_.timeouts->inc(pa.num_timeouts + ca.num_timeouts);
@@ -756,6 +776,11 @@ void PdConnector::run_actions() {
         metrics_.transfer_seconds->observe(static_cast<double>(now_ns() - started->second.admitted_ns) * 1e-9);
       }
       events_.finished_recving.push_back(std::move(id));
+    }
+    if (ca.num_first_tokens_refused > 0) metrics_.first_tokens_refused->inc(ca.num_first_tokens_refused);
+    for (auto& [request_id, token] : ca.first_tokens) {
+      metrics_.first_tokens_accepted->inc();
+      events_.first_tokens.push_back(engine::HandedOverToken{std::move(request_id), token});
     }
     for (auto& failure : ca.load_failures) {
       metrics_.load_errors->inc();

@@ -84,6 +84,7 @@ class PdConnector final : public engine::KvConnector {
   void after_step(const engine::StepPlan& plan, const Status& status) override;
   engine::ConnectorEvents poll() override;
   bool request_preempted(const engine::Request& request, std::span<const int32_t> block_ids) override;
+  void first_token_sampled(const engine::Request& request, int32_t token_id) override;
   engine::FinishDecision request_finished(const engine::Request& request, std::span<const int32_t> block_ids) override;
   engine::RemoteKvTimeoutAction on_remote_kv_timeout(const engine::Request& request) override;
 
@@ -184,6 +185,8 @@ class PdConnector final : public engine::KvConnector {
     metrics::Counter* timeouts;
     metrics::Counter* refused;
     metrics::Counter* handshakes_refused;
+    metrics::Counter* first_tokens_accepted;
+    metrics::Counter* first_tokens_refused;
   } metrics_{};
 };
 

@@ -58,8 +58,13 @@ Status ProducerTransfers::attach_destination(Transfer& t, const std::string& tra
     return invalid_argument("transfer {}: blocks for {} tokens, the prompt has {}", transfer_id, msg.num_tokens,
                             t.num_prompt_tokens);
   }
-  // The consumer computes the last prompt token itself: it needs KV for n - 1 tokens.
-  const int32_t needed = blocks_for_tokens(t.num_prompt_tokens - 1, block_size_);
+  // The consumer takes the KV of n - 1 tokens (it computes the last one) or of
+  // all n (first-token hand-over).
+  if (msg.kv_tokens != t.num_prompt_tokens && msg.kv_tokens != t.num_prompt_tokens - 1) {
+    return invalid_argument("transfer {}: KV asked for {} tokens of a {}-token prompt", transfer_id, msg.kv_tokens,
+                            t.num_prompt_tokens);
+  }
+  const int32_t needed = blocks_for_tokens(msg.kv_tokens, block_size_);
   if (msg.num_skip_blocks > needed ||
       static_cast<int64_t>(msg.block_ids.size()) != static_cast<int64_t>(needed) - msg.num_skip_blocks) {
     return invalid_argument("transfer {}: {} destination blocks after skipping {}, expected {}", transfer_id,
@@ -73,7 +78,7 @@ Status ProducerTransfers::attach_destination(Transfer& t, const std::string& tra
     }
     if (!seen.insert(id).second) return invalid_argument("transfer {}: destination block {} repeated", transfer_id, id);
   }
-  t.dest = Destination{from, msg.block_ids, msg.num_skip_blocks};
+  t.dest = Destination{from, msg.block_ids, msg.num_skip_blocks, msg.kv_tokens};
   return Status::Ok();
 }
 
@@ -225,8 +230,22 @@ void ProducerTransfers::maybe_finish(const std::string& transfer_id) {
   }
   if (t.read_mode) return;  // READ ends on release or timeout
   const bool all_posted = std::all_of(t.layer_posted.begin(), t.layer_posted.end(), [](bool b) { return b; });
-  if (t.dest && t.phase == Phase::kKvReady && all_posted && !t.done_sent) {
-    send(t.dest->peer, MessageType::kDone, transfer_id, {}, /*ok=*/true, t.num_prompt_tokens);
+  // A consumer that took the whole prompt waits for the first token with done;
+  // it is sampled in the step that sealed the KV, so this waits microseconds.
+  const bool wants_token = t.dest && t.dest->kv_tokens == t.num_prompt_tokens;
+  const bool token_settled = !wants_token || t.first_token || t.finished;
+  if (t.dest && t.phase == Phase::kKvReady && all_posted && !t.done_sent && token_settled) {
+    OutgoingMessage out;
+    out.to = t.dest->peer.key;
+    out.message.type = MessageType::kDone;
+    out.message.transfer_id = transfer_id;
+    out.message.ok = true;
+    out.message.num_tokens = t.num_prompt_tokens;
+    if (wants_token && t.first_token) {
+      out.message.first_token = t.first_token;
+      out.message.sampling_key = t.sampling_key;
+    }
+    actions_.sends.push_back(std::move(out));
     t.done_sent = true;
     ++actions_.num_completed;
   }
@@ -258,6 +277,8 @@ void ProducerTransfers::on_read(const PeerRef& from, const ControlMessage& msg, 
     refusal = "transfer is being read by another peer";
   else if (msg.num_tokens != it->second.num_prompt_tokens)
     refusal = "num_tokens does not match the transfer";
+  else if (msg.kv_tokens != msg.num_tokens && msg.kv_tokens != msg.num_tokens - 1)
+    refusal = "kv_tokens is neither the prompt nor the prompt less its last token";
   else {
     const auto& held = it->second.local_block_ids;
     std::unordered_set<int32_t> seen;
@@ -276,7 +297,23 @@ void ProducerTransfers::on_read(const PeerRef& from, const ControlMessage& msg, 
   Transfer& t = it->second;
   t.reader = from;
   t.deadline_ms = now_ms + timeouts_.transfer_timeout_ms;
-  send(from, MessageType::kReadOk, msg.transfer_id);
+  OutgoingMessage out;
+  out.to = from.key;
+  out.message.type = MessageType::kReadOk;
+  out.message.transfer_id = msg.transfer_id;
+  if (msg.kv_tokens == t.num_prompt_tokens && t.first_token) {
+    out.message.first_token = t.first_token;
+    out.message.sampling_key = t.sampling_key;
+  }
+  actions_.sends.push_back(std::move(out));
+}
+
+void ProducerTransfers::first_token_sampled(const std::string& transfer_id, int32_t token_id, uint64_t sampling_key) {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end() || it->second.first_token) return;
+  it->second.first_token = token_id;
+  it->second.sampling_key = sampling_key;
+  maybe_finish(transfer_id);
 }
 
 void ProducerTransfers::on_release(const PeerRef& from, const ControlMessage& msg) {
@@ -429,7 +466,10 @@ void ConsumerTransfers::send(const std::string& control, MessageType type, const
 int32_t ConsumerTransfers::admit(const std::string& request_id, Params params, int32_t num_local_computed_tokens,
                                  int32_t num_prompt_tokens, int64_t now_ms) {
   const std::string transfer_id = params.transfer_id;
-  const int32_t num_external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
+  // Without the hand-over the last prompt token is computed here. A prompt
+  // cached here up to that token moves nothing either way.
+  int32_t num_external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
+  if (num_external > 0 && params.want_first_token) ++num_external;
   if (auto existing = transfers_.find(transfer_id); existing != transfers_.end()) {
     // Asked again for a request the scheduler could not admit yet: same answer
     // for the (possibly larger) local prefix, until blocks are allocated.
@@ -474,7 +514,8 @@ void ConsumerTransfers::allocated(const std::string& request_id, const std::vect
   if (r == by_request_.end()) return;
   Transfer& t = transfers_.at(r->second);
   t.num_skip_blocks = num_local_computed_tokens / block_size_;
-  const int32_t end = blocks_for_tokens(num_local_computed_tokens + num_external_tokens, block_size_);
+  t.kv_tokens = num_local_computed_tokens + num_external_tokens;
+  const int32_t end = blocks_for_tokens(t.kv_tokens, block_size_);
   if (end > static_cast<int32_t>(block_table.size()) ||
       (t.params.read_mode && end > static_cast<int32_t>(t.params.remote_block_ids.size()))) {
     finish(r->second, t, false, "block table shorter than the external range");
@@ -512,6 +553,7 @@ void ConsumerTransfers::ensure_peer(const std::string& transfer_id, Transfer& t,
 
 void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, const Peer& peer) {
   const int32_t needed = blocks_for_tokens(t.num_prompt_tokens - 1, block_size_);
+  if (t.phase == Phase::kNotifyOnly) t.kv_tokens = std::max(0, t.num_prompt_tokens - 1);
   if (t.phase == Phase::kNotifyOnly) {
     if (t.params.read_mode) {
       send(t.params.remote_control, MessageType::kRelease, transfer_id);
@@ -521,6 +563,7 @@ void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, con
       out.message.type = MessageType::kBlocks;
       out.message.transfer_id = transfer_id;
       out.message.num_tokens = t.num_prompt_tokens;
+      out.message.kv_tokens = t.kv_tokens;
       out.message.num_skip_blocks = needed;
       actions_.sends.push_back(std::move(out));
     }
@@ -540,6 +583,7 @@ void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, con
     out.message.transfer_id = transfer_id;
     out.message.block_ids = t.read_remote_ids;
     out.message.num_tokens = t.num_prompt_tokens;
+    out.message.kv_tokens = t.kv_tokens;
     actions_.sends.push_back(std::move(out));
     t.phase = Phase::kAwaitingReadOk;
     return;
@@ -551,6 +595,7 @@ void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, con
   out.message.block_ids = t.local_block_ids;
   out.message.num_skip_blocks = t.num_skip_blocks;
   out.message.num_tokens = t.num_prompt_tokens;
+  out.message.kv_tokens = t.kv_tokens;
   actions_.sends.push_back(std::move(out));
   t.phase = Phase::kWaitingDone;
   t.data_may_move = true;
@@ -620,6 +665,7 @@ void ConsumerTransfers::finish(const std::string& transfer_id, Transfer& t, bool
     actions_.finished_recving.push_back(t.request_id);
     if (ok) {
       ++actions_.num_completed;
+      if (t.first_token) actions_.first_tokens.emplace_back(t.request_id, *t.first_token);
     } else {
       actions_.load_failures.push_back({t.request_id, t.local_block_ids, reason});
     }
@@ -641,7 +687,18 @@ void ConsumerTransfers::on_done(const PeerRef& from, const ControlMessage& msg) 
     finish(msg.transfer_id, t, false, "done for a different token count");
     return;
   }
+  if (msg.ok) take_first_token(t, msg);
   finish(msg.transfer_id, t, msg.ok, msg.ok ? std::string() : "producer failed the transfer: " + msg.text);
+}
+
+void ConsumerTransfers::take_first_token(Transfer& t, const ControlMessage& msg) {
+  if (!msg.first_token || t.kv_tokens != t.num_prompt_tokens || !t.params.want_first_token) return;
+  if (msg.sampling_key != t.params.sampling_key) {
+    // The producer's leg sampled under other parameters: compute it here.
+    ++actions_.num_first_tokens_refused;
+    return;
+  }
+  t.first_token = msg.first_token;
 }
 
 void ConsumerTransfers::on_read_ok(const PeerRef& from, const ControlMessage& msg) {
@@ -652,6 +709,7 @@ void ConsumerTransfers::on_read_ok(const PeerRef& from, const ControlMessage& ms
     return;
   }
   Transfer& t = it->second;
+  take_first_token(t, msg);
   t.phase = Phase::kReading;
   t.data_may_move = true;
   t.num_in_flight = num_layers_;

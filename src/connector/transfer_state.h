@@ -26,6 +26,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -77,6 +78,7 @@ class ProducerTransfers {
     PeerRef peer;
     std::vector<int32_t> block_ids;  // consumer blocks, in prompt order
     int32_t num_skip_blocks = 0;     // leading prompt blocks the consumer already has
+    int32_t kv_tokens = 0;           // prompt tokens it takes; all of them = it wants the first token
   };
 
   // A do_remote_decode request was admitted.
@@ -93,6 +95,10 @@ class ProducerTransfers {
   bool request_finished(const std::string& transfer_id, const std::vector<int32_t>& block_ids, bool kv_complete,
                         int64_t now_ms);
   void on_write_done(const std::string& transfer_id, int32_t layer, bool ok);
+  // The request's first output token (first-token hand-over): sent with done /
+  // read_ok to a consumer that took the whole prompt's KV. A WRITE done to such
+  // a consumer waits for it (or for request_finished).
+  void first_token_sampled(const std::string& transfer_id, int32_t token_id, uint64_t sampling_key);
 
   // Control messages (already decoded and validated for shape). peer_num_blocks:
   // the consumer's pool size from its meta (bounds for its block ids).
@@ -135,6 +141,8 @@ class ProducerTransfers {
     bool finished = false;  // request_finished seen
     int64_t deadline_ms = 0;
     std::optional<PeerRef> reader;  // READ: the peer whose `read` was accepted
+    std::optional<int32_t> first_token;
+    uint64_t sampling_key = 0;
   };
   struct EarlyBlocks {
     PeerRef from;
@@ -188,6 +196,9 @@ struct ConsumerActions {
   };
   std::vector<PostRead> reads;
   std::vector<std::string> finished_recving;
+  // (request id, token): a subset of finished_recving, the load succeeded.
+  std::vector<std::pair<std::string, int32_t>> first_tokens;
+  int32_t num_first_tokens_refused = 0;  // came with another sampling key
   std::vector<LoadFailure> load_failures;
   int32_t num_completed = 0;
   int32_t num_timeouts = 0;
@@ -206,11 +217,16 @@ class ConsumerTransfers {
     std::string remote_control;
     uint64_t remote_boot_nonce = 0;
     std::vector<int32_t> remote_block_ids;  // READ
+    // First-token hand-over: take the KV of every prompt token and the
+    // producer's first output token, if its sampling key equals this one.
+    bool want_first_token = false;
+    uint64_t sampling_key = 0;
   };
 
   // Admission: returns the number of external tokens (prompt minus the local
-  // prefix minus the last token, which is always computed here). 0 means nothing
-  // to move: the producer is told to let go of its blocks.
+  // prefix minus the last token, which is computed here unless
+  // want_first_token). 0 means nothing to move: the producer is told to let go
+  // of its blocks.
   int32_t admit(const std::string& request_id, Params params, int32_t num_local_computed_tokens,
                 int32_t num_prompt_tokens, int64_t now_ms);
   // Blocks were allocated: block_table is the whole table; the external tokens
@@ -268,8 +284,10 @@ class ConsumerTransfers {
     Phase phase = Phase::kAdmitted;
     int32_t num_prompt_tokens = 0;
     int32_t num_skip_blocks = 0;
+    int32_t kv_tokens = 0;  // prompt tokens whose KV comes from the producer (n - 1 or n)
     std::vector<int32_t> local_block_ids;
     std::vector<int32_t> read_remote_ids;
+    std::optional<int32_t> first_token;  // accepted from done / read_ok
     int32_t num_in_flight = 0;
     bool failed = false;
     std::string failure;
@@ -292,6 +310,7 @@ class ConsumerTransfers {
   void proceed(const std::string& transfer_id, Transfer& t, const Peer& peer);
   void finish(const std::string& transfer_id, Transfer& t, bool ok, const std::string& reason);
   bool from_producer(const Transfer& t, const PeerRef& from) const;
+  void take_first_token(Transfer& t, const ControlMessage& msg);
   void send(const std::string& control, MessageType type, const std::string& transfer_id, std::string text = {});
 
   int32_t num_layers_;

@@ -277,6 +277,25 @@ class EngineImpl final : public Engine {
     for (const auto& id : events.finished_sending) release_id_if_unused(id);
     for (const auto& id : events.finished_recving) release_id_if_unused(id);
     if (moved_back != nullptr) *moved_back = std::move(moved);
+    accept_handed_over_tokens(events.first_tokens);
+  }
+
+  // First-token hand-over: the producer's token becomes this request's first
+  // output, emitted now; its next step is a decode. Taken only where the whole
+  // prompt's KV is in place (a load error in the same poll rolled it back).
+  void accept_handed_over_tokens(std::vector<HandedOverToken>& tokens) {
+    const int64_t now = now_ns();
+    for (HandedOverToken& t : tokens) {
+      Request* r = scheduler_.find(t.request_id);
+      if (r == nullptr || !scheduler_.run_with_remote_prompt(*r)) {
+        ++num_handed_over_tokens_ignored_;
+        continue;
+      }
+      SampledToken token;
+      token.token_id = t.token_id;
+      ++num_handed_over_tokens_;
+      process_token(*r, token, now);
+    }
   }
 
   void run() {
@@ -374,6 +393,7 @@ class EngineImpl final : public Engine {
       return;
     }
     scheduler_.append_token(r, token.token_id);
+    if (connector_ != nullptr && r.num_output_tokens() == 1) connector_->first_token_sampled(r, token.token_id);
     metrics_.generation_tokens.inc();
     ++num_generation_tokens_;
     if (r.first_token_ns == 0) {
@@ -426,6 +446,8 @@ class EngineImpl final : public Engine {
     s.num_prefix_cache_hit_tokens = c.num_prefix_cache_hit_tokens;
     s.num_steps = num_steps_;
     s.num_step_errors = num_step_errors_;
+    s.num_handed_over_tokens = num_handed_over_tokens_;
+    s.num_handed_over_tokens_ignored = num_handed_over_tokens_ignored_;
     metrics_.running.set(s.num_running);
     metrics_.waiting.set(s.num_waiting);
     metrics_.blocks_used.set(s.num_blocks_in_use);
@@ -460,6 +482,8 @@ class EngineImpl final : public Engine {
   int64_t num_generation_tokens_ = 0;
   int64_t num_steps_ = 0;
   int64_t num_step_errors_ = 0;
+  int64_t num_handed_over_tokens_ = 0;
+  int64_t num_handed_over_tokens_ignored_ = 0;
   int64_t published_preemptions_ = 0;
   int64_t published_hit_tokens_ = 0;
   EngineMetrics metrics_;

@@ -45,6 +45,8 @@ struct EngineStats {
   int64_t num_steps = 0;
   int64_t num_step_errors = 0;            // runner failures (each failed its step's requests)
   int32_t num_waiting_for_remote_kv = 0;  // included in num_waiting
+  int64_t num_handed_over_tokens = 0;     // first tokens taken from a P/D producer
+  int64_t num_handed_over_tokens_ignored = 0;
 };
 
 class Engine {

@@ -55,7 +55,7 @@ namespace pd::engine {
 struct ExternalMatch {
   // Tokens after the locally computed prefix whose KV the connector provides.
   // The engine clamps it so that at least the last prompt token is computed
-  // locally (the sampler needs its logits).
+  // locally (the sampler needs its logits), unless includes_last_prompt_token.
   int32_t num_external_tokens = 0;
   // true: the KV arrives asynchronously; the request waits in
   // kWaitingForRemoteKv until poll() reports it in finished_recving.
@@ -63,6 +63,12 @@ struct ExternalMatch {
   bool load_async = false;
   // Deadline for an async load, from the moment the request starts waiting.
   int64_t timeout_ms = 120'000;
+  // First-token hand-over: the KV of every prompt token arrives, and with it,
+  // usually, the first output token sampled by the producer
+  // (ConnectorEvents::first_tokens). Only with load_async. When the load
+  // completes without a token, the engine computes the last prompt token
+  // again (its KV is overwritten with the same values) to get its logits.
+  bool includes_last_prompt_token = false;
 };
 
 struct FinishDecision {
@@ -86,6 +92,14 @@ struct FailedRequest {
   std::string message;
 };
 
+// The producer's first output token for a request whose load completes in the
+// same poll (finished_recving). The engine emits it as the request's first
+// token, as if sampled here, and continues with decode.
+struct HandedOverToken {
+  std::string request_id;
+  int32_t token_id = 0;
+};
+
 struct ConnectorEvents {
   std::vector<std::string> finished_recving;  // async loads complete (or a held block set may be released)
   std::vector<std::string> finished_sending;  // sends complete: release one hold each
@@ -93,6 +107,8 @@ struct ConnectorEvents {
   // Applied first; the other lists then see these ids as finished (a
   // finished_recving for one releases its hold, if any).
   std::vector<FailedRequest> failed_requests;
+  // Each id also appears in finished_recving of the same poll.
+  std::vector<HandedOverToken> first_tokens;
 };
 
 enum class RemoteKvTimeoutAction : uint8_t {
@@ -136,6 +152,10 @@ class KvConnector {
 
   // Called on the engine thread after every step and whenever woken or idle.
   virtual ConnectorEvents poll() = 0;
+
+  // A request's first output token was sampled on this engine (called before
+  // the finish checks, so also for a request that this token finishes).
+  virtual void first_token_sampled(const Request& request, int32_t token_id) {}
 
   // A running request is preempted and will recompute; block_ids are its
   // blocks. Return true to hold them (a save from an earlier step may still

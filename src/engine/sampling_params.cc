@@ -1,6 +1,8 @@
 #include "engine/sampling_params.h"
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 
 namespace pd::engine {
 
@@ -47,6 +49,49 @@ Status SamplingParams::validate(int32_t vocab_size) const {
     }
   }
   return Status::Ok();
+}
+
+namespace {
+
+// FNV-1a, 64-bit: the key travels between processes, so it must not depend on
+// std::hash (which may differ between builds).
+class Fnv1a {
+ public:
+  template <typename T>
+  void add(const T& value) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    unsigned char bytes[sizeof(T)];
+    std::memcpy(bytes, &value, sizeof(T));
+    for (unsigned char b : bytes) {
+      hash_ ^= b;
+      hash_ *= 0x100000001b3ULL;
+    }
+  }
+  uint64_t value() const { return hash_; }
+
+ private:
+  uint64_t hash_ = 0xcbf29ce484222325ULL;
+};
+
+}  // namespace
+
+uint64_t first_token_sampling_key(const SamplingParams& params) {
+  Fnv1a h;
+  h.add(params.temperature);
+  h.add(params.top_p);
+  h.add(params.top_k);
+  h.add(params.min_p);
+  h.add(params.seed.has_value());
+  h.add(params.seed.value_or(0));
+  // The first token is drawn with EOS and stop ids suppressed iff min_tokens > 0.
+  const bool suppresses = params.min_tokens > 0;
+  h.add(suppresses);
+  if (suppresses) {
+    h.add(params.ignore_eos);
+    h.add(params.stop_token_ids.size());
+    for (int32_t id : params.stop_token_ids) h.add(id);
+  }
+  return h.value();
 }
 
 }  // namespace pd::engine

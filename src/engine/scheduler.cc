@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cassert>
+#include <string_view>
+#include <unordered_set>
 #include <utility>
 
 #include "common/clock.h"
@@ -78,6 +80,17 @@ void Scheduler::append_token(Request& request, int32_t token_id) {
   update_block_hashes(request);
 }
 
+bool Scheduler::run_with_remote_prompt(Request& request) {
+  if (request.state() != RequestState::kWaiting || request.num_output_tokens() != 0 ||
+      request.num_computed_tokens != request.num_tokens()) {
+    return false;
+  }
+  remove_from_queues(&request);
+  check_pool(request.transition_to(RequestState::kRunning), "handover run");
+  running_.push_back(&request);
+  return true;
+}
+
 void Scheduler::release_blocks(const std::string& request_id, std::vector<int32_t>& block_ids, bool hold) {
   if (block_ids.empty()) return;
   if (hold) {
@@ -145,7 +158,11 @@ Scheduler::Admit Scheduler::try_admit(Request& request, int32_t* budget, StepPla
         failed->error = "KV connector rejected the request: " + match.status().message();
         return Admit::kFailed;
       }
-      num_external = std::clamp(match->num_external_tokens, 0, request.num_tokens() - 1 - num_local);
+      // A hand-over brings the last prompt token's KV too (and the token it
+      // produced); otherwise that token is computed here for its logits.
+      const bool whole_prompt = match->includes_last_prompt_token && match->load_async;
+      num_external =
+          std::clamp(match->num_external_tokens, 0, request.num_tokens() - (whole_prompt ? 0 : 1) - num_local);
       load_async = match->load_async && num_external > 0;
       timeout_ms = match->timeout_ms;
     }
@@ -397,12 +414,19 @@ void Scheduler::apply_connector_events(const ConnectorEvents& events) {
     release_blocks(id, blocks, /*hold=*/false);
     return true;
   };
+  std::unordered_set<std::string_view> handed_over;
+  for (const HandedOverToken& t : events.first_tokens) handed_over.insert(t.request_id);
   for (const std::string& id : events.finished_recving) {
     Request* request = find(id);
     if (request != nullptr && request->state() == RequestState::kWaitingForRemoteKv) {
       remove_from_queues(request);
       request->num_computed_tokens += request->num_pending_external_tokens;
       request->num_pending_external_tokens = 0;
+      if (request->num_computed_tokens >= request->num_tokens() && !handed_over.contains(id)) {
+        // The whole prompt's KV arrived but no first token came with it: compute
+        // the last prompt token again for its logits.
+        request->num_computed_tokens = request->num_tokens() - 1;
+      }
       // Received full blocks are as good as computed ones: share them.
       const int32_t num_full = std::min(static_cast<int32_t>(request->block_hashes.size()),
                                         request->num_computed_tokens / config_.block_size);

@@ -98,6 +98,12 @@ class Scheduler {
   // Appends a sampled token (and the hashes of blocks it completes).
   void append_token(Request& request, int32_t token_id);
 
+  // First-token hand-over: a waiting request whose whole prompt's KV arrived
+  // joins the running set as if its prefill had run here, so that the handed-over
+  // token is appended (or finishes it) like any sampled token. False when the
+  // request is not such a request (then nothing changes).
+  bool run_with_remote_prompt(Request& request);
+
   // Finishes a live request in any state: transitions it, removes it from its
   // queue, asks the connector, frees or holds its blocks.
   FinishedRequest finish_request(Request& request, RequestState final_state, FinishReason reason);

@@ -292,6 +292,7 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
       fields.kv_transfer_params = *params;
   }
   fields.return_tokens_as_token_ids = reader.boolean("return_tokens_as_token_ids").value_or(false);
+  fields.return_token_ids = reader.boolean("return_token_ids").value_or(false);
   if (auto id = reader.string("request_id")) {
     if (id->empty() || id->size() > 256)
       reader.fail(bad_request("'request_id' must be 1 to 256 characters", "request_id"));
@@ -623,6 +624,7 @@ json completion_response(const ResponseHeader& header, const std::vector<ChoiceR
                            {"logprobs", c.logprobs},
                            {"finish_reason", finish_reason_json(c.finish_reason)},
                            {"stop_reason", c.stop_reason}});
+    if (c.token_ids) out_choices.back()["token_ids"] = *c.token_ids;
   }
   return {{"id", header.id},
           {"object", "text_completion"},
@@ -643,6 +645,7 @@ json chat_response(const ResponseHeader& header, const std::vector<ChoiceResult>
                            {"logprobs", c.logprobs},
                            {"finish_reason", finish_reason_json(c.finish_reason)},
                            {"stop_reason", c.stop_reason}});
+    if (c.token_ids) out_choices.back()["token_ids"] = *c.token_ids;
   }
   return {{"id", header.id},
           {"object", "chat.completion"},

@@ -60,6 +60,7 @@ struct GenerationFields {
   std::optional<nlohmann::ordered_json> kv_transfer_params;
   std::optional<std::string> request_id;    // vLLM extension: a client-chosen id prefix
   bool return_tokens_as_token_ids = false;  // vLLM extension: logprobs name tokens "token_id:<id>"
+  bool return_token_ids = false;            // vLLM extension: each choice (and chunk) lists its token ids
 };
 
 struct CompletionRequest {
@@ -141,6 +142,7 @@ struct ChoiceResult {
   nlohmann::json logprobs;  // null or the logprobs object
   engine::FinishReason finish_reason = engine::FinishReason::kNone;
   nlohmann::json stop_reason;
+  std::optional<std::vector<int32_t>> token_ids;  // return_token_ids
 };
 
 nlohmann::json completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices,

@@ -67,6 +67,7 @@ struct OpenAiService::Generation {
     bool sent_role = false;  // chat streams open each choice with the role
     std::string text;
     std::vector<engine::TokenLogprob> logprobs;
+    std::vector<int32_t> token_ids;  // return_token_ids
     int64_t text_offset = 0;
     engine::FinishReason finish_reason = engine::FinishReason::kNone;
     json stop_reason;
@@ -422,6 +423,8 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     }
     if (!stream) {
       choice.text += out.text_delta;
+      if (g.fields.return_token_ids)
+        choice.token_ids.insert(choice.token_ids.end(), out.new_token_ids.begin(), out.new_token_ids.end());
       if (want_logprobs) choice.logprobs.insert(choice.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
       continue;
     }
@@ -438,7 +441,9 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     // Without a tokenizer there is never text: each step's tokens still get their chunk,
     // or a streaming client would see nothing until the end (and measure TTFT as e2e).
     const bool untokenized_tokens = !tokenizer_ && !out.new_token_ids.empty();
-    bool has_payload = !out.text_delta.empty() || !logprobs.is_null() || out.finished || untokenized_tokens;
+    const bool listed_tokens = g.fields.return_token_ids && !out.new_token_ids.empty();
+    bool has_payload =
+        !out.text_delta.empty() || !logprobs.is_null() || out.finished || untokenized_tokens || listed_tokens;
     if (has_payload) {
       json finish = out.finished ? finish_reason_json(choice.finish_reason) : json(nullptr);
       json stop = out.finished ? choice.stop_reason : json(nullptr);
@@ -453,6 +458,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
                                  std::move(finish), std::move(stop));
       }
       if (out.finished && choice.kv_transfer_params) chunk["kv_transfer_params"] = *choice.kv_transfer_params;
+      if (g.fields.return_token_ids) chunk["choices"][0]["token_ids"] = out.new_token_ids;
       events += sse_event(chunk);
     }
     if (!events.empty()) {
@@ -518,6 +524,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     }
     result.finish_reason = choice.finish_reason;
     result.stop_reason = choice.stop_reason;
+    if (g.fields.return_token_ids) result.token_ids = std::move(choice.token_ids);
     results.push_back(std::move(result));
   }
   json response = chat ? chat_response(g.header, results, usage, kv_transfer_params)

@@ -150,9 +150,10 @@ def test_malformed_and_forged_control_frames_are_counted_and_the_listener_keeps_
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{producer.info['control']}")
     frames = [b"\xc1\xc1", b"", b"\x91" * 200, msgpack.packb({"v": 9, "type": "meta"}),
-              msgpack.packb({"v": 1, "type": "blocks", "instance_id": "x", "boot_nonce": 1, "tp_rank": 0,
-                             "transfer_id": "0" * 32, "block_ids": [-1], "num_tokens": 1, "num_skip_blocks": 0}),
-              msgpack.packb({"v": 1, "type": "meta", "instance_id": "x", "boot_nonce": 1, "tp_rank": 0,
+              msgpack.packb({"v": 2, "type": "blocks", "instance_id": "x", "boot_nonce": 1, "tp_rank": 0,
+                             "transfer_id": "0" * 32, "block_ids": [-1], "num_tokens": 1, "kv_tokens": 0,
+                             "num_skip_blocks": 0}),
+              msgpack.packb({"v": 2, "type": "meta", "instance_id": "x", "boot_nonce": 1, "tp_rank": 0,
                              "engine_desc": b"junk", "layer_descs": [b"a"], "num_blocks": 4,
                              "fingerprint": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "float32",
                                              "block_size": 16, "tp_size": 1}})]
@@ -160,7 +161,7 @@ def test_malformed_and_forged_control_frames_are_counted_and_the_listener_keeps_
         sock.send(frame)
     sock.send_multipart([b"a", b"b", b"c"])
     # A well-formed release for a transfer the sender has no part in: refused (no handshake).
-    sock.send(msgpack.packb({"v": 1, "type": "release", "instance_id": "x", "boot_nonce": 1, "tp_rank": 0,
+    sock.send(msgpack.packb({"v": 2, "type": "release", "instance_id": "x", "boot_nonce": 1, "tp_rank": 0,
                              "transfer_id": "0" * 32}))
     from conftest import wait_for
     wait_for(lambda: producer.metric("pd_connector_control_frames_malformed_total",

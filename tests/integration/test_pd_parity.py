@@ -33,10 +33,11 @@ def reference(module_procs):
     return prompts, outputs
 
 
-def run_parity(producer, consumer, prompts, expected, read_mode):
+def run_parity(producer, consumer, prompts, expected, read_mode, extra=None):
     with concurrent.futures.ThreadPoolExecutor(2 * CONCURRENCY) as legs:
         with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
-            got = list(pool.map(lambda p: pd_generate(producer, consumer, p, MAX_TOKENS, read_mode, pool=legs),
+            got = list(pool.map(lambda p: pd_generate(producer, consumer, p, MAX_TOKENS, read_mode, pool=legs,
+                                                      producer_extra=extra, consumer_extra=extra),
                                 prompts))
     mismatches = [(i, len(prompts[i]), e, g) for i, (e, g) in enumerate(zip(expected, got)) if e != g]
     assert not mismatches, f"{len(mismatches)} of {len(prompts)} differ, first: {mismatches[:3]}"
@@ -53,6 +54,25 @@ def test_pd_equals_collocated_on_loopback(procs, reference, read_mode):
     moved = producer.metric("pd_connector_bytes_total", {"direction": "write"}) + \
         consumer.metric("pd_connector_bytes_total", {"direction": "read"}) - bytes_before
     assert moved > 0, "KV must actually move through xfer"
+    assert consumer.metric("pd_connector_load_errors_total") == 0
+    # First-token hand-over: every consumer request longer than one token took the producer's token.
+    multi_token = sum(1 for p in prompts if len(p) > 1)
+    assert consumer.metric("pd_connector_first_tokens_total", {"result": "accepted"}) == multi_token
+    assert consumer.metric("pd_connector_first_tokens_total", {"result": "refused_sampling_key"}) == 0
+    assert_no_blocks_in_use(producer, consumer)
+
+
+@pytest.mark.parametrize("read_mode", [False, True], ids=["write", "read"])
+def test_pd_equals_collocated_when_the_consumer_computes_the_first_token(procs, reference, read_mode):
+    """With logprobs asked for (or with the hand-over switched off) the consumer computes the last prompt token
+    itself, as vLLM's connectors do; the output is the same."""
+    prompts, expected = reference
+    subset = prompts[::3]
+    expected_subset = expected[::3]
+    producer = start_instance(procs, "kv_producer", read_mode)
+    consumer = start_instance(procs, "kv_consumer", read_mode, first_token_handover=not read_mode)
+    run_parity(producer, consumer, subset, expected_subset, read_mode, extra={"logprobs": 0} if not read_mode else None)
+    assert consumer.metric("pd_connector_first_tokens_total", {"result": "accepted"}) == 0
     assert consumer.metric("pd_connector_load_errors_total") == 0
     assert_no_blocks_in_use(producer, consumer)
 

@@ -82,8 +82,11 @@ def start_instance(procs, role: str | None, read_mode: bool = False, flags=(), e
 
 def completion(url: str, prompt_ids: list[int], max_tokens: int, kv_params: dict | None = None,
                timeout_s: float = 120.0, **extra) -> tuple[int, dict]:
+    # Token ids come back through vLLM's return_token_ids (builtin:tiny has no tokenizer, so no text).
+    # No logprobs by default: a consumer takes the producer's first token (first-token hand-over) only
+    # when none are asked for; pass logprobs=0 to test the path that computes it again.
     body = {"model": MODEL, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True, **extra}
+            "ignore_eos": True, "return_token_ids": True, **extra}
     if kv_params is not None:
         body["kv_transfer_params"] = kv_params
     status, raw, _ = http_request(url, "POST", "/v1/completions", body, timeout_s=timeout_s)
@@ -91,8 +94,7 @@ def completion(url: str, prompt_ids: list[int], max_tokens: int, kv_params: dict
 
 
 def token_ids(response: dict) -> list[int]:
-    tokens = response["choices"][0]["logprobs"]["tokens"]
-    return [int(t.removeprefix("token_id:")) for t in tokens]
+    return [int(t) for t in response["choices"][0]["token_ids"]]
 
 
 def new_transfer_id() -> str:
@@ -107,7 +109,7 @@ def consumer_params_write(producer: Instance, transfer_id: str) -> dict:
 
 def pd_generate(producer: Instance, consumer: Instance, prompt_ids: list[int], max_tokens: int, read_mode: bool,
                 pool: concurrent.futures.Executor | None = None, transfer_id: str | None = None,
-                producer_extra: dict | None = None) -> list[int]:
+                producer_extra: dict | None = None, consumer_extra: dict | None = None) -> list[int]:
     """One request through P/D exactly as pdrouter sends it; returns the consumer's token ids."""
     transfer_id = transfer_id or new_transfer_id()
     mode = "read" if read_mode else "write"
@@ -118,7 +120,7 @@ def pd_generate(producer: Instance, consumer: Instance, prompt_ids: list[int], m
         params = prefill.get("kv_transfer_params")
         assert params and params["transfer_id"] == transfer_id, prefill
         params = {**params, "do_remote_prefill": True, "mode": "read"}
-        status, decode = completion(consumer.url, prompt_ids, max_tokens, params)
+        status, decode = completion(consumer.url, prompt_ids, max_tokens, params, **(consumer_extra or {}))
         assert status == 200, decode
         return token_ids(decode)
     own_pool = pool is None
@@ -126,7 +128,8 @@ def pd_generate(producer: Instance, consumer: Instance, prompt_ids: list[int], m
     try:
         prefill_future = pool.submit(completion, producer.url, prompt_ids, 1, producer_params,
                                      **(producer_extra or {}))
-        status, decode = completion(consumer.url, prompt_ids, max_tokens, consumer_params_write(producer, transfer_id))
+        status, decode = completion(consumer.url, prompt_ids, max_tokens, consumer_params_write(producer, transfer_id),
+                                    **(consumer_extra or {}))
         p_status, prefill = prefill_future.result(timeout=180)
         assert p_status == 200, prefill
         assert status == 200, decode

@@ -144,6 +144,23 @@ def test_completion_logprobs_shape(client):
         assert token_lp == pytest.approx(max(top.values()), abs=1e-5)
 
 
+def test_return_token_ids_lists_the_generated_ids_streamed_and_not(client, server):
+    # vLLM's return_token_ids: the ids of the completion, the same as logprobs name them.
+    kwargs = dict(model="tiny", prompt="token ids please", max_tokens=7, temperature=0)
+    reference = client.completions.create(
+        logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, **kwargs)
+    expected = [int(t.removeprefix("token_id:")) for t in reference.choices[0].logprobs.tokens]
+    whole = client.completions.create(extra_body={"ignore_eos": True, "return_token_ids": True}, **kwargs)
+    assert whole.choices[0].model_extra["token_ids"] == expected
+    assert whole.choices[0].logprobs is None
+    chunks = list(client.completions.create(stream=True, extra_body={"ignore_eos": True, "return_token_ids": True},
+                                            **kwargs))
+    streamed = [i for c in chunks if c.choices for i in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    assert streamed == expected
+    plain = client.completions.create(extra_body={"ignore_eos": True}, **kwargs)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+
+
 def test_seeded_sampling_is_reproducible(client):
     def sample(seed):
         return client.completions.create(model="tiny", prompt="random", max_tokens=16, temperature=1.0, seed=seed,

@@ -314,5 +314,102 @@ TEST(ConsumerAdmission, APreemptedRequestWhoseKvNeverMovedReleasesTheProducerAtO
   EXPECT_EQ(a.sends[0].message.transfer_id, kT);
 }
 
+// First-token hand-over: 10 tokens, all 10 come from the producer (3 blocks).
+ConsumerTransfers::Params handover_params(bool read_mode, uint64_t key) {
+  auto p = params(read_mode);
+  p.want_first_token = true;
+  p.sampling_key = key;
+  return p;
+}
+
+ControlMessage with_token(ControlMessage m, int32_t token, uint64_t key) {
+  m.first_token = token;
+  m.sampling_key = key;
+  return m;
+}
+
+TEST_F(ConsumerStateTest, HandOverTakesTheWholePromptAndReportsTheProducersToken) {
+  ASSERT_EQ(c_.admit("req", handover_params(false, 7), 0, 10, 0), 10);
+  c_.allocated("req", {4, 5, 6}, 0, 10, 0);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.kv_tokens, 10) << "asks for every prompt token";
+  EXPECT_EQ(a.sends[0].message.block_ids, (std::vector<int32_t>{4, 5, 6}));
+  c_.on_done(producer(), with_token(msg(MessageType::kDone), 99, 7));
+  a = c_.take_actions();
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"});
+  ASSERT_EQ(a.first_tokens.size(), 1u);
+  EXPECT_EQ(a.first_tokens[0], (std::pair<std::string, int32_t>{"req", 99}));
+}
+
+TEST_F(ConsumerStateTest, HandOverRefusesATokenSampledUnderOtherParameters) {
+  ASSERT_EQ(c_.admit("req", handover_params(false, 7), 0, 10, 0), 10);
+  c_.allocated("req", {4, 5, 6}, 0, 10, 0);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();
+  c_.on_done(producer(), with_token(msg(MessageType::kDone), 99, 8));
+  auto a = c_.take_actions();
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"}) << "the KV is still good";
+  EXPECT_TRUE(a.first_tokens.empty());
+  EXPECT_EQ(a.num_first_tokens_refused, 1);
+}
+
+TEST_F(ConsumerStateTest, HandOverTokenIsDroppedWhenTheTransferFails) {
+  ASSERT_EQ(c_.admit("req", handover_params(false, 7), 0, 10, 0), 10);
+  c_.allocated("req", {4, 5, 6}, 0, 10, 0);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();
+  c_.on_done(producer(), with_token(msg(MessageType::kDone, /*ok=*/false), 99, 7));
+  auto a = c_.take_actions();
+  EXPECT_TRUE(a.first_tokens.empty());
+  ASSERT_EQ(a.load_failures.size(), 1u);
+}
+
+TEST_F(ConsumerStateTest, ATokenNobodyAskedForIsIgnored) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  auto a = c_.take_actions();
+  EXPECT_EQ(a.sends[0].message.kv_tokens, 9);
+  c_.on_done(producer(), with_token(msg(MessageType::kDone), 99, 0));
+  a = c_.take_actions();
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"});
+  EXPECT_TRUE(a.first_tokens.empty());
+}
+
+TEST_F(ConsumerStateTest, ReadHandOverReportsTheTokenOnlyAfterEveryReadSucceeded) {
+  ASSERT_EQ(c_.admit("req", handover_params(true, 7), 0, 10, 0), 10);
+  c_.allocated("req", {4, 5, 6}, 0, 10, 0);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.kv_tokens, 10);
+  c_.on_read_ok(producer(), with_token(msg(MessageType::kReadOk), 5, 7));
+  EXPECT_TRUE(c_.take_actions().first_tokens.empty());
+  c_.on_read_done(kT, 0, true);
+  c_.on_read_done(kT, 1, true);
+  a = c_.take_actions();
+  ASSERT_EQ(a.first_tokens.size(), 1u);
+  EXPECT_EQ(a.first_tokens[0].second, 5);
+}
+
+TEST_F(ConsumerStateTest, ReadHandOverTokenIsDroppedWhenAReadFails) {
+  ASSERT_EQ(c_.admit("req", handover_params(true, 7), 0, 10, 0), 10);
+  c_.allocated("req", {4, 5, 6}, 0, 10, 0);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();
+  c_.on_read_ok(producer(), with_token(msg(MessageType::kReadOk), 5, 7));
+  c_.on_read_done(kT, 0, false);
+  c_.on_read_done(kT, 1, true);
+  auto a = c_.take_actions();
+  EXPECT_TRUE(a.first_tokens.empty());
+  EXPECT_EQ(a.load_failures.size(), 1u);
+}
+
+TEST_F(ConsumerStateTest, HandOverIsNotAskedForWhenOnlyTheLastTokenIsMissing) {
+  // 9 tokens, 8 cached here: computing the last one is cheaper than a transfer.
+  EXPECT_EQ(c_.admit("req", handover_params(false, 7), 8, 9, 0), 0);
+}
+
 }  // namespace
 }  // namespace pd::connector

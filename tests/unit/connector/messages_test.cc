@@ -38,16 +38,26 @@ TEST(ControlMessages, EveryTypeRoundTrips) {
   blocks.block_ids = {7, 3, 0, 2147483647};
   blocks.num_skip_blocks = 2;
   blocks.num_tokens = 99;
+  blocks.kv_tokens = 98;
   messages.push_back(blocks);
   auto read = base(MessageType::kRead);
   read.block_ids = {1, 2};
   read.num_tokens = 20;
+  read.kv_tokens = 20;
   messages.push_back(read);
   auto done = base(MessageType::kDone);
   done.ok = true;
   done.num_tokens = 99;
   done.text = "fine";
   messages.push_back(done);
+  auto done_with_token = done;
+  done_with_token.first_token = 151643;
+  done_with_token.sampling_key = 0xfedcba9876543210ULL;
+  messages.push_back(done_with_token);
+  auto read_ok_with_token = base(MessageType::kReadOk);
+  read_ok_with_token.first_token = 0;
+  read_ok_with_token.sampling_key = 1;
+  messages.push_back(read_ok_with_token);
   auto abort = base(MessageType::kAbort);
   abort.text = "why";
   messages.push_back(abort);
@@ -67,6 +77,9 @@ TEST(ControlMessages, EveryTypeRoundTrips) {
     EXPECT_EQ(decoded->block_ids, m.block_ids);
     EXPECT_EQ(decoded->num_skip_blocks, m.num_skip_blocks);
     EXPECT_EQ(decoded->num_tokens, m.num_tokens);
+    EXPECT_EQ(decoded->kv_tokens, m.kv_tokens);
+    EXPECT_EQ(decoded->first_token, m.first_token);
+    EXPECT_EQ(decoded->sampling_key, m.sampling_key);
     EXPECT_EQ(decoded->ok, m.ok);
     EXPECT_EQ(decoded->text, m.text);
     EXPECT_EQ(decoded->engine_desc, m.engine_desc);
@@ -89,7 +102,7 @@ TEST(ControlMessages, RefusesMalformedFramesNamingTheProblem) {
   msgpack::zone zone;
   auto base_fields = [&] {
     std::map<std::string, msgpack::object> f;
-    f["v"] = msgpack::object(1u, zone);
+    f["v"] = msgpack::object(kProtocolVersion, zone);
     f["type"] = msgpack::object(std::string("release"), zone);
     f["instance_id"] = msgpack::object(std::string("x"), zone);
     f["boot_nonce"] = msgpack::object(5u, zone);
@@ -104,7 +117,25 @@ TEST(ControlMessages, RefusesMalformedFramesNamingTheProblem) {
     const char* fragment;
   };
   const Case cases[] = {
-      {[&](auto& f) { f["v"] = msgpack::object(2u, zone); }, "protocol version 2"},
+      {[&](auto& f) { f["v"] = msgpack::object(1u, zone); }, "protocol version 1"},
+      {[&](auto& f) {
+         f["type"] = msgpack::object(std::string("read_ok"), zone);
+         f["first_token"] = msgpack::object(5u, zone);
+       },
+       "come together"},
+      {[&](auto& f) {
+         f["type"] = msgpack::object(std::string("read_ok"), zone);
+         f["first_token"] = msgpack::object(uint64_t{1} << 40, zone);
+         f["sampling_key"] = msgpack::object(5u, zone);
+       },
+       "first_token"},
+      {[&](auto& f) {
+         f["type"] = msgpack::object(std::string("read"), zone);
+         f["block_ids"] = msgpack::object(std::vector<uint32_t>{1}, zone);
+         f["num_tokens"] = msgpack::object(4u, zone);
+         f["kv_tokens"] = msgpack::object(5u, zone);
+       },
+       "exceeds"},
       {[&](auto& f) { f["type"] = msgpack::object(std::string("steal"), zone); }, "unknown message type"},
       {[&](auto& f) { f.erase("instance_id"); }, "instance_id"},
       {[&](auto& f) { f["instance_id"] = msgpack::object(std::string(200, 'a'), zone); }, "instance_id"},
@@ -137,9 +168,9 @@ TEST(ControlMessages, RefusesGarbageTruncationAndTrailingBytes) {
 TEST(ControlMessages, RefusesBlockIdsThatAreNotInt32) {
   msgpack::sbuffer buffer;
   msgpack::packer<msgpack::sbuffer> pk(buffer);
-  pk.pack_map(9);
+  pk.pack_map(10);
   pk.pack(std::string("v"));
-  pk.pack(1u);
+  pk.pack(kProtocolVersion);
   pk.pack(std::string("type"));
   pk.pack(std::string("blocks"));
   pk.pack(std::string("instance_id"));
@@ -156,6 +187,8 @@ TEST(ControlMessages, RefusesBlockIdsThatAreNotInt32) {
   pk.pack(uint64_t{1} << 40);
   pk.pack(std::string("num_tokens"));
   pk.pack(10u);
+  pk.pack(std::string("kv_tokens"));
+  pk.pack(9u);
   pk.pack(std::string("num_skip_blocks"));
   pk.pack(0u);
   auto decoded = decode_message({reinterpret_cast<const uint8_t*>(buffer.data()), buffer.size()});

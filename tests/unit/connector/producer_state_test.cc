@@ -16,12 +16,14 @@ PeerRef intruder() {
   return PeerRef{"r:0b", "decode-9", 99};
 }
 
-ControlMessage blocks_msg(std::vector<int32_t> ids, int32_t num_tokens, int32_t skip = 0) {
+// kv_tokens < 0: the consumer computes the last prompt token (n - 1).
+ControlMessage blocks_msg(std::vector<int32_t> ids, int32_t num_tokens, int32_t skip = 0, int32_t kv_tokens = -1) {
   ControlMessage m;
   m.type = MessageType::kBlocks;
   m.transfer_id = kT;
   m.block_ids = std::move(ids);
   m.num_tokens = num_tokens;
+  m.kv_tokens = kv_tokens < 0 ? num_tokens - 1 : kv_tokens;
   m.num_skip_blocks = skip;
   return m;
 }
@@ -216,6 +218,7 @@ TEST_F(ProducerStateTest, ReadHoldsUntilReleaseFromTheReaderOnly) {
   auto read = simple(MessageType::kRead);
   read.block_ids = {2, 3};
   read.num_tokens = 10;
+  read.kv_tokens = 9;
   p_.on_read(consumer(), read, 100);
   auto a = p_.take_actions();
   ASSERT_EQ(a.sends.size(), 1u);
@@ -235,6 +238,7 @@ TEST_F(ProducerStateTest, ReadOfBlocksThatDoNotBelongToTheTransferIsRefused) {
   auto read = simple(MessageType::kRead);
   read.block_ids = {2, 40};
   read.num_tokens = 10;
+  read.kv_tokens = 9;
   p_.on_read(consumer(), read, 0);
   auto a = p_.take_actions();
   ASSERT_EQ(a.sends.size(), 1u);
@@ -249,6 +253,7 @@ TEST_F(ProducerStateTest, ReadHoldEndsAtTransferTimeoutAndAReadExtendsIt) {
   auto read = simple(MessageType::kRead);
   read.block_ids = {1};
   read.num_tokens = 10;
+  read.kv_tokens = 9;
   p_.on_read(consumer(), read, 400);
   p_.tick(500);
   EXPECT_TRUE(p_.take_actions().released_request_ids.empty());
@@ -301,6 +306,81 @@ TEST(ProducerAdmission, AnAbortThatBeatsTheRequestMeansNothingIsHeld) {
   p.on_forward_done(kT, true);
   EXPECT_FALSE(p.request_finished(kT, {1, 2, 3}, true, 0));
   EXPECT_EQ(p.num_active(), 0u);
+}
+
+// First-token hand-over. 10 tokens, block size 4: the whole prompt is 3 blocks
+// (the same 3 as for 9 tokens), 12 tokens would be 3 against 3 too, 9 tokens 3 against 2.
+TEST_F(ProducerStateTest, DoneCarriesTheFirstTokenToAConsumerThatTookTheWholePrompt) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 9, 0, /*kv_tokens=*/9), 64, 0);
+  EXPECT_EQ(p_.take_actions().num_refused, 0) << "3 blocks for all 9 tokens";
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  EXPECT_TRUE(p_.take_actions().sends.empty()) << "done waits for the token sampled in the same step";
+  p_.first_token_sampled(kT, 4242, 0xfeed);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kDone);
+  EXPECT_TRUE(a.sends[0].message.ok);
+  ASSERT_TRUE(a.sends[0].message.first_token.has_value());
+  EXPECT_EQ(*a.sends[0].message.first_token, 4242);
+  EXPECT_EQ(a.sends[0].message.sampling_key, 0xfeedu);
+  EXPECT_FALSE(p_.request_finished(kT, {1, 2, 3}, true, 0)) << "done already sent, nothing in flight";
+}
+
+TEST_F(ProducerStateTest, DoneWithoutATokenWhenTheRequestFinishesWithoutOne) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 9, 0, 9), 64, 0);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  EXPECT_TRUE(p_.take_actions().sends.empty());
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_TRUE(a.sends[0].message.ok);
+  EXPECT_FALSE(a.sends[0].message.first_token.has_value()) << "the consumer computes the token itself";
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"}) << "the hold ends with done";
+}
+
+TEST_F(ProducerStateTest, ATokenIsNotSentToAConsumerThatComputesTheLastTokenItself) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
+  p_.first_token_sampled(kT, 4242, 1);
+  p_.on_blocks(consumer(), blocks_msg({7, 8}, 9), 64, 0);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_FALSE(a.sends[0].message.first_token.has_value());
+}
+
+TEST_F(ProducerStateTest, KvTokensOtherThanThePromptOrOneLessAreRefused) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8}, 9, 0, /*kv_tokens=*/5), 64, 0);
+  auto a = p_.take_actions();
+  EXPECT_EQ(a.num_refused, 1);
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kAbort);
+}
+
+TEST_F(ProducerStateTest, ReadOkCarriesTheFirstTokenWhenTheWholePromptIsRead) {
+  ASSERT_TRUE(p_.start(kT, "req", true, 9, 0).ok());
+  p_.on_forward_done(kT, true);
+  p_.first_token_sampled(kT, 17, 0xabc);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  auto read = simple(MessageType::kRead);
+  read.block_ids = {1, 2, 3};
+  read.num_tokens = 9;
+  read.kv_tokens = 9;
+  p_.on_read(consumer(), read, 0);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kReadOk);
+  ASSERT_TRUE(a.sends[0].message.first_token.has_value());
+  EXPECT_EQ(*a.sends[0].message.first_token, 17);
+  EXPECT_EQ(a.sends[0].message.sampling_key, 0xabcu);
 }
 
 }  // namespace

@@ -104,7 +104,7 @@ TEST(ConnectorHooks, AsyncLoadWaitsForRemoteKvThenComputesOnlyTheRest) {
   EXPECT_EQ(h.scheduler.num_waiting(), 1);
   h.step();  // nothing arrives: still waiting
   EXPECT_EQ(r->state(), RequestState::kWaitingForRemoteKv);
-  deliver(h, ConnectorEvents{{"pd"}, {}, {}, {}});
+  deliver(h, ConnectorEvents{{"pd"}, {}, {}, {}, {}});
   plan = h.step();
   ASSERT_EQ(plan.seqs.size(), 1u);
   EXPECT_EQ(plan.seqs[0].num_computed_tokens, 48);
@@ -132,7 +132,7 @@ TEST(ConnectorHooks, PreemptedRequestRecomputesLocallyInsteadOfWaitingAgain) {
   SchedulerHarness h(config(5), &conn);
   h.add("pd", iota_tokens(40), 30, kParams);  // grows to 70 tokens = 5 blocks
   h.step();
-  deliver(h, ConnectorEvents{{"pd"}, {}, {}, {}});
+  deliver(h, ConnectorEvents{{"pd"}, {}, {}, {}, {}});
   h.add("other", iota_tokens(20, 500), 20);  // competes for the 5 blocks
   bool preempted = false;
   for (int i = 0; i < 200 && h.scheduler.has_unfinished(); ++i) {
@@ -170,7 +170,7 @@ TEST(ConnectorHooks, AbortedWaiterWhoseWriteMayStillLandKeepsBlocksUntilReported
   h.abort("pd");
   EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 5) << "held: a producer write may still land";
   EXPECT_TRUE(h.scheduler.is_id_in_use("pd"));
-  deliver(h, ConnectorEvents{{"pd"}, {}, {}, {}});
+  deliver(h, ConnectorEvents{{"pd"}, {}, {}, {}, {}});
   EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 8);
   EXPECT_FALSE(h.scheduler.is_id_in_use("pd"));
 }
@@ -184,10 +184,10 @@ TEST(ConnectorHooks, ProducerHoldsBlocksUntilSendingCompletesEvenWhenItsOnlyToke
   EXPECT_EQ(h.finished.count("prefill"), 1u);
   EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 5) << "3 blocks still readable by the transfer";
   EXPECT_EQ(h.scheduler.num_holds(), 1);
-  deliver(h, ConnectorEvents{{}, {"unknown-id"}, {}, {}});
+  deliver(h, ConnectorEvents{{}, {"unknown-id"}, {}, {}, {}});
   EXPECT_EQ(h.scheduler.num_unknown_connector_ids(), 1);
   EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 5);
-  deliver(h, ConnectorEvents{{}, {"prefill"}, {}, {}});
+  deliver(h, ConnectorEvents{{}, {"prefill"}, {}, {}, {}});
   EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 8);
   EXPECT_EQ(h.scheduler.num_holds(), 0);
   // The computed prompt blocks stay in the prefix cache after release.
@@ -204,7 +204,7 @@ TEST(ConnectorHooks, LoadErrorRecomputesFromTheFirstFailedBlock) {
   h.step();
   ASSERT_EQ(conn.alloc_block_ids.size(), 3u);
   const int32_t bad_block = conn.alloc_block_ids[1];
-  deliver(h, ConnectorEvents{{"pd"}, {}, {LoadError{"pd", {bad_block}}}, {}});
+  deliver(h, ConnectorEvents{{"pd"}, {}, {LoadError{"pd", {bad_block}}}, {}, {}});
   EXPECT_EQ(r->num_computed_tokens, 16) << "only the first block arrived intact";
   auto plan = h.step();
   ASSERT_EQ(plan.seqs.size(), 1u);
@@ -303,7 +303,7 @@ TEST(ConnectorHooks, WaitingRequestsHoldingReceivedKvCannotStallAHeadThatNeedsTh
   h.step();  // only one slot: "a" waits for remote KV (4 blocks), "b" after it
   h.step();
   ASSERT_EQ(h.scheduler.num_remote_waiting(), 2);
-  deliver(h, ConnectorEvents{{"a", "b"}, {}, {}, {}});
+  deliver(h, ConnectorEvents{{"a", "b"}, {}, {}, {}, {}});
   h.run_until_idle(/*max_steps=*/500);
   EXPECT_EQ(h.outputs("a"), reference_outputs(prompt_a, 30));
   EXPECT_EQ(h.outputs("b"), reference_outputs(prompt_b, 30));
@@ -320,7 +320,7 @@ TEST(ConnectorHooks, RequestWithoutRoomIsAskedAgainAndKeepsItsTransfer) {
   h.add("plain", iota_tokens(70), 4);  // 5 blocks while it runs
   h.step();
   std::vector<int32_t> pd_prompt = iota_tokens(50);
-  for (int32_t& t : pd_prompt) t += 1000;                 // no prefix shared with "plain"
+  for (int32_t& t : pd_prompt) t += 1000;            // no prefix shared with "plain"
   Request* pd = h.add("pd", pd_prompt, 2, kParams);  // needs 3 blocks, 1 is free: no room yet
   h.step();
   EXPECT_EQ(pd->state(), RequestState::kWaiting);

@@ -54,6 +54,14 @@ class LoopbackConnector : public KvConnector {
     events_.finished_recving.push_back(id);
     if (wakeup_) wakeup_();
   }
+  // deliver() plus the producer's first output token (first-token hand-over).
+  void deliver_with_token(const std::string& id, int32_t token) {
+    {
+      std::lock_guard lock(mutex_);
+      events_.first_tokens.push_back(HandedOverToken{id, token});
+    }
+    deliver(id);
+  }
   void report_failed(const std::string& id, const std::string& message) {
     std::lock_guard lock(mutex_);
     events_.failed_requests.push_back({id, message});
@@ -302,6 +310,78 @@ TEST(EngineConnector, PlainRequestsIgnoreTheConnectorsOffer) {
   ASSERT_TRUE(out.wait_finished("plain"));
   EXPECT_EQ(out.tokens("plain"), reference_greedy(prompt_of(26), 4, kVocab));
   EXPECT_EQ(out.last("plain").num_cached_tokens, 0);
+}
+
+// First-token hand-over: the connector brings all 26 prompt tokens' KV and the
+// producer's token; the engine emits that token and decodes from there.
+ExternalMatch handover_match() {
+  ExternalMatch m{26, true, 60'000};
+  m.includes_last_prompt_token = true;
+  return m;
+}
+
+TEST(EngineConnector, HandedOverFirstTokenIsEmittedAndDecodingContinuesFromIt) {
+  Rig rig = make_rig(64, handover_match());
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  const std::vector<int32_t> reference = reference_greedy(prompt_of(26), 5, kVocab);
+  rig.connector->deliver_with_token("c", reference[0]);
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_EQ(out.tokens("c"), reference);
+  EXPECT_EQ(out.last("c").num_cached_tokens, 26) << "no prompt token was computed here";
+  EXPECT_EQ(rig.runner->num_kv_mismatches(), 0);
+  EXPECT_EQ(rig.runner->num_steps(), 4) << "four decode steps for the four tokens after the handed-over one";
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_handed_over_tokens, 1);
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(EngineConnector, TheHandedOverTokenIsTakenAsIsNotRecomputed) {
+  // A token the model would not pick: the rest of the output must follow it.
+  Rig rig = make_rig(64, handover_match());
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 4), out.callback()).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  const int32_t forced = (reference_greedy(prompt_of(26), 1, kVocab)[0] + 1) % kVocab;
+  rig.connector->deliver_with_token("c", forced);
+  ASSERT_TRUE(out.wait_finished("c"));
+  std::vector<int32_t> extended = prompt_of(26);
+  extended.push_back(forced);
+  std::vector<int32_t> expected{forced};
+  for (int32_t t : reference_greedy(extended, 3, kVocab)) expected.push_back(t);
+  EXPECT_EQ(out.tokens("c"), expected);
+  EXPECT_EQ(rig.runner->num_kv_mismatches(), 0);
+}
+
+TEST(EngineConnector, WholePromptWithoutATokenRecomputesTheLastPromptToken) {
+  Rig rig = make_rig(64, handover_match());
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  rig.connector->deliver("c");
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_EQ(out.tokens("c"), reference_greedy(prompt_of(26), 5, kVocab));
+  EXPECT_EQ(rig.runner->num_kv_mismatches(), 0);
+  EXPECT_EQ(rig.runner->num_steps(), 5) << "one step for the last prompt token, four decode steps";
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_handed_over_tokens, 0);
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(EngineConnector, AHandedOverTokenThatEndsTheRequestFinishesItWithoutAStep) {
+  Rig rig = make_rig(64, handover_match());
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 1), out.callback()).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  rig.connector->deliver_with_token("c", 11);
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_EQ(out.tokens("c"), std::vector<int32_t>{11});
+  EXPECT_EQ(out.last("c").finish_reason, FinishReason::kLength);
+  EXPECT_EQ(rig.runner->num_steps(), 0);
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+  EXPECT_EQ(rig.engine->stats().num_blocks_free, 64);
 }
 
 }  // namespace

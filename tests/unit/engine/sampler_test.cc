@@ -1,4 +1,5 @@
 #include "engine/sampler.h"
+#include "engine/sampling_params.h"
 
 #include <gtest/gtest.h>
 
@@ -198,6 +199,37 @@ TEST(Sampler, RngSeedDependsOnRequestSeedAndIndex) {
   const double u = uniform_from_seed(derive_rng_seed(1, 5));
   EXPECT_GE(u, 0.0);
   EXPECT_LT(u, 1.0);
+}
+
+TEST(FirstTokenSamplingKey, EqualForLegsThatSampleAlikeAndDifferentOtherwise) {
+  SamplingParams a;
+  a.temperature = 0.7f;
+  a.top_p = 0.9f;
+  a.seed = 42;
+  SamplingParams leg = a;
+  leg.max_tokens = 1;  // the producer leg: lengths, stop strings, formatting do not matter
+  leg.stop = {"###"};
+  leg.skip_special_tokens = false;
+  EXPECT_EQ(first_token_sampling_key(a), first_token_sampling_key(leg));
+  auto differs = [&](auto mutate) {
+    SamplingParams b = a;
+    mutate(b);
+    return first_token_sampling_key(b) != first_token_sampling_key(a);
+  };
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.temperature = 0.8f; }));
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.top_k = 5; }));
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.min_p = 0.1f; }));
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.seed = 43; }));
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.seed.reset(); }));
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.min_tokens = 2; }));  // EOS suppressed at the first token
+  SamplingParams suppressing = a;
+  suppressing.min_tokens = 2;
+  SamplingParams other_ids = suppressing;
+  other_ids.stop_token_ids = {7};
+  EXPECT_NE(first_token_sampling_key(suppressing), first_token_sampling_key(other_ids));
+  SamplingParams unsuppressed_ids = a;
+  unsuppressed_ids.stop_token_ids = {7};  // min_tokens 0: stop ids act after sampling only
+  EXPECT_EQ(first_token_sampling_key(a), first_token_sampling_key(unsuppressed_ids));
 }
 
 }  // namespace

@@ -283,9 +283,15 @@ TEST(ResponseShaping, UsageTotalsAndChunks) {
   auto chunk = usage_chunk(header, "text_completion", Usage{4, 6, 0});
   EXPECT_TRUE(chunk["choices"].empty());
   EXPECT_EQ(chunk["usage"]["total_tokens"], 10);
-  auto response = completion_response(header, {ChoiceResult{"hi", nullptr, engine::FinishReason::kLength, nullptr}},
-                                      Usage{1, 2, 0}, nlohmann::json{{"transfer_id", "x"}});
+  auto response =
+      completion_response(header, {ChoiceResult{"hi", nullptr, engine::FinishReason::kLength, nullptr, std::nullopt}},
+                          Usage{1, 2, 0}, nlohmann::json{{"transfer_id", "x"}});
   EXPECT_EQ(response["choices"][0]["finish_reason"], "length");
+  EXPECT_FALSE(response["choices"][0].contains("token_ids")) << "only when return_token_ids asked for them";
+  auto with_ids = completion_response(
+      header, {ChoiceResult{"hi", nullptr, engine::FinishReason::kLength, nullptr, std::vector<int32_t>{5, 9}}},
+      Usage{1, 2, 0}, std::nullopt);
+  EXPECT_EQ(with_ids["choices"][0]["token_ids"], nlohmann::json::array({5, 9}));
   EXPECT_EQ(response["kv_transfer_params"]["transfer_id"], "x");
   EXPECT_EQ(response["usage"]["total_tokens"], 3);
   auto chat = chat_chunk(header, 0, {{"content", "x"}}, nullptr, "stop", "</s>");
