@@ -34,6 +34,16 @@ struct EngineConfig {
   // Progress thread never sleeps (lowest latency, one busy core per engine). Otherwise it
   // sleeps in epoll on the worker's wakeup fd whenever nothing is in flight.
   bool ucx_busy_poll = false;
+  // GPU memory over ucx when the UCX build has no CUDA transports: "auto" stages it
+  // through pinned host buffers when a GPU is visible; "off" refuses GPU regions;
+  // "memcpy" (tests) treats kCuda regions as host memory standing in for a device and
+  // stages them through the same protocol with memcpy as the device copy.
+  std::string ucx_staging = "auto";
+  // Staging chunk (one message and one staging buffer) and buffers per role (chunks of
+  // our batches in flight / peers' chunks copied at once): 2 x slots x chunk bytes of
+  // host memory, allocated on first use.
+  uint64_t ucx_staging_chunk_bytes = 4ull << 20;
+  uint32_t ucx_staging_slots = 8;
   // cuda backend: "kernel" (gather/scatter kernel launches), "copy_engine" (one
   // cudaMemcpyAsync per merged op) or "copy_batch" (cudaMemcpyBatchAsync per launch
   // group; needs CUDA 12.8+, refused otherwise).

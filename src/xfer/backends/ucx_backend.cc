@@ -27,6 +27,8 @@
 
 #include "common/log.h"
 #include "xfer/backends/factory.h"
+#include "xfer/backends/ucx_common.h"
+#include "xfer/backends/ucx_staging.h"
 
 namespace pd::xfer {
 namespace {
@@ -103,22 +105,21 @@ std::string endpoint_transports(ucp_ep_h ep) {
   return joined;
 }
 
-// Completion of one batch: set once by the flush callback (progress thread).
-struct UcxCompletion {
-  std::mutex mutex;
-  std::condition_variable cv;
-  std::atomic<int> status{0};  // 0 pending, 1 done, 2 failed
-  std::string message;
-
-  void finish(ucs_status_t ucs) {
-    {
-      std::lock_guard lock(mutex);
-      if (ucs != UCS_OK) message = fmt::format("UCX flush failed: {}", ucs_status_string(ucs));
-      status.store(ucs == UCS_OK ? 1 : 2, std::memory_order_release);
-    }
-    cv.notify_all();
+// The device copier of ucx staging (EngineConfig::ucx_staging); null when GPU memory
+// cannot be staged here.
+Result<std::unique_ptr<StagingCopier>> make_staging_copier(const EngineConfig& config) {
+  if (config.ucx_staging == "off") return std::unique_ptr<StagingCopier>();
+  if (config.ucx_staging == "memcpy") return make_memcpy_copier();
+  if (config.ucx_staging != "auto") {
+    return invalid_argument("EngineConfig.ucx_staging must be auto, off or memcpy, got '{}'", config.ucx_staging);
   }
-};
+  if (config.ucx_staging_chunk_bytes < 4096 || config.ucx_staging_slots == 0) {
+    return invalid_argument("EngineConfig: ucx_staging_chunk_bytes must be >= 4096 and ucx_staging_slots >= 1");
+  }
+  Result<std::unique_ptr<StagingCopier>> cuda = make_cuda_copier();
+  if (!cuda.ok()) return std::unique_ptr<StagingCopier>();  // no GPU: host memory only
+  return cuda;
+}
 
 class UcxBackend;
 
@@ -128,44 +129,28 @@ struct FlushContext {
   UcxBackend* backend;
 };
 
-// An endpoint to one boot of one peer. Failed when UCX reports the peer gone.
-struct UcxPeer {
-  std::string name;
-  uint64_t boot_nonce = 0;
-  ucp_ep_h ep = nullptr;
-  std::atomic<bool> failed{false};
-};
+// The key of a GPU region staged by this backend: the region is reached through the
+// staging protocol (by region id), not by RMA, so there is no rkey to pack.
+constexpr uint8_t kStagedKey[] = {'p', 'd', 's', 't', 'a', 'g', 'e', '1'};
 
+// A route to a peer's region: RMA with an unpacked rkey (host <-> host, or GPU memory
+// when UCX handles it), or staged (either side GPU memory UCX cannot reach).
 class UcxRoute : public Route {
  public:
   UcxRoute(std::shared_ptr<UcxPeer> peer, ucp_rkey_h rkey, uint8_t* local, uint64_t remote_base)
       : peer_(std::move(peer)), rkey_(rkey), local_(local), remote_base_(remote_base) {}
-  ~UcxRoute() override { ucp_rkey_destroy(rkey_); }
+  UcxRoute(std::shared_ptr<UcxPeer> peer, const StagedMemory& staged_local, RegionId remote_region)
+      : peer_(std::move(peer)), staged_(true), staged_local_(staged_local), remote_region_(remote_region) {}
+  ~UcxRoute() override {
+    if (rkey_ != nullptr) ucp_rkey_destroy(rkey_);
+  }
   std::shared_ptr<UcxPeer> peer_;
-  ucp_rkey_h rkey_;
-  uint8_t* local_;
-  uint64_t remote_base_;
-};
-
-class UcxBatch : public BackendBatch {
- public:
-  UcxBatch(std::shared_ptr<UcxCompletion> completion, std::shared_ptr<Route> route)
-      : completion_(std::move(completion)), route_(std::move(route)) {}
-  TransferState test() override {
-    int s = completion_->status.load(std::memory_order_acquire);
-    if (s == 0) return {};
-    if (s == 1) return {TransferStatus::kDone, {}};
-    std::lock_guard lock(completion_->mutex);
-    return {TransferStatus::kFailed, completion_->message};
-  }
-  void wait_until(SteadyClock::time_point until) override {
-    std::unique_lock lock(completion_->mutex);
-    completion_->cv.wait_until(lock, until, [&] { return completion_->status.load() != 0; });
-  }
-
- private:
-  std::shared_ptr<UcxCompletion> completion_;
-  std::shared_ptr<Route> route_;  // keeps the rkey alive while the ops are in flight
+  ucp_rkey_h rkey_ = nullptr;
+  uint8_t* local_ = nullptr;
+  uint64_t remote_base_ = 0;
+  bool staged_ = false;
+  StagedMemory staged_local_;
+  RegionId remote_region_ = 0;
 };
 
 class UcxBackend : public Backend {
@@ -197,11 +182,17 @@ class UcxBackend : public Backend {
     if (!device->empty()) ucp_config_modify(ucp_config, "NET_DEVICES", device->c_str());
     ucp_params_t params = {};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-    params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     params.mt_workers_shared = 1;
     ucs_status_t s = ucp_init(&params, ucp_config, &context_);
     ucp_config_release(ucp_config);
     if (s != UCS_OK) return unavailable("ucp_init: {}", ucs_status_string(s));
+    ucp_context_attr_t attr = {};
+    attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    if (ucp_context_query(context_, &attr) == UCS_OK) {
+      ucx_handles_cuda_ = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+    }
+    PD_ASSIGN_OR_RETURN(std::unique_ptr<StagingCopier> copier, make_staging_copier(config));
 
     ucp_worker_params_t wparams = {};
     wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -217,6 +208,15 @@ class UcxBackend : public Backend {
     const auto* a = reinterpret_cast<const uint8_t*>(address);
     address_.assign(a, a + address_bytes);
     ucp_worker_release_address(worker_, address);
+
+    // Installed even without a device copier: this engine's host regions may be the
+    // target of a peer's staged GPU batch.
+    StagingConfig staging;
+    staging.chunk_bytes = config.ucx_staging_chunk_bytes;
+    staging.num_initiator_slots = config.ucx_staging_slots;
+    staging.num_target_slots = config.ucx_staging_slots;
+    staging_ = std::make_unique<UcxStaging>(worker_, std::move(copier), staging);
+    PD_RETURN_IF_ERROR(staging_->install());
 
     int efd = -1;
     if (s = ucp_worker_get_efd(worker_, &efd); s != UCS_OK) {
@@ -234,16 +234,30 @@ class UcxBackend : public Backend {
 
   std::string_view name() const override { return "ucx"; }
   void describe(EngineDesc& desc) const override { desc.endpoints["ucx"] = address_; }
-  bool can_register(MemKind kind) const override { return kind == MemKind::kHost; }
+  bool can_register(MemKind kind) const override {
+    return kind == MemKind::kHost || ucx_handles_cuda_ || staging_->has_device_copier();
+  }
+  // A peer's GPU region is always reachable: by RMA when both UCX builds handle CUDA
+  // memory, else through the peer's staging (its key says which).
   bool supports(MemKind local, MemKind remote, bool) const override {
-    return local == MemKind::kHost && remote == MemKind::kHost;
+    return local == MemKind::kHost || can_register(local);
   }
 
   Result<std::vector<uint8_t>> register_memory(const LocalRegion& region) override {
+    const bool staged = region.kind == MemKind::kCuda && !ucx_handles_cuda_;
+    if (staged) {
+      if (!staging_->has_device_copier()) return failed_precondition("ucx: no device copier for GPU memory");
+      staging_->add_region(region.id, {static_cast<uint8_t*>(region.ptr), region.bytes, true, region.device});
+      return std::vector<uint8_t>(std::begin(kStagedKey), std::end(kStagedKey));
+    }
     ucp_mem_map_params_t params = {};
     params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     params.address = region.ptr;
     params.length = region.bytes;
+    if (region.kind == MemKind::kCuda) {
+      params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+      params.memory_type = UCS_MEMORY_TYPE_CUDA;
+    }
     ucp_mem_h memh = nullptr;
     if (ucs_status_t s = ucp_mem_map(context_, &params, &memh); s != UCS_OK) {
       return unavailable("ucp_mem_map of {} bytes: {}", region.bytes, ucs_status_string(s));
@@ -257,6 +271,7 @@ class UcxBackend : public Backend {
     const auto* p = static_cast<const uint8_t*>(packed);
     std::vector<uint8_t> key(p, p + packed_bytes);
     ucp_rkey_buffer_release(packed);
+    staging_->add_region(region.id, {static_cast<uint8_t*>(region.ptr), region.bytes, false, -1});
     std::lock_guard lock(mutex_);
     memhs_[region.id] = memh;
     return key;
@@ -285,12 +300,14 @@ class UcxBackend : public Backend {
     const auto* p = static_cast<const uint8_t*>(packed);
     std::vector<uint8_t> key(p, p + packed_bytes);
     ucp_rkey_buffer_release(packed);
+    staging_->add_region(id, {static_cast<uint8_t*>(attr.address), bytes, false, -1});
     std::lock_guard lock(mutex_);
     memhs_[id] = memh;
     return std::make_pair(attr.address, std::move(key));
   }
 
   void deregister(RegionId id) override {
+    staging_->remove_region(id);  // returns once no peer's chunk is being copied into it
     std::lock_guard lock(mutex_);
     auto it = memhs_.find(id);
     if (it == memhs_.end()) return;
@@ -345,6 +362,17 @@ class UcxBackend : public Backend {
     }
     auto key = remote.keys.find("ucx");
     if (key == remote.keys.end()) return failed_precondition("remote region {} has no ucx key", remote.region_id);
+    const bool remote_staged =
+        remote.kind == MemKind::kCuda &&
+        std::equal(key->second.begin(), key->second.end(), std::begin(kStagedKey), std::end(kStagedKey));
+    const bool local_staged = local.kind == MemKind::kCuda && !ucx_handles_cuda_;
+    if (remote_staged || local_staged) {
+      if (local_staged && !staging_->has_device_copier()) {
+        return failed_precondition("ucx: local GPU region {} but no device copier", local.id);
+      }
+      StagedMemory mine{static_cast<uint8_t*>(local.ptr), local.bytes, local_staged, local.device};
+      return std::shared_ptr<Route>(std::make_shared<UcxRoute>(peer, mine, remote.region_id));
+    }
     ucp_rkey_h rkey = nullptr;
     if (ucs_status_t s = ucp_ep_rkey_unpack(peer->ep, key->second.data(), &rkey); s != UCS_OK) {
       return invalid_argument("remote region {} of '{}': bad ucx key: {}", remote.region_id, remote.engine_name,
@@ -355,10 +383,15 @@ class UcxBackend : public Backend {
   }
 
   Result<std::unique_ptr<BackendBatch>> post(const std::shared_ptr<Route>& route_base, Direction direction,
-                                             std::span<const Op> ops, SteadyClock::time_point) override {
+                                             std::span<const Op> ops, SteadyClock::time_point deadline) override {
     auto& route = static_cast<UcxRoute&>(*route_base);
     if (route.peer_->failed.load()) {
       return unavailable("UCX endpoint to '{}' has failed", route.peer_->name);
+    }
+    if (route.staged_) {
+      std::shared_ptr<UcxCompletion> completion =
+          staging_->post(route.peer_, direction, route.staged_local_, route.remote_region_, ops, deadline);
+      return std::unique_ptr<BackendBatch>(std::make_unique<UcxBatch>(completion, route_base));
     }
     ucp_request_param_t op_param = {};  // no callback: completion is observed by the flush below
     ucs_status_t first_error = UCS_OK;
@@ -432,8 +465,10 @@ class UcxBackend : public Backend {
 
   void progress_loop() {
     while (!stop_.load(std::memory_order_acquire)) {
-      if (ucp_worker_progress(worker_) != 0) continue;
-      if (busy_poll_ || num_inflight_.load(std::memory_order_acquire) > 0) continue;  // spin while in flight
+      const bool progressed = ucp_worker_progress(worker_) != 0;
+      const bool staging_busy = staging_->progress();
+      if (progressed) continue;
+      if (busy_poll_ || staging_busy || num_inflight_.load(std::memory_order_acquire) > 0) continue;  // spin
       ucs_status_t s = ucp_worker_arm(worker_);
       if (s == UCS_ERR_BUSY) continue;
       epoll_event ev;
@@ -462,14 +497,16 @@ class UcxBackend : public Backend {
       ucp_worker_signal(worker_);
       progress_thread_.join();
     }
-    // Force-closing cancels whatever is in flight; the flush callbacks run here.
+    // Force-closing cancels whatever is in flight; the flush and staging callbacks run here.
     for (auto& peer : all_peers_) close_endpoint(*peer);
     Deadline deadline = Deadline::after_ms(kCloseTimeoutMs);
+    if (staging_) staging_->shutdown(deadline);
     while (num_inflight_.load() > 0 && !deadline.expired() && worker_ != nullptr) ucp_worker_progress(worker_);
     for (auto& [id, memh] : memhs_) ucp_mem_unmap(context_, memh);
     memhs_.clear();
     if (epoll_fd_ >= 0) close(epoll_fd_);
     if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    staging_.reset();  // its buffers, after the worker that could still reference them
     if (context_ != nullptr) ucp_cleanup(context_);
     worker_ = nullptr;
     context_ = nullptr;
@@ -477,6 +514,8 @@ class UcxBackend : public Backend {
 
   std::string host_id_;
   bool shm_allowed_ = true;
+  bool ucx_handles_cuda_ = false;  // the UCX build has CUDA transports: GPU regions by RMA
+  std::unique_ptr<UcxStaging> staging_;
   bool busy_poll_ = false;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;

@@ -25,6 +25,9 @@ struct ChildSpec {
   std::string listen_host = "127.0.0.1";
   std::string netns;  // joined before the engine starts, when set
   size_t bytes = 1 << 20;
+  // The region is registered as GPU memory and reached through ucx staging (host memory
+  // standing in for the device: EngineConfig::ucx_staging = "memcpy").
+  bool staged = false;
 };
 
 // A peer engine in a child process. Commands over the socket: 'D' dump the region,
@@ -46,6 +49,7 @@ class ChildPeer {
       setenv("PD_XFER_CHILD_NAME", spec.name.c_str(), 1);
       setenv("PD_XFER_CHILD_HOST", spec.listen_host.c_str(), 1);
       setenv("PD_XFER_CHILD_BYTES", bytes.c_str(), 1);
+      setenv("PD_XFER_CHILD_STAGED", spec.staged ? "1" : "0", 1);
       if (spec.netns.empty()) {
         execl(self, "xfer_peer_child", static_cast<char*>(nullptr));
       } else {
@@ -80,6 +84,7 @@ class ChildPeer {
     if (!write_all(fd_, &cmd, 1, deadline)) return std::nullopt;
     return recv_frame(fd_, deadline);
   }
+  void send_signal(int signal) { kill(pid_, signal); }
   void kill_now() {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
@@ -98,10 +103,12 @@ class ChildPeer {
     config.listen_host = spec.listen_host;
     config.backends = {"ucx"};
     config.ucx_transports = "tcp";
+    config.ucx_staging = "memcpy";
     auto engine = Engine::create(config);
     if (!engine.ok()) return 4;
     std::vector<uint8_t> region(spec.bytes, 0);
-    auto mem = (*engine)->register_memory(region.data(), region.size(), MemKind::kHost);
+    auto mem = spec.staged ? (*engine)->register_memory(region.data(), region.size(), MemKind::kCuda, 0)
+                           : (*engine)->register_memory(region.data(), region.size(), MemKind::kHost);
     if (!mem.ok()) return 5;
     Deadline deadline = Deadline::after_ms(kIoTimeoutMs);
     if (!send_frame(fd, encode((*engine)->describe()), deadline) || !send_frame(fd, encode(*mem), deadline)) return 6;
@@ -135,6 +142,7 @@ struct ChildEntry {
     spec.name = name;
     spec.listen_host = std::getenv("PD_XFER_CHILD_HOST");
     spec.bytes = std::stoull(std::getenv("PD_XFER_CHILD_BYTES"));
+    spec.staged = std::string(std::getenv("PD_XFER_CHILD_STAGED")) == "1";
     std::exit(ChildPeer::child_main(spec, kChildFd));
   }
 };
@@ -146,6 +154,9 @@ std::unique_ptr<Engine> parent_engine(const std::string& listen_host = "127.0.0.
   config.listen_host = listen_host;
   config.backends = {"ucx"};
   config.ucx_transports = "tcp";
+  config.ucx_staging = "memcpy";
+  config.ucx_staging_chunk_bytes = 64 << 10;  // a 1 MiB region is many chunks
+  config.ucx_staging_slots = 2;
   auto engine = Engine::create(config);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   return engine.ok() ? std::move(engine).value() : nullptr;
@@ -165,11 +176,12 @@ std::vector<Op> random_ops(std::mt19937_64& rng, uint64_t num_blocks, uint64_t b
 // peer's bytes after each write and ours after each read. The sessions must travel over
 // exactly `expected_transports` (as UCX names its lanes: "tcp/<interface>").
 void exchange_and_verify(Engine& engine, ChildPeer& child, size_t bytes, uint64_t seed,
-                         const std::string& expected_transports) {
+                         const std::string& expected_transports, MemKind kind = MemKind::kHost) {
   std::vector<uint8_t> source(bytes), sink(bytes, 0);
   fill_pattern(source, seed);
-  auto src = engine.register_memory(source.data(), bytes, MemKind::kHost);
-  auto dst = engine.register_memory(sink.data(), bytes, MemKind::kHost);
+  const int device = kind == MemKind::kCuda ? 0 : -1;
+  auto src = engine.register_memory(source.data(), bytes, kind, device);
+  auto dst = engine.register_memory(sink.data(), bytes, kind, device);
   ASSERT_TRUE(src.ok() && dst.ok());
   ASSERT_TRUE(engine.connect(child.engine()).ok());
   auto out = engine.session(*src, child.mem());
@@ -211,6 +223,93 @@ TEST(TwoProcess, RandomWritesAndReadsOverTcpLoopbackAreByteExact) {
   auto child = ChildPeer::spawn(named("child"));
   ASSERT_TRUE(child);
   exchange_and_verify(*engine, *child, 1 << 20, 21, "tcp/lo");
+}
+
+TEST(TwoProcess, StagedGpuRegionsOverTcpLoopbackAreByteExact) {
+  auto engine = parent_engine();
+  ASSERT_TRUE(engine);
+  ChildSpec spec = named("gpu-child");
+  spec.staged = true;
+  auto child = ChildPeer::spawn(spec);
+  ASSERT_TRUE(child);
+  exchange_and_verify(*engine, *child, 1 << 20, 22, "tcp/lo", MemKind::kCuda);
+}
+
+TEST(TwoProcess, KilledPeerFailsAStagedBatchWithinItsDeadline) {
+  auto engine = parent_engine();
+  ASSERT_TRUE(engine);
+  ChildSpec spec = named("doomed-gpu");
+  spec.staged = true;
+  auto doomed = ChildPeer::spawn(spec);
+  ASSERT_TRUE(doomed);
+  std::vector<uint8_t> source(1 << 20);
+  fill_pattern(source, 8);
+  auto src = engine->register_memory(source.data(), source.size(), MemKind::kCuda, 0);
+  ASSERT_TRUE(src.ok());
+  ASSERT_TRUE(engine->connect(doomed->engine()).ok());
+  auto session = engine->session(*src, doomed->mem());
+  ASSERT_TRUE(session.ok());
+  std::vector<Op> whole = {{0, 0, source.size()}};
+  auto warm = session->write(whole);
+  ASSERT_TRUE(warm.ok());
+  ASSERT_TRUE(engine->wait(*warm, Deadline::after_ms(kIoTimeoutMs)).ok());
+
+  doomed->kill_now();
+  const int64_t start = now_ns();
+  constexpr int64_t kBatchDeadlineMs = 3'000;
+  auto id = session->write(whole, Deadline::after_ms(kBatchDeadlineMs));
+  bool failed = !id.ok();
+  if (id.ok()) failed = !engine->wait(*id, Deadline::after_ms(2 * kBatchDeadlineMs)).ok();
+  const double elapsed_ms = (now_ns() - start) / 1e6;
+  EXPECT_TRUE(failed) << "a staged write to a killed peer succeeded";
+  EXPECT_LT(elapsed_ms, kBatchDeadlineMs + 1'000);
+  // The staged batch reports its failure only once every chunk is retired, so the
+  // region is free as soon as the wait returns.
+  Status freed = engine->deregister(src->region_id);
+  EXPECT_TRUE(freed.ok()) << freed.to_string();
+}
+
+TEST(TwoProcess, StoppedPeerFailsAStagedBatchAtItsDeadlineAndLaterBatchesStillLand) {
+  auto engine = parent_engine();
+  ASSERT_TRUE(engine);
+  ChildSpec spec = named("sleepy-gpu");
+  spec.staged = true;
+  auto child = ChildPeer::spawn(spec);
+  ASSERT_TRUE(child);
+  std::vector<uint8_t> source(1 << 20);
+  fill_pattern(source, 9);
+  auto src = engine->register_memory(source.data(), source.size(), MemKind::kCuda, 0);
+  ASSERT_TRUE(src.ok());
+  ASSERT_TRUE(engine->connect(child->engine()).ok());
+  auto session = engine->session(*src, child->mem());
+  ASSERT_TRUE(session.ok());
+  std::vector<Op> whole = {{0, 0, source.size()}};
+  auto warm = session->write(whole);
+  ASSERT_TRUE(warm.ok());
+  ASSERT_TRUE(engine->wait(*warm, Deadline::after_ms(kIoTimeoutMs)).ok());
+
+  child->send_signal(SIGSTOP);  // alive, connected, never answers
+  constexpr int64_t kBatchDeadlineMs = 500;
+  const int64_t start = now_ns();
+  auto id = session->write(whole, Deadline::after_ms(kBatchDeadlineMs));
+  ASSERT_TRUE(id.ok());
+  Status s = engine->wait(*id, Deadline::after_ms(kIoTimeoutMs));
+  const double elapsed_ms = (now_ns() - start) / 1e6;
+  EXPECT_EQ(s.code(), ErrorCode::kDeadlineExceeded) << s.to_string();
+  EXPECT_GE(elapsed_ms, kBatchDeadlineMs - 5);
+  EXPECT_LT(elapsed_ms, kBatchDeadlineMs + 1'000);
+  child->send_signal(SIGCONT);
+
+  // The dropped chunks' buffers come back (late replies are ignored) and a new batch
+  // lands byte-exact.
+  std::reverse(source.begin(), source.end());
+  auto again = session->write(whole);
+  ASSERT_TRUE(again.ok());
+  Status ok = engine->wait(*again, Deadline::after_ms(kIoTimeoutMs));
+  ASSERT_TRUE(ok.ok()) << ok.to_string();
+  auto remote = child->dump();
+  ASSERT_TRUE(remote.has_value());
+  EXPECT_EQ(*remote, source);
 }
 
 TEST(TwoProcess, KilledPeerFailsTheBatchWithinItsDeadlineAndOtherPeersKeepWorking) {
@@ -352,6 +451,14 @@ TEST(TwoProcess, RandomWritesAndReadsAcrossTwoNetworkNamespacesOverVeth) {
   ASSERT_TRUE(child);
   // TCP over the veth, nothing else: shared memory would cross the namespaces unseen.
   exchange_and_verify(*engine, *child, 1 << 20, 31, "tcp/" + ns->veth_);
+  // The same with GPU regions on both sides, through ucx staging.
+  spec = named("remote-gpu");
+  spec.listen_host = ns->ns_ip_;
+  spec.netns = ns->name_;
+  spec.staged = true;
+  auto gpu_child = ChildPeer::spawn(spec);
+  ASSERT_TRUE(gpu_child);
+  exchange_and_verify(*engine, *gpu_child, 1 << 20, 32, "tcp/" + ns->veth_, MemKind::kCuda);
 }
 
 TEST(TwoProcess, EngineRefusesAnInterfaceThatStaysDownInsteadOfFallingBackToLoopback) {
