@@ -9,6 +9,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -119,15 +120,31 @@ void check_bias_and_silu() {
   record("silu_mul", "7x12288", compare(to_float(d_out.download()), ref2));
 }
 
-void check_gemm(int m, int n, int k, kc::GemmOut out_type) {
+// policy kSkinny runs the skinny kernel for m <= 16; kAutotune whatever the tuner picks.
+// What the autotuner chose for the (only) shape a Gemm ran, or "".
+std::string tuned_note(const kc::Gemm& gemm) {
+  if (gemm.tunings().empty()) return "";
+  const kc::GemmTuning& t = gemm.tunings().back();
+  char buf[128];
+  std::snprintf(buf, sizeof(buf), "tuned: %s (cublas first %.1f us, best of %d %.1f us, skinny v%d %.1f us)",
+                t.chose_skinny ? "skinny" : "cublas", t.heuristic_us, t.num_candidates, t.best_cublas_us,
+                t.skinny_variant, t.skinny_us);
+  return buf;
+}
+
+void check_gemm(int m, int n, int k, kc::GemmOut out_type, kc::GemmPolicy policy = kc::GemmPolicy::kHeuristic,
+                int skinny_variant = 0) {
   std::vector<float> a_f, w_f;
   auto a = random_bf16(static_cast<size_t>(m) * k, 1.0f, rng(), &a_f);
   auto w = random_bf16(static_cast<size_t>(n) * k, 1.0f, rng(), &w_f);
   DeviceBuffer<bf16> d_a(a.size()), d_w(w.size());
   d_a.upload(a);
   d_w.upload(w);
-  auto gemm = kc::Gemm::create();
+  auto gemm = kc::Gemm::create(64ull << 20, policy, skinny_variant);
   PD_STATUS_CHECK(gemm.status());
+  const std::string prefix = policy == kc::GemmPolicy::kSkinny     ? "skinny_gemm_v" + std::to_string(skinny_variant)
+                             : policy == kc::GemmPolicy::kAutotune ? "gemm_tuned"
+                                                                   : "gemm";
   std::vector<float> ref(static_cast<size_t>(m) * n);
   cpu::matmul(a_f.data(), w_f.data(), nullptr, m, n, k, ref.data());
   const std::string shape = std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k);
@@ -135,12 +152,12 @@ void check_gemm(int m, int n, int k, kc::GemmOut out_type) {
     DeviceBuffer<bf16> d_out(static_cast<size_t>(m) * n);
     d_out.poison();
     PD_STATUS_CHECK((*gemm)->run(d_out.get(), out_type, d_a.get(), d_w.get(), m, n, k, nullptr));
-    record("gemm_bf16", shape, compare(to_float(d_out.download()), ref));
+    record(prefix + "_bf16", shape, compare(to_float(d_out.download()), ref), tuned_note(**gemm));
   } else {
     DeviceBuffer<float> d_out(static_cast<size_t>(m) * n);
     d_out.poison();
     PD_STATUS_CHECK((*gemm)->run(d_out.get(), out_type, d_a.get(), d_w.get(), m, n, k, nullptr));
-    record("gemm_f32out", shape, compare(d_out.download(), ref));
+    record(prefix + "_f32out", shape, compare(d_out.download(), ref), tuned_note(**gemm));
   }
 }
 
@@ -613,7 +630,12 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   PD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   PD_CUDA_CHECK(cudaSetDevice(0));
-  std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  // The decode-path kernels run as the runner runs them: with programmatic dependent launch.
+  const bool pdl =
+      !(argc > 2 && std::string(argv[2]) == "--no-pdl") && !(argc > 1 && std::string(argv[1]) == "--no-pdl");
+  pd::kernels::cuda::set_programmatic_launch(pdl);
+  std::printf("device: %s (sm_%d%d, %d SMs), programmatic launch %s\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount, pdl ? "on" : "off");
   check_dispatch_rejects();
   check_embedding();
   check_rmsnorm(false, 4096);
@@ -621,6 +643,27 @@ int main(int argc, char** argv) {
   check_bias_and_silu();
   check_gemm(77, 4096, 4096, pd::kernels::cuda::GemmOut::kBFloat16);
   check_gemm(5, 1000, 512, pd::kernels::cuda::GemmOut::kFloat32);
+  // Skinny kernel: M 1..16 (rows above 8 use the mma's upper half), n not a multiple
+  // of its 16 columns per CTA, k not a multiple of its 32-wide chunks, long k.
+  for (auto [m, n, k, out] : std::vector<std::tuple<int, int, int, pd::kernels::cuda::GemmOut>>{
+           {1, 4096, 4096, pd::kernels::cuda::GemmOut::kBFloat16},
+           {3, 1000, 520, pd::kernels::cuda::GemmOut::kFloat32},
+           {8, 6144, 4096, pd::kernels::cuda::GemmOut::kBFloat16},
+           {9, 4104, 12288, pd::kernels::cuda::GemmOut::kBFloat16},
+           {16, 1000, 4096, pd::kernels::cuda::GemmOut::kFloat32},
+           {16, 24, 8, pd::kernels::cuda::GemmOut::kBFloat16},
+           {5, 4096, 12288, pd::kernels::cuda::GemmOut::kBFloat16},
+           {7, 1000, 520, pd::kernels::cuda::GemmOut::kFloat32},
+           {4, 1000, 264, pd::kernels::cuda::GemmOut::kBFloat16},
+           {2, 6144, 4096, pd::kernels::cuda::GemmOut::kFloat32}}) {
+    for (int variant = 0; variant < pd::kernels::cuda::Gemm::num_skinny_variants(); ++variant) {
+      if (m > pd::kernels::cuda::Gemm::skinny_variant_max_m(variant)) continue;
+      check_gemm(m, n, k, out, pd::kernels::cuda::GemmPolicy::kSkinny, variant);
+    }
+  }
+  check_gemm(1, 32000, 4096, pd::kernels::cuda::GemmOut::kFloat32, pd::kernels::cuda::GemmPolicy::kAutotune);
+  check_gemm(16, 4096, 4096, pd::kernels::cuda::GemmOut::kBFloat16, pd::kernels::cuda::GemmPolicy::kAutotune);
+  check_gemm(64, 4096, 12288, pd::kernels::cuda::GemmOut::kBFloat16, pd::kernels::cuda::GemmPolicy::kAutotune);
   check_rope_kv(128, 32, 8, true);
   check_rope_kv(64, 14, 2, false);
   const std::vector<SeqSpec> prefill_seqs = {{100, 100}, {37, 300}, {1, 17}, {200, 264}, {64, 64}, {129, 1000}};

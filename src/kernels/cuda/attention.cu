@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace pd::kernels::cuda::detail {
 namespace {
@@ -988,6 +989,8 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   extern __shared__ __align__(16) unsigned char decode_ring_smem[];
   __shared__ float m_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
   __shared__ float l_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
 
   const int seq = blockIdx.z;
   const int kv_head = blockIdx.y;
@@ -1065,6 +1068,8 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
 template <int kHeadDim>
 __global__ void decode_reduce_kernel(AttentionArgs a, const float* __restrict__ part_lse,
                                      const float* __restrict__ part_out, int32_t num_partitions) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
   const int seq = blockIdx.y;
   const int q_head = blockIdx.x;
   const int d = threadIdx.x;
@@ -1108,15 +1113,17 @@ cudaError_t launch_decode_mma(const AttentionArgs& args, float* workspace, int32
     constexpr int kSmemBytes = decode_ring_smem_bytes<kHeadDim>();  // > 48 KiB for D128: needs the opt-in
     cudaError_t attr = opt_in_dynamic_smem<decode_attention_mma_ring_kernel<kHeadDim>>(kSmemBytes);
     if (attr != cudaSuccess) return attr;
-    decode_attention_mma_ring_kernel<kHeadDim>
-        <<<grid, kMmaDecodeWarps * 32, kSmemBytes, stream>>>(args, lse, out, num_partitions);
+    attr = launch_dependent(decode_attention_mma_ring_kernel<kHeadDim>, grid, dim3(kMmaDecodeWarps * 32),
+                            static_cast<size_t>(kSmemBytes), stream, args, lse, out, num_partitions);
+    if (attr != cudaSuccess) return attr;
   } else {
     decode_attention_mma_kernel<kHeadDim><<<grid, kMmaDecodeWarps * 32, 0, stream>>>(args, lse, out, num_partitions);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  decode_reduce_kernel<kHeadDim>
-      <<<dim3(args.num_q_heads, args.num_seqs), kHeadDim, 0, stream>>>(args, lse, out, num_partitions);
+  err = launch_dependent(decode_reduce_kernel<kHeadDim>, dim3(args.num_q_heads, args.num_seqs), dim3(kHeadDim), 0,
+                         stream, args, static_cast<const float*>(lse), static_cast<const float*>(out), num_partitions);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 

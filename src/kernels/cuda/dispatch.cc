@@ -2,6 +2,7 @@
 // Supported: head_dim in {64, 128}, KV block size 16, GQA group <= 8, row
 // widths that are multiples of 8 (16-byte vectors), hidden <= 16384.
 #include <algorithm>
+#include <atomic>
 
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/launch.h"
@@ -60,7 +61,19 @@ Status check_attention(const AttentionArgs& a, const char* kernel) {
   return Status::Ok();
 }
 
+std::atomic<bool> g_programmatic_launch{false};
+
 }  // namespace
+
+namespace detail {
+bool programmatic_launch_enabled() {
+  return g_programmatic_launch.load(std::memory_order_relaxed);
+}
+}  // namespace detail
+
+void set_programmatic_launch(bool enabled) {
+  g_programmatic_launch.store(enabled, std::memory_order_relaxed);
+}
 
 Status cuda_status(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status::Ok();

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace pd::kernels::cuda::detail {
 namespace {
@@ -64,6 +65,8 @@ constexpr int kNormMaxVecPerThread = 8;  // 256 * 8 * 8 = 16384 elements
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_kernel(bf16* out, const bf16* x, bf16* residual, const bf16* __restrict__ weight, int32_t hidden,
                    float eps) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
   const int64_t row = blockIdx.x;
   const int num_vec = hidden / kVec;
   const auto* xv = reinterpret_cast<const Bf16x8*>(x + row * hidden);
@@ -114,6 +117,8 @@ __global__ void __launch_bounds__(kNormThreads)
 }
 
 __global__ void add_bias_kernel(bf16* x, const bf16* __restrict__ bias, int32_t width) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
   const int64_t row = blockIdx.y;
   auto* xv = reinterpret_cast<Bf16x8*>(x + row * width);
   const auto* bv = reinterpret_cast<const Bf16x8*>(bias);
@@ -128,6 +133,8 @@ __global__ void add_bias_kernel(bf16* x, const bf16* __restrict__ bias, int32_t 
 }
 
 __global__ void silu_mul_kernel(bf16* __restrict__ out, const bf16* __restrict__ gate_up, int32_t intermediate) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
   const int64_t row = blockIdx.y;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= intermediate / kVec) return;
@@ -151,6 +158,8 @@ constexpr int kRopeWarps = 8;
 
 template <int kHeadDim>
 __global__ void __launch_bounds__(kRopeWarps * 32) rope_kv_kernel(RopeKvArgs a) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kPairs = kHalf / 32;  // pairs per lane: 1 (D=64) or 2 (D=128)
   const int t = blockIdx.x;
@@ -248,14 +257,18 @@ cudaError_t launch_embedding(bf16* out, const bf16* table, const int32_t* ids, i
 cudaError_t launch_rmsnorm(bf16* out, const bf16* x, bf16* residual, const bf16* weight, int32_t num_rows,
                            int32_t hidden, float eps, cudaStream_t stream) {
   if (num_rows == 0) return cudaSuccess;
-  rmsnorm_kernel<<<num_rows, kNormThreads, 0, stream>>>(out, x, residual, weight, hidden, eps);
+  const cudaError_t err = launch_dependent(rmsnorm_kernel, dim3(num_rows), dim3(kNormThreads), 0, stream, out, x,
+                                           residual, weight, hidden, eps);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
 cudaError_t launch_add_bias(bf16* x, const bf16* bias, int32_t num_rows, int32_t width, cudaStream_t stream) {
   if (num_rows == 0) return cudaSuccess;
   const int vecs = width / kVec;
-  add_bias_kernel<<<dim3((vecs + 127) / 128, num_rows), 128, 0, stream>>>(x, bias, width);
+  const cudaError_t err =
+      launch_dependent(add_bias_kernel, dim3((vecs + 127) / 128, num_rows), dim3(128), 0, stream, x, bias, width);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
@@ -263,7 +276,9 @@ cudaError_t launch_silu_mul(bf16* out, const bf16* gate_up, int32_t num_rows, in
                             cudaStream_t stream) {
   if (num_rows == 0) return cudaSuccess;
   const int vecs = intermediate / kVec;
-  silu_mul_kernel<<<dim3((vecs + 127) / 128, num_rows), 128, 0, stream>>>(out, gate_up, intermediate);
+  const cudaError_t err = launch_dependent(silu_mul_kernel, dim3((vecs + 127) / 128, num_rows), dim3(128), 0, stream,
+                                           out, gate_up, intermediate);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
@@ -272,9 +287,11 @@ cudaError_t launch_rope_kv(const RopeKvArgs& args, cudaStream_t stream) {
   const int num_heads = args.num_q_heads + 2 * args.num_kv_heads;
   const dim3 grid(args.num_tokens, (num_heads + kRopeWarps - 1) / kRopeWarps);
   if (args.head_dim == 128) {
-    rope_kv_kernel<128><<<grid, kRopeWarps * 32, 0, stream>>>(args);
+    const cudaError_t err = launch_dependent(rope_kv_kernel<128>, grid, dim3(kRopeWarps * 32), 0, stream, args);
+    if (err != cudaSuccess) return err;
   } else {
-    rope_kv_kernel<64><<<grid, kRopeWarps * 32, 0, stream>>>(args);
+    const cudaError_t err = launch_dependent(rope_kv_kernel<64>, grid, dim3(kRopeWarps * 32), 0, stream, args);
+    if (err != cudaSuccess) return err;
   }
   return cudaGetLastError();
 }

@@ -1,19 +1,54 @@
 #include "kernels/cuda/gemm.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/launch.h"
 
 namespace pd::kernels::cuda {
 namespace {
+
+constexpr int kTimingRounds = 3;
+constexpr int kCallsPerRound = 5;
 
 Status lt_status(cublasStatus_t st, const char* what) {
   if (st == CUBLAS_STATUS_SUCCESS) return Status::Ok();
   return internal_error("{} failed: cublas status {} ({})", what, static_cast<int>(st), cublasLtGetStatusString(st));
 }
 
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) return true;  // be safe: never sync then
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// The skinny kernel reads a and w rows with 16-byte loads (k % 8 == 0 is checked by run()).
+bool aligned_16(const void* a, const void* w) {
+  return reinterpret_cast<uintptr_t>(a) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
+}
+
 }  // namespace
 
-Result<std::unique_ptr<Gemm>> Gemm::create(size_t workspace_bytes) {
+bool Gemm::skinny_aligned(const Call& call) {
+  return aligned_16(call.a, call.w);
+}
+
+int32_t Gemm::num_skinny_variants() {
+  return detail::kNumSkinnyGemmVariants;
+}
+
+int32_t Gemm::skinny_variant_max_m(int32_t variant) {
+  return detail::skinny_gemm_max_m(variant);
+}
+
+Result<std::unique_ptr<Gemm>> Gemm::create(size_t workspace_bytes, GemmPolicy policy, int32_t skinny_variant) {
+  if (skinny_variant < 0 || skinny_variant >= detail::kNumSkinnyGemmVariants) {
+    return invalid_argument("gemm: skinny variant {} (have 0..{})", skinny_variant, detail::kNumSkinnyGemmVariants - 1);
+  }
   std::unique_ptr<Gemm> g(new Gemm());
+  g->policy_ = policy;
+  g->forced_skinny_variant_ = skinny_variant;
   PD_RETURN_IF_ERROR(lt_status(cublasLtCreate(&g->handle_), "cublasLtCreate"));
   PD_RETURN_IF_ERROR(cuda_status(cudaMalloc(&g->workspace_, workspace_bytes), "cudaMalloc(gemm workspace)"));
   g->workspace_bytes_ = workspace_bytes;
@@ -31,13 +66,102 @@ Gemm::~Gemm() {
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
+Status Gemm::launch(const Plan& plan, const Call& c) {
+  // The plan is per shape, the pointers per call: a misaligned call takes the plan's cuBLASLt algorithm.
+  if (plan.skinny_variant >= 0 && skinny_aligned(c)) {
+    return cuda_status(detail::launch_skinny_gemm(c.out, c.out_type == GemmOut::kFloat32, c.a, c.w, c.m, c.n, c.k,
+                                                  plan.skinny_variant, c.stream),
+                       "skinny gemm launch");
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  return lt_status(cublasLtMatmul(handle_, plan.desc, &alpha, c.w, plan.a, c.a, plan.b, &beta, c.out, plan.c, c.out,
+                                  plan.c, &plan.algo, workspace_, workspace_bytes_, c.stream),
+                   "cublasLtMatmul");
+}
+
+Result<float> Gemm::time_plan(const Plan& plan, const Call& call, cudaEvent_t start, cudaEvent_t stop) {
+  PD_RETURN_IF_ERROR(launch(plan, call));  // warm-up (first-use costs of the algorithm)
+  float best_ms = 0.0f;
+  for (int round = 0; round < kTimingRounds; ++round) {
+    PD_RETURN_IF_ERROR(cuda_status(cudaEventRecord(start, call.stream), "gemm tuning event"));
+    for (int i = 0; i < kCallsPerRound; ++i) PD_RETURN_IF_ERROR(launch(plan, call));
+    PD_RETURN_IF_ERROR(cuda_status(cudaEventRecord(stop, call.stream), "gemm tuning event"));
+    PD_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(stop), "gemm tuning sync"));
+    float ms = 0.0f;
+    PD_RETURN_IF_ERROR(cuda_status(cudaEventElapsedTime(&ms, start, stop), "gemm tuning elapsed"));
+    best_ms = round == 0 ? ms : std::min(best_ms, ms);
+  }
+  return best_ms * 1000.0f / kCallsPerRound;
+}
+
+Status Gemm::tune(Plan& plan, const Call& call, const std::vector<cublasLtMatmulHeuristicResult_t>& candidates) {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  PD_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&start), "gemm tuning event create"));
+  const Status created = cuda_status(cudaEventCreate(&stop), "gemm tuning event create");
+  if (!created.ok()) {
+    cudaEventDestroy(start);
+    return created;
+  }
+  GemmTuning t;
+  t.m = call.m;
+  t.n = call.n;
+  t.k = call.k;
+  t.out_type = call.out_type;
+  Status st = Status::Ok();
+  cublasLtMatmulAlgo_t best_algo = plan.algo;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    Plan trial = plan;
+    trial.algo = candidates[i].algo;
+    trial.skinny_variant = -1;
+    Result<float> us = time_plan(trial, call, start, stop);
+    if (!us.ok()) {
+      // A candidate the heuristic offered but that fails to run is skipped, not fatal.
+      cudaGetLastError();
+      continue;
+    }
+    ++t.num_candidates;
+    if (i == 0) t.heuristic_us = *us;
+    if (t.best_cublas_us < 0.0f || *us < t.best_cublas_us) {
+      t.best_cublas_us = *us;
+      best_algo = candidates[i].algo;
+    }
+  }
+  plan.algo = best_algo;
+  plan.skinny_variant = -1;
+  for (int32_t v = 0; v < detail::kNumSkinnyGemmVariants && st.ok() && skinny_aligned(call); ++v) {
+    if (call.m > detail::skinny_gemm_max_m(v)) continue;
+    Plan trial = plan;
+    trial.skinny_variant = v;
+    Result<float> us = time_plan(trial, call, start, stop);
+    st = us.status();
+    if (!st.ok()) break;
+    if (t.skinny_us < 0.0f || *us < t.skinny_us) {
+      t.skinny_us = *us;
+      t.skinny_variant = v;
+    }
+  }
+  if (st.ok() && t.skinny_variant >= 0 && (t.best_cublas_us < 0.0f || t.skinny_us < t.best_cublas_us)) {
+    plan.skinny_variant = t.skinny_variant;
+  }
+  t.chose_skinny = plan.skinny_variant >= 0;
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  PD_RETURN_IF_ERROR(st);
+  if (t.num_candidates == 0 && plan.skinny_variant < 0) {
+    return internal_error("gemm m={} n={} k={}: no cuBLASLt candidate ran", call.m, call.n, call.k);
+  }
+  tunings_.push_back(t);
+  return Status::Ok();
+}
+
 // Column-major view: out^T [N x M] = w [N x K] (stored K x N, transposed) * a^T (K x M).
-Result<Gemm::Plan*> Gemm::plan_for(int32_t m, int32_t n, int32_t k, GemmOut out_type) {
-  const auto key = std::make_tuple(m, n, k, out_type);
+Result<Gemm::Plan*> Gemm::plan_for(const Call& call) {
+  const auto key = std::make_tuple(call.m, call.n, call.k, call.out_type);
   auto it = plans_.find(key);
   if (it != plans_.end()) return &it->second;
+  const int32_t m = call.m, n = call.n, k = call.k;
   Plan plan;
-  const cudaDataType_t c_type = out_type == GemmOut::kFloat32 ? CUDA_R_32F : CUDA_R_16BF;
+  const cudaDataType_t c_type = call.out_type == GemmOut::kFloat32 ? CUDA_R_32F : CUDA_R_16BF;
   PD_RETURN_IF_ERROR(
       lt_status(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate"));
   const cublasOperation_t trans = CUBLAS_OP_T, no_trans = CUBLAS_OP_N;
@@ -49,18 +173,24 @@ Result<Gemm::Plan*> Gemm::plan_for(int32_t m, int32_t n, int32_t k, GemmOut out_
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, k, n, k), "layout A"));
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, k, m, k), "layout B"));
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.c, c_type, n, m, n), "layout C"));
+  const bool tuned = policy_ == GemmPolicy::kAutotune && m <= kMaxTunedM && !stream_is_capturing(call.stream);
   cublasLtMatmulPreference_t pref = nullptr;
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatmulPreferenceCreate(&pref), "preference create"));
   const uint64_t ws = workspace_bytes_;
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  cublasLtMatmulHeuristicResult_t result{};
+  std::vector<cublasLtMatmulHeuristicResult_t> results(tuned ? kTunedAlgos : 1);
   int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, pref,
+                                                           static_cast<int>(results.size()), results.data(), &found);
   cublasLtMatmulPreferenceDestroy(pref);
   PD_RETURN_IF_ERROR(lt_status(st, "cublasLtMatmulAlgoGetHeuristic"));
   if (found == 0) return internal_error("cuBLASLt has no algorithm for bf16 GEMM m={} n={} k={}", m, n, k);
-  plan.algo = result.algo;
+  results.resize(static_cast<size_t>(found));
+  plan.algo = results[0].algo;
+  if (policy_ == GemmPolicy::kSkinny && m <= detail::skinny_gemm_max_m(forced_skinny_variant_)) {
+    plan.skinny_variant = forced_skinny_variant_;
+  }
+  if (tuned) PD_RETURN_IF_ERROR(tune(plan, call, results));
   auto [pos, inserted] = plans_.emplace(key, plan);
   return &pos->second;
 }
@@ -71,11 +201,9 @@ Status Gemm::run(void* out, GemmOut out_type, const __nv_bfloat16* a, const __nv
   if (m < 0 || n <= 0 || k <= 0 || k % 8 != 0 || n % 8 != 0) {
     return invalid_argument("gemm shape m={} n={} k={}: need m >= 0, n, k > 0 and multiples of 8", m, n, k);
   }
-  PD_ASSIGN_OR_RETURN(Plan * plan, plan_for(m, n, k, out_type));
-  const float alpha = 1.0f, beta = 0.0f;
-  return lt_status(cublasLtMatmul(handle_, plan->desc, &alpha, w, plan->a, a, plan->b, &beta, out, plan->c, out,
-                                  plan->c, &plan->algo, workspace_, workspace_bytes_, stream),
-                   "cublasLtMatmul");
+  const Call call{out, out_type, a, w, m, n, k, stream};
+  PD_ASSIGN_OR_RETURN(Plan * plan, plan_for(call));
+  return launch(*plan, call);
 }
 
 }  // namespace pd::kernels::cuda

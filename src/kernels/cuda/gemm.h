@@ -1,8 +1,17 @@
-// bf16 GEMM through cuBLASLt: out[M][N] = a[M][K] * w[N][K]^T (HF's row-major
+// bf16 GEMM: out[M][N] = a[M][K] * w[N][K]^T (HF's row-major
 // [out_features][in_features] weights), fp32 accumulate, bf16 or fp32 output.
-// The algorithm is chosen once per (M, N, K, output type) by cuBLASLt's
-// heuristic and cached; the workspace is owned here, so calls are safe inside
-// CUDA graph capture once a shape has been seen outside it.
+// Backends: cuBLASLt, and for M <= 16 the skinny kernel (skinny_gemm.cu).
+// The plan is chosen once per (M, N, K, output type) and cached; the cuBLASLt
+// workspace is owned here, so calls are safe inside CUDA graph capture once a
+// shape has been seen outside it.
+//
+// Policy kAutotune (the default): the first call of a shape with M <= 256
+// (decode buckets, short prefills) that is not inside a graph capture times up
+// to kTunedAlgos of cuBLASLt's heuristic candidates and, for M <= 16, each
+// variant of the skinny kernel, on the call's own buffers, and keeps the fastest. Other
+// shapes take cuBLASLt's first heuristic choice. The first call of a tuned
+// shape therefore synchronizes the stream and writes `out` several times
+// (out must not alias a or w, as for any call).
 // Not thread-safe: one Gemm per stream owner.
 #pragma once
 
@@ -14,16 +23,39 @@
 #include <map>
 #include <memory>
 #include <tuple>
+#include <vector>
 
 #include "common/status.h"
 
 namespace pd::kernels::cuda {
 
 enum class GemmOut : uint8_t { kBFloat16, kFloat32 };
+// kHeuristic: cuBLASLt's first heuristic choice (the first version; kept for
+// before/after runs). kSkinny: the skinny kernel variant given to create()
+// whenever M fits it (checks and benchmarks).
+enum class GemmPolicy : uint8_t { kAutotune, kHeuristic, kSkinny };
+
+// What the tuner measured for one shape (times of one call, microseconds; < 0 = not run).
+struct GemmTuning {
+  int32_t m = 0, n = 0, k = 0;
+  GemmOut out_type = GemmOut::kBFloat16;
+  float heuristic_us = -1.0f;    // cuBLASLt's first choice
+  float best_cublas_us = -1.0f;  // fastest of the timed cuBLASLt candidates
+  float skinny_us = -1.0f;       // fastest skinny variant
+  int32_t skinny_variant = -1;   // which one
+  int32_t num_candidates = 0;
+  bool chose_skinny = false;
+};
 
 class Gemm {
  public:
-  static Result<std::unique_ptr<Gemm>> create(size_t workspace_bytes = 64ull << 20);
+  static constexpr int32_t kMaxTunedM = 256;
+  static constexpr int kTunedAlgos = 16;
+
+  static Result<std::unique_ptr<Gemm>> create(size_t workspace_bytes = 64ull << 20,
+                                              GemmPolicy policy = GemmPolicy::kAutotune, int32_t skinny_variant = 0);
+  static int32_t num_skinny_variants();
+  static int32_t skinny_variant_max_m(int32_t variant);
   ~Gemm();
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
@@ -31,19 +63,40 @@ class Gemm {
   Status run(void* out, GemmOut out_type, const __nv_bfloat16* a, const __nv_bfloat16* w, int32_t m, int32_t n,
              int32_t k, cudaStream_t stream);
 
+  GemmPolicy policy() const { return policy_; }
+  // One entry per tuned shape, in the order they were tuned.
+  const std::vector<GemmTuning>& tunings() const { return tunings_; }
+
  private:
   Gemm() = default;
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    int32_t skinny_variant = -1;  // >= 0: the skinny kernel runs instead of algo
   };
-  Result<Plan*> plan_for(int32_t m, int32_t n, int32_t k, GemmOut out_type);
+  struct Call {
+    void* out;
+    GemmOut out_type;
+    const __nv_bfloat16* a;
+    const __nv_bfloat16* w;
+    int32_t m, n, k;
+    cudaStream_t stream;
+  };
+  static bool skinny_aligned(const Call& call);
+  Result<Plan*> plan_for(const Call& call);
+  Status launch(const Plan& plan, const Call& call);
+  // Time of one call in microseconds: the fastest of a few rounds of back-to-back calls.
+  Result<float> time_plan(const Plan& plan, const Call& call, cudaEvent_t start, cudaEvent_t stop);
+  Status tune(Plan& plan, const Call& call, const std::vector<cublasLtMatmulHeuristicResult_t>& candidates);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  GemmPolicy policy_ = GemmPolicy::kAutotune;
+  int32_t forced_skinny_variant_ = 0;  // kSkinny
   std::map<std::tuple<int32_t, int32_t, int32_t, GemmOut>, Plan> plans_;
+  std::vector<GemmTuning> tunings_;
 };
 
 }  // namespace pd::kernels::cuda

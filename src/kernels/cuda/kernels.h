@@ -65,6 +65,12 @@ Status decode_attention(const AttentionArgs& args, void* workspace, size_t works
 Status sample_rows(float* logits, int32_t num_rows, int32_t vocab, const RowSampling* params,
                    const int32_t* suppressed_ids, int32_t* tokens, float* logprobs, cudaStream_t stream);
 
+// Programmatic dependent launch (kernels/cuda/pdl.cuh) for the kernels of the
+// decode path (norms, RoPE, SwiGLU, bias, decode attention, skinny GEMM): each
+// may be scheduled while its predecessor finishes, and waits for it before
+// touching memory. Process-wide (one runner per process); off by default.
+void set_programmatic_launch(bool enabled);
+
 // Fills n bf16 values with a counter-based hash of (seed, index), uniform in
 // [-scale, scale): dummy weights and random test data without host traffic.
 Status fill_uniform(bf16* out, size_t n, uint64_t seed, float scale, cudaStream_t stream);

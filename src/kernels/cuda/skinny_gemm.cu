@@ -1,0 +1,247 @@
+// Skinny bf16 GEMM for decode: out[M][N] = a[M][K] * w[N][K]^T with M <= 16.
+//
+// At decode batch sizes the weight matrix is read once and the activations
+// are tiny, so the kernel is bound by how many weight bytes are in flight.
+// One CTA owns 16 output columns (two n8 tiles of w rows) and splits K over its
+// 8 warps; each lane streams 16-byte loads of w (kUnroll chunks of 32 k per
+// warp-iteration, all issued before the first use) and the math runs on
+// tensor cores (mma m16n8k16, the M activation rows zero-padded to 16), so even
+// M = 16 costs nothing next to the loads. The warps' partial tiles are summed
+// in shared memory; no workspace, no atomics, one launch.
+//
+// Variants 0..3 (the GEMM autotuner times each per shape; which wins depends on N and K):
+// 4 or 8 chunks in flight per lane (8 only for M <= 8, which needs no registers
+// for activation rows 8..15), and each warp's K either as one contiguous slice
+// or interleaved with the other warps' (the CTA then sweeps each row front to back).
+// Variant 4 (m <= 4) is a CUDA-core GEMV with whole-row loads, below.
+//
+// k permutation: a lane of quad t4 loads 8 consecutive k (16 bytes) of its w
+// row and of the activation rows; those 8 values feed the mma's k slots
+// {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9} of two consecutive k16 steps. A and B use
+// the same map, so the dot product is unchanged (it is a sum over k).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
+
+namespace pd::kernels::cuda::detail {
+namespace {
+
+constexpr int kSkinnyWarps = 8;
+constexpr int kSkinnyThreads = kSkinnyWarps * 32;
+constexpr int kSkinnyColsPerCta = 16;  // two n8 tiles
+constexpr int kSkinnyKChunk = 32;      // k per warp per chunk (4 lanes x 8)
+constexpr int kSkinnyMaxM = kSkinnyGemmMaxM;
+
+// Weights are read exactly once: keep them out of L1 so the activations stay there.
+__device__ __forceinline__ uint4 load_weights_16(const bf16* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Precondition (checked by the caller): 1 <= m <= (kHighRows ? 16 : 8), n % 8 == 0, k % 8 == 0.
+// The minimum of CTAs per SM caps registers at what keeping every load of an
+// iteration in flight needs (ptxas otherwise trades loads in flight for occupancy).
+template <bool kOutFp32, int kUnroll, bool kHighRows>
+__global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
+    skinny_gemm_kernel(void* __restrict__ out, const bf16* __restrict__ a, const bf16* __restrict__ w, int m, int n,
+                       int k, bool interleave_k) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;  // w row within an n8 tile; activation row (and row + 8)
+  const int t4 = lane & 3;
+  const int n0 = blockIdx.x * kSkinnyColsPerCta;
+  const bool has_tile1 = n0 + 8 < n;  // n % 8 == 0: a tile is all in or all out
+
+  const int num_chunks = (k + kSkinnyKChunk - 1) / kSkinnyKChunk;
+  // This warp's iterations: chunks [c, c + kUnroll) for c = chunk_first, += chunk_step, below chunk_end.
+  int chunk_first, chunk_step, chunk_end;
+  if (interleave_k) {
+    chunk_first = warp * kUnroll;
+    chunk_step = kSkinnyWarps * kUnroll;
+    chunk_end = num_chunks;
+  } else {
+    const int chunks_per_warp = (num_chunks + kSkinnyWarps - 1) / kSkinnyWarps;
+    chunk_first = warp * chunks_per_warp;
+    chunk_step = kUnroll;
+    chunk_end = min(num_chunks, chunk_first + chunks_per_warp);
+  }
+
+  const bf16* w0 = w + static_cast<int64_t>(n0 + g) * k + t4 * 8;
+  const bf16* w1 = w + static_cast<int64_t>(has_tile1 ? n0 + 8 + g : n0 + g) * k + t4 * 8;
+  const bool row_lo = g < m;
+  const bool row_hi = kHighRows && g + 8 < m;
+  const bf16* a_lo = a + static_cast<int64_t>(row_lo ? g : 0) * k + t4 * 8;
+  const bf16* a_hi = a + static_cast<int64_t>(row_hi ? g + 8 : 0) * k + t4 * 8;
+
+  float acc0[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int c = chunk_first; c < chunk_end; c += chunk_step) {
+    uint4 wv0[kUnroll], wv1[kUnroll], av_lo[kUnroll], av_hi[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k_off = (c + u) * kSkinnyKChunk;
+      const bool valid = c + u < chunk_end && k_off + t4 * 8 < k;
+      wv0[u] = valid ? load_weights_16(w0 + k_off) : zero;
+      wv1[u] = valid && has_tile1 ? load_weights_16(w1 + k_off) : zero;
+      av_lo[u] = valid && row_lo ? __ldg(reinterpret_cast<const uint4*>(a_lo + k_off)) : zero;
+      av_hi[u] = kHighRows && valid && row_hi ? __ldg(reinterpret_cast<const uint4*>(a_hi + k_off)) : zero;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      mma_16816(acc0, av_lo[u].x, av_hi[u].x, av_lo[u].y, av_hi[u].y, wv0[u].x, wv0[u].y);
+      mma_16816(acc0, av_lo[u].z, av_hi[u].z, av_lo[u].w, av_hi[u].w, wv0[u].z, wv0[u].w);
+      mma_16816(acc1, av_lo[u].x, av_hi[u].x, av_lo[u].y, av_hi[u].y, wv1[u].x, wv1[u].y);
+      mma_16816(acc1, av_lo[u].z, av_hi[u].z, av_lo[u].w, av_hi[u].w, wv1[u].z, wv1[u].w);
+    }
+  }
+
+  // Sum the warps' partial tiles: [warp][tile][fragment element][lane].
+  __shared__ float partial[kSkinnyWarps][2][4][32];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    partial[warp][0][i][lane] = acc0[i];
+    partial[warp][1][i][lane] = acc1[i];
+  }
+  __syncthreads();
+  // One thread per (tile, fragment element, lane): 2 x 4 x 32 = kSkinnyThreads.
+  const int tile = threadIdx.x >> 7;
+  const int elem = (threadIdx.x >> 5) & 3;
+  const int src_lane = threadIdx.x & 31;
+  float sum = 0.0f;
+#pragma unroll
+  for (int wp = 0; wp < kSkinnyWarps; ++wp) sum += partial[wp][tile][elem][src_lane];
+  // mma C fragment: elements 0,1 are row g, 2,3 row g + 8; column 2 t4 + (elem & 1).
+  const int row = (src_lane >> 2) + (elem >= 2 ? 8 : 0);
+  const int col = n0 + tile * 8 + (src_lane & 3) * 2 + (elem & 1);
+  if (row < m && col < n) {
+    const int64_t idx = static_cast<int64_t>(row) * n + col;
+    if constexpr (kOutFp32) {
+      static_cast<float*>(out)[idx] = sum;
+    } else {
+      static_cast<bf16*>(out)[idx] = __float2bfloat16(sum);
+    }
+  }
+}
+
+// Variant 4, m <= 4: plain CUDA-core GEMV. Each warp owns kGemvRowsPerWarp w rows
+// over the whole of K and every load instruction of the warp reads 512
+// contiguous bytes of one row (the mma variants read 64 bytes of 8 rows), at
+// the price of 8 FMAs per loaded weight pair per activation row.
+constexpr int kGemvMaxM = 4;
+constexpr int kGemvRowsPerWarp = 2;
+constexpr int kGemvUnroll = 4;  // 256-wide k steps in flight per lane
+constexpr int kGemvRowsPerCta = kSkinnyWarps * kGemvRowsPerWarp;
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(words[i] << 16);
+    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+template <bool kOutFp32>
+__global__ void __launch_bounds__(kSkinnyThreads, 2)
+    gemv_kernel(void* __restrict__ out, const bf16* __restrict__ a, const bf16* __restrict__ w, int m, int n, int k) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row0 = blockIdx.x * kGemvRowsPerCta + warp * kGemvRowsPerWarp;
+  float acc[kGemvRowsPerWarp][kGemvMaxM] = {};
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  constexpr int kStep = 32 * 8;  // k per warp load instruction
+  for (int k0 = lane * 8; k0 < k; k0 += kGemvUnroll * kStep) {
+    uint4 wv[kGemvUnroll][kGemvRowsPerWarp];
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {
+#pragma unroll
+      for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+        const bool valid = k0 + u * kStep < k && row0 + r < n;
+        wv[u][r] = valid ? load_weights_16(w + static_cast<int64_t>(row0 + r) * k + k0 + u * kStep) : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      if (k0 + u * kStep >= k) break;
+      float wf[kGemvRowsPerWarp][8];
+#pragma unroll
+      for (int r = 0; r < kGemvRowsPerWarp; ++r) bf16x8_to_float(wv[u][r], wf[r]);
+#pragma unroll
+      for (int mi = 0; mi < kGemvMaxM; ++mi) {
+        if (mi >= m) break;
+        float af[8];
+        bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(a + static_cast<int64_t>(mi) * k + k0 + u * kStep)), af);
+#pragma unroll
+        for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[r][mi] = fmaf(af[j], wf[r][j], acc[r][mi]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+#pragma unroll
+    for (int mi = 0; mi < kGemvMaxM; ++mi) {
+      float v = acc[r][mi];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      if (lane == 0 && mi < m && row0 + r < n) {
+        const int64_t idx = static_cast<int64_t>(mi) * n + row0 + r;
+        if constexpr (kOutFp32) {
+          static_cast<float*>(out)[idx] = v;
+        } else {
+          static_cast<bf16*>(out)[idx] = __float2bfloat16(v);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf16* w, int32_t m, int32_t n, int32_t k,
+                               int32_t variant, cudaStream_t stream) {
+  if (m < 1 || m > skinny_gemm_max_m(variant)) return cudaErrorInvalidValue;
+  if (variant == 4) {
+    using GemvKernel = void (*)(void*, const bf16*, const bf16*, int, int, int);
+    const GemvKernel kernel = out_fp32 ? gemv_kernel<true> : gemv_kernel<false>;
+    const dim3 grid((n + kGemvRowsPerCta - 1) / kGemvRowsPerCta);
+    return launch_dependent(kernel, grid, dim3(kSkinnyThreads), 0, stream, out, a, w, m, n, k);
+  }
+  using Kernel = void (*)(void*, const bf16*, const bf16*, int, int, int, bool);
+  const bool deep = variant >= 2;  // 8 chunks in flight, rows 0..7 only
+  const Kernel kernel = out_fp32 ? (deep ? skinny_gemm_kernel<true, 8, false> : skinny_gemm_kernel<true, 4, true>)
+                                 : (deep ? skinny_gemm_kernel<false, 8, false> : skinny_gemm_kernel<false, 4, true>);
+  const bool interleave_k = (variant & 1) != 0;
+  const dim3 grid((n + kSkinnyColsPerCta - 1) / kSkinnyColsPerCta);
+  return launch_dependent(kernel, grid, dim3(kSkinnyThreads), 0, stream, out, a, w, m, n, k, interleave_k);
+}
+
+int32_t skinny_gemm_max_m(int32_t variant) {
+  if (variant < 0 || variant >= kNumSkinnyGemmVariants) return 0;
+  if (variant == 4) return kGemvMaxM;
+  return variant >= 2 ? 8 : kSkinnyMaxM;
+}
+
+}  // namespace pd::kernels::cuda::detail
