@@ -34,6 +34,45 @@ float time_ms(Fn&& fn, int reps = 20) {
   return times[times.size() / 2];
 }
 
+// Device time of one call of fn(stream) when `calls` of them run back to back
+// inside one CUDA graph, as kernels do in the runner's decode graph (so launch
+// gaps are the graph's, not the host's): median of `reps` replays / calls.
+// fn runs once outside the capture first (GEMM plans, one-time attributes).
+template <typename Fn>
+float time_in_graph_ms(Fn&& fn, int calls = 20, int reps = 10) {
+  cudaStream_t stream = nullptr;
+  PD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  fn(stream);
+  PD_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph = nullptr;
+  PD_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < calls; ++i) fn(stream);
+  PD_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  PD_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  PD_CUDA_CHECK(cudaGraphDestroy(graph));
+  cudaEvent_t start, stop;
+  PD_CUDA_CHECK(cudaEventCreate(&start));
+  PD_CUDA_CHECK(cudaEventCreate(&stop));
+  PD_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up replay
+  std::vector<float> times;
+  for (int r = 0; r < reps; ++r) {
+    PD_CUDA_CHECK(cudaEventRecord(start, stream));
+    PD_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    PD_CUDA_CHECK(cudaEventRecord(stop, stream));
+    PD_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    PD_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms / static_cast<float>(calls));
+  }
+  std::sort(times.begin(), times.end());
+  PD_CUDA_CHECK(cudaEventDestroy(start));
+  PD_CUDA_CHECK(cudaEventDestroy(stop));
+  PD_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  PD_CUDA_CHECK(cudaStreamDestroy(stream));
+  return times[times.size() / 2];
+}
+
 // GB/s of a 4 GiB device-to-device copy, counting bytes read plus written.
 inline double measure_copy_gbs() {
   const size_t bytes = 4ull << 30;

@@ -4,11 +4,19 @@
 // bandwidth), and prefill of 1 and 8 prompts of 2,000 tokens vs the bf16 GEMM
 // rate (2 * linear params * tokens + causal attention + lm_head of the sampled
 // rows). Qwen3-8B and Qwen3-32B shapes with dummy weights generated on the GPU.
-// Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all] [--ctx 2048] [--decode-kernel tc|simt]
+// --ops first times every kernel of a Qwen3-8B decode step on its own (GEMMs
+// with cuBLASLt's first heuristic choice, the autotuned plan and the skinny
+// kernel, against their bytes / copy-bandwidth floor; norms, RoPE, SwiGLU;
+// decode attention per split-K partition size), sums them per step, and the
+// decode rows then show that sum beside the graph replay and execute() times.
+// Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all|none] [--ctx 2048] [--decode-kernel tc|simt]
+//        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -39,12 +47,225 @@ model::ModelConfig qwen3_config(bool big) {
   return c;
 }
 
+namespace kc = pd::kernels::cuda;
+using bf16 = __nv_bfloat16;
+
 struct Row {
   std::string what;
   double floor_ms;
   double measured_ms;
   std::string note;
+  double graph_ms = -1.0;       // decode: one replay of the captured graph
+  double kernel_sum_ms = -1.0;  // decode, with --ops: sum of the step's kernels timed alone
 };
+
+// --ops: batch size -> sum of the kernels of one decode step (ms).
+std::map<int, double> g_kernel_sum_ms;
+
+const char* policy_name(kc::GemmPolicy p) {
+  return p == kc::GemmPolicy::kAutotune ? "autotune" : p == kc::GemmPolicy::kHeuristic ? "heuristic" : "skinny";
+}
+
+// Per-op timings of a Qwen3-8B decode step at batch m (bench_ops).
+constexpr int kOpsCallsPerGraph = 20;
+struct OpsContext {
+  double copy_gbs;
+  int ctx;
+};
+
+// Weight copies cycled between calls so that repeated timing reads HBM, not L2
+// (each layer of the real model reads different weights).
+struct WeightPool {
+  std::vector<DeviceBuffer<bf16>> copies;
+  size_t next = 0;
+  WeightPool(size_t elems, size_t min_total_bytes) {
+    const size_t bytes = elems * sizeof(bf16);
+    const size_t n = std::max<size_t>(1, (min_total_bytes + bytes - 1) / bytes);
+    for (size_t i = 0; i < n; ++i) {
+      copies.emplace_back(elems);
+      PD_STATUS_CHECK(kc::fill_uniform(copies.back().get(), elems, 100 + i, 0.03f, nullptr));
+    }
+  }
+  const bf16* take() { return copies[next++ % copies.size()].get(); }
+};
+
+void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::vector<int>& batches) {
+  const int h = cfg.hidden_size, inter = cfg.intermediate_size, hq = cfg.num_heads, hkv = cfg.num_kv_heads,
+            d = cfg.head_dim;
+  struct Shape {
+    const char* name;
+    int n, k;
+    kc::GemmOut out;
+  };
+  const std::vector<Shape> shapes = {{"qkv", (hq + 2 * hkv) * d, h, kc::GemmOut::kBFloat16},
+                                     {"o_proj", h, hq * d, kc::GemmOut::kBFloat16},
+                                     {"gate_up", 2 * inter, h, kc::GemmOut::kBFloat16},
+                                     {"down", h, inter, kc::GemmOut::kBFloat16},
+                                     {"lm_head", cfg.vocab_size, h, kc::GemmOut::kFloat32}};
+  const int max_m = *std::max_element(batches.begin(), batches.end());
+  const size_t kMinPoolBytes = 512ull << 20;  // >> the 50-60 MB L2
+  DeviceBuffer<bf16> act(static_cast<size_t>(max_m) * std::max(inter, h) * 2);
+  PD_STATUS_CHECK(kc::fill_uniform(act.get(), act.count(), 5, 1.0f, nullptr));
+  DeviceBuffer<float> out(static_cast<size_t>(max_m) * cfg.vocab_size);
+  std::printf(
+      "\nper-op timings, %s shapes: device ms per call, %d calls back to back in one CUDA graph "
+      "(floor = bytes / %.0f GB/s copy bandwidth)\n",
+      cfg.architecture.c_str(), kOpsCallsPerGraph, oc.copy_gbs);
+  std::printf("%-8s %4s %9s %9s %9s %9s %7s %7s  %s\n", "op", "M", "floor", "heur", "tuned", "skinny", "heur/fl",
+              "tuned/fl", "tuned choice (best skinny variant)");
+  // gemm_ms[m][shape] = the autotuned time (what the runner runs).
+  std::map<int, std::vector<double>> gemm_ms;
+  for (const Shape& sh : shapes) {
+    WeightPool pool(static_cast<size_t>(sh.n) * sh.k, kMinPoolBytes);
+    for (int m : batches) {
+      const double out_bytes = sh.out == kc::GemmOut::kFloat32 ? 4.0 : 2.0;
+      const double bytes = 2.0 * sh.n * sh.k + 2.0 * m * sh.k + out_bytes * m * sh.n;
+      const double floor_ms = bytes / (oc.copy_gbs * 1e6);
+      auto time_policy = [&](kc::GemmPolicy policy, int variant, std::string* choice) {
+        auto gemm = kc::Gemm::create(64ull << 20, policy, variant);
+        PD_STATUS_CHECK(gemm.status());
+        const double ms = time_in_graph_ms(
+            [&](cudaStream_t st) {
+              PD_STATUS_CHECK((*gemm)->run(out.get(), sh.out, act.get(), pool.take(), m, sh.n, sh.k, st));
+            },
+            kOpsCallsPerGraph);
+        if (choice != nullptr && !(*gemm)->tunings().empty()) {
+          const kc::GemmTuning& t = (*gemm)->tunings().back();
+          *choice = std::string(t.chose_skinny ? "skinny" : "cublas") + " (v" + std::to_string(t.skinny_variant) + ")";
+        }
+        return ms;
+      };
+      std::string choice;
+      const double heur = time_policy(kc::GemmPolicy::kHeuristic, 0, nullptr);
+      const double tuned = time_policy(kc::GemmPolicy::kAutotune, 0, &choice);
+      double skinny = -1.0;
+      for (int v = 0; v < kc::Gemm::num_skinny_variants() && m <= 16; ++v) {
+        if (m > kc::Gemm::skinny_variant_max_m(v)) continue;
+        const double ms = time_policy(kc::GemmPolicy::kSkinny, v, nullptr);
+        if (skinny < 0.0 || ms < skinny) skinny = ms;
+      }
+      gemm_ms[m].push_back(tuned);
+      std::printf("%-8s %4d %9.4f %9.4f %9.4f %9.4f %7.2f %7.2f  %s\n", sh.name, m, floor_ms, heur, tuned, skinny,
+                  heur / floor_ms, tuned / floor_ms, choice.c_str());
+    }
+  }
+
+  // Elementwise kernels and attention at each batch size. The KV pool spans at
+  // least kMinPoolBytes and each call reads other blocks, so attention reads HBM.
+  const int blocks_per_seq = (oc.ctx + 15) / 16;
+  const size_t block_bytes = 2ull * 16 * hkv * d * sizeof(bf16);
+  const int num_blocks =
+      std::max(max_m * blocks_per_seq, static_cast<int>((kMinPoolBytes + block_bytes - 1) / block_bytes));
+  const int num_seq_slots = num_blocks / blocks_per_seq;  // sequences' worth of blocks in the pool
+  DeviceBuffer<bf16> kv(static_cast<size_t>(num_blocks) * block_bytes / sizeof(bf16));
+  PD_STATUS_CHECK(kc::fill_uniform(kv.get(), kv.count(), 9, 1.0f, nullptr));
+  std::vector<int32_t> table(static_cast<size_t>(num_blocks));
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937_64(3));
+  DeviceBuffer<int32_t> d_table(table.size());
+  d_table.upload(table);
+  DeviceBuffer<bf16> q(static_cast<size_t>(max_m) * hq * d), attn_out(q.count()),
+      qkv(static_cast<size_t>(max_m) * (hq + 2 * hkv) * d), x(static_cast<size_t>(max_m) * h), resid(x.count()),
+      norm_w(static_cast<size_t>(h)), gate_up(static_cast<size_t>(max_m) * 2 * inter),
+      act_out(static_cast<size_t>(max_m) * inter), qk_norm_w(static_cast<size_t>(d));
+  for (auto* b : {&q, &qkv, &x, &resid, &norm_w, &gate_up, &qk_norm_w}) {
+    PD_STATUS_CHECK(kc::fill_uniform(b->get(), b->count(), 11, 1.0f, nullptr));
+  }
+  DeviceBuffer<float> inv_freq(static_cast<size_t>(d / 2));
+  {
+    std::vector<float> f(static_cast<size_t>(d / 2));
+    for (int i = 0; i < d / 2; ++i) f[static_cast<size_t>(i)] = std::pow(1e6f, -2.0f * i / d);
+    inv_freq.upload(f);
+  }
+  std::printf("\n%-30s %4s %9s %9s %7s\n", "op", "M", "floor", "ms", "x floor");
+  for (int m : batches) {
+    std::vector<int32_t> ctx_lens(static_cast<size_t>(m), oc.ctx), qstart(static_cast<size_t>(m) + 1),
+        positions(static_cast<size_t>(m), oc.ctx - 1), slots(static_cast<size_t>(m));
+    for (int s = 0; s <= m; ++s) qstart[static_cast<size_t>(s)] = s;
+    for (int s = 0; s < m; ++s) {
+      slots[static_cast<size_t>(s)] =
+          table[static_cast<size_t>(s * blocks_per_seq + (oc.ctx - 1) / 16)] * 16 + (oc.ctx - 1) % 16;
+    }
+    DeviceBuffer<int32_t> d_ctx(ctx_lens.size()), d_qstart(qstart.size()), d_pos(positions.size()),
+        d_slots(slots.size());
+    d_ctx.upload(ctx_lens);
+    d_qstart.upload(qstart);
+    d_pos.upload(positions);
+    d_slots.upload(slots);
+    auto row = [&](const std::string& what, double bytes, double ms) {
+      const double floor_ms = bytes / (oc.copy_gbs * 1e6);
+      std::printf("%-30s %4d %9.4f %9.4f %7.2f\n", what.c_str(), m, floor_ms, ms, ms / floor_ms);
+    };
+    const double rms_ms = time_in_graph_ms(
+        [&](cudaStream_t st) {
+          PD_STATUS_CHECK(kc::rmsnorm(x.get(), x.get(), resid.get(), norm_w.get(), m, h, 1e-6f, st));
+        },
+        kOpsCallsPerGraph);
+    row("add+rmsnorm", 2.0 * m * h * 4 + 2.0 * h, rms_ms);
+    kc::RopeKvArgs rope;
+    rope.qkv = qkv.get();
+    rope.q_out = q.get();
+    rope.kv_cache = kv.get();
+    rope.positions = d_pos.get();
+    rope.slot_mapping = d_slots.get();
+    rope.inv_freq = inv_freq.get();
+    rope.q_norm_weight = qk_norm_w.get();
+    rope.k_norm_weight = qk_norm_w.get();
+    rope.num_tokens = m;
+    rope.num_q_heads = hq;
+    rope.num_kv_heads = hkv;
+    rope.head_dim = d;
+    const double rope_ms =
+        time_in_graph_ms([&](cudaStream_t st) { PD_STATUS_CHECK(kc::rope_kv_write(rope, st)); }, kOpsCallsPerGraph);
+    row("qk-norm+rope+kv write", 2.0 * 2.0 * m * (hq + 2 * hkv) * d, rope_ms);
+    const double silu_ms = time_in_graph_ms(
+        [&](cudaStream_t st) { PD_STATUS_CHECK(kc::silu_mul(act_out.get(), gate_up.get(), m, inter, st)); },
+        kOpsCallsPerGraph);
+    row("silu_mul", 2.0 * m * inter * 3, silu_ms);
+    kc::AttentionArgs a;
+    a.q = q.get();
+    a.out = attn_out.get();
+    a.kv_cache = kv.get();
+    a.query_start = d_qstart.get();
+    a.context_lens = d_ctx.get();
+    a.max_blocks_per_seq = blocks_per_seq;
+    a.num_seqs = m;
+    a.max_query_len = 1;
+    a.max_context_len = oc.ctx;
+    a.num_q_heads = hq;
+    a.num_kv_heads = hkv;
+    a.head_dim = d;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const double kv_bytes = static_cast<double>(m) * oc.ctx * 2.0 * hkv * d * 2.0;
+    const int runner_part = engine::CudaModelRunner::decode_partition_tokens_for(m, hkv);
+    double attn_ms = 0.0;
+    for (int part : {32, 64, 128, 256}) {
+      a.decode_partition_tokens = part;
+      const size_t ws_bytes = kc::decode_attention_workspace_bytes(m, hq, d, oc.ctx, part);
+      DeviceBuffer<uint8_t> ws(ws_bytes);
+      int call = 0;
+      const double ms = time_in_graph_ms(
+          [&](cudaStream_t st) {
+            // Each call reads other sequences' blocks of the pool (a different layer of the real model).
+            const int first_seq = (call++ * m) % (num_seq_slots - m + 1);
+            kc::AttentionArgs args = a;
+            args.block_tables = d_table.get() + static_cast<size_t>(first_seq) * blocks_per_seq;
+            PD_STATUS_CHECK(kc::decode_attention(args, ws.get(), ws_bytes, st));
+          },
+          kOpsCallsPerGraph);
+      row("decode attn part " + std::to_string(part) + (part == runner_part ? " (runner)" : ""), kv_bytes, ms);
+      if (part == runner_part) attn_ms = ms;
+    }
+    const auto& g = gemm_ms[m];
+    const double layer_ms = 2 * rms_ms + g[0] + rope_ms + attn_ms + g[1] + g[2] + silu_ms + g[3];
+    const double step_ms = cfg.num_layers * layer_ms + g[4] + rms_ms;
+    g_kernel_sum_ms[m] = step_ms;
+    std::printf(
+        "M=%d: one layer %.4f ms (gemms %.4f, attention %.4f, norms/rope/silu %.4f); step %.3f ms "
+        "(%d layers + lm_head %.4f)\n",
+        m, layer_ms, g[0] + g[1] + g[2] + g[3], attn_ms, 2 * rms_ms + rope_ms + silu_ms, step_ms, cfg.num_layers, g[4]);
+  }
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -89,7 +310,7 @@ engine::StepInput make_step(int num_seqs, int new_tokens, int computed, int voca
 }
 
 void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels::cuda::DecodeKernel decode_kernel,
-                 std::vector<Row>* rows) {
+                 kc::GemmPolicy gemm_policy, bool decode_only, bool pdl, std::vector<Row>* rows) {
   const model::ModelConfig cfg = qwen3_config(big);
   const char* name = big ? "Qwen3-32B" : "Qwen3-8B";
   const std::vector<int> batches = big ? std::vector<int>{1, 16, 64} : std::vector<int>{1, 16, 64, 128};
@@ -103,6 +324,8 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   opt.max_num_batched_tokens = 8 * prefill_tokens;
   opt.num_kv_blocks = blocks_needed + 16;
   opt.decode_kernel = decode_kernel;
+  opt.gemm_policy = gemm_policy;
+  opt.programmatic_launch = pdl;
   const auto t0 = std::chrono::steady_clock::now();
   auto created = engine::CudaModelRunner::create(cfg, nullptr, opt);
   PD_STATUS_CHECK(created.status());
@@ -124,8 +347,25 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
     const double ms = time_step(runner, in, 3, 20);
     const double bytes = weights_read + static_cast<double>(b) * ctx * runner.kv_bytes_per_token();
     const double floor_ms = bytes / (copy_gbs * 1e6);
-    rows->push_back({std::string(name) + " decode b" + std::to_string(b) + " ctx" + std::to_string(ctx), floor_ms, ms,
-                     "HBM floor " + std::to_string(static_cast<int>(bytes / 1e6)) + " MB"});
+    Row row{std::string(name) + " decode b" + std::to_string(b) + " ctx" + std::to_string(ctx), floor_ms, ms,
+            "HBM floor " + std::to_string(static_cast<int>(bytes / 1e6)) + " MB, gemm " + policy_name(gemm_policy) +
+                (pdl ? ", pdl" : ", no pdl")};
+    auto graph_ms = runner.time_decode_graph(b, 20);
+    PD_STATUS_CHECK(graph_ms.status());
+    row.graph_ms = *graph_ms;
+    if (!big && g_kernel_sum_ms.count(b) != 0) row.kernel_sum_ms = g_kernel_sum_ms[b];
+    rows->push_back(row);
+  }
+  std::printf("%s: GEMM plans tuned at load (us per call): m n k -> choice, cuBLASLt first / best, best skinny\n",
+              name);
+  for (const kc::GemmTuning& t : runner.gemm().tunings()) {
+    std::printf("  %4d %6d %6d -> %-6s %8.1f %8.1f %8.1f (v%d)  (%d cuBLASLt candidates)\n", t.m, t.n, t.k,
+                t.chose_skinny ? "skinny" : "cublas", t.heuristic_us, t.best_cublas_us, t.skinny_us, t.skinny_variant,
+                t.num_candidates);
+  }
+  if (decode_only) {
+    std::printf("%s: %d decode graphs captured\n", name, runner.num_graphs_captured());
+    return;
   }
   const double linear_params =
       static_cast<double>(cfg.num_layers) *
@@ -153,7 +393,18 @@ int main(int argc, char** argv) {
   std::string which = "all";
   int ctx = 2048;
   auto decode_kernel = pd::kernels::cuda::DecodeKernel::kTensorCore;
+  auto gemm_policy = kc::GemmPolicy::kAutotune;
+  bool decode_only = false, ops = false, pdl = true;
   for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--gemm") == 0) {
+      const std::string v = argv[i + 1];
+      gemm_policy = v == "heuristic" ? kc::GemmPolicy::kHeuristic
+                    : v == "skinny"  ? kc::GemmPolicy::kSkinny
+                                     : kc::GemmPolicy::kAutotune;
+    }
+    if (std::strcmp(argv[i], "--decode-only") == 0) decode_only = std::atoi(argv[i + 1]) != 0;
+    if (std::strcmp(argv[i], "--ops") == 0) ops = std::atoi(argv[i + 1]) != 0;
+    if (std::strcmp(argv[i], "--pdl") == 0) pdl = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--model") == 0) which = argv[i + 1];
     if (std::strcmp(argv[i], "--ctx") == 0) ctx = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--decode-kernel") == 0 && std::strcmp(argv[i + 1], "simt") == 0) {
@@ -167,13 +418,21 @@ int main(int argc, char** argv) {
   const double gemm_tflops = measure_gemm_tflops();
   std::printf("device %s: d2d copy %.1f GB/s, bf16 GEMM 8192^3 %.1f TFLOP/s, decode attention on %s cores\n", prop.name,
               copy_gbs, gemm_tflops, decode_kernel == pd::kernels::cuda::DecodeKernel::kTensorCore ? "tensor" : "CUDA");
+  kc::set_programmatic_launch(pdl);
+  if (ops) bench_ops(qwen3_config(false), OpsContext{copy_gbs, ctx}, {1, 16, 64, 128});
   std::vector<Row> rows;
-  if (which == "all" || which == "qwen3-8b") bench_model(false, ctx, copy_gbs, gemm_tflops, decode_kernel, &rows);
-  if (which == "all" || which == "qwen3-32b") bench_model(true, ctx, copy_gbs, gemm_tflops, decode_kernel, &rows);
-  std::printf("\n%-36s %10s %10s %8s  %s\n", "step", "floor_ms", "meas_ms", "x floor", "note");
+  if (which == "all" || which == "qwen3-8b") {
+    bench_model(false, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, &rows);
+  }
+  if (which == "all" || which == "qwen3-32b") {
+    bench_model(true, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, &rows);
+  }
+  // graph_ms: device time of the decode graph alone; kernels_ms: its kernels timed one by one (--ops).
+  std::printf("\n%-36s %10s %10s %8s %9s %10s  %s\n", "step", "floor_ms", "meas_ms", "x floor", "graph_ms",
+              "kernels_ms", "note");
   for (const auto& r : rows) {
-    std::printf("%-36s %10.3f %10.3f %8.2f  %s\n", r.what.c_str(), r.floor_ms, r.measured_ms,
-                r.measured_ms / r.floor_ms, r.note.c_str());
+    std::printf("%-36s %10.3f %10.3f %8.2f %9.3f %10.3f  %s\n", r.what.c_str(), r.floor_ms, r.measured_ms,
+                r.measured_ms / r.floor_ms, r.graph_ms, r.kernel_sum_ms, r.note.c_str());
   }
   return 0;
 }

@@ -15,6 +15,11 @@ using bf16 = __nv_bfloat16;
 
 constexpr int32_t kGraphBuckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
 constexpr float kDummyStdDev = 0.02f;
+// Programmatic dependent launch only for passes of at most this many tokens. Measured on
+// an H200, Qwen3-8B decode graph replay (docs/perf/engine.md): b1 4.63 ms with vs 4.91 without;
+// b16 6.67 vs 6.34 ms (worse), b64 equal, b128 worse. b2..b4 are not measured; they are
+// included because, like b1, their GEMMs are mostly the skinny kernels (pdl.cuh waits).
+constexpr int32_t kProgrammaticLaunchMaxTokens = 4;
 
 int32_t ceil_div(int32_t a, int32_t b) {
   return (a + b - 1) / b;
@@ -26,16 +31,18 @@ bool needs_host_sampling(const SeqStep& s) {
          s.sampling.logprobs > 0 || static_cast<int32_t>(s.suppressed_token_ids.size()) > kc::kMaxSuppressedPerRow;
 }
 
-// Split-K partition of decode attention: small batches get shorter partitions
-// so that (seqs x kv heads x partitions) still fills the GPU.
-int32_t decode_partition_tokens_for(int32_t num_seqs, int32_t num_kv_heads) {
+}  // namespace
+
+// Split-K partition of decode attention. Measured on an H200 inside CUDA graphs
+// (docs/perf/engine.md, 2,048-token contexts, 8 kv heads): up to 64 (seq, kv head)
+// rows 128 tokens (b1: 11.3 us vs 12.8 at 64 tokens, 11.1 at 256: fewer partials to
+// merge, two blocks per warp to overlap); above, 256 (b16: 44.0 vs 48.7 us at 128;
+// b64 145 vs 155 us; b128 282 vs 299 us).
+int32_t CudaModelRunner::decode_partition_tokens_for(int32_t num_seqs, int32_t num_kv_heads) {
   const int64_t rows = static_cast<int64_t>(num_seqs) * num_kv_heads;
-  if (rows <= 64) return 64;
-  if (rows <= 256) return 128;
+  if (rows <= 64) return 128;
   return kc::kDecodePartitionTokens;
 }
-
-}  // namespace
 
 Result<std::unique_ptr<CudaModelRunner>> CudaModelRunner::create(model::ModelConfig config,
                                                                  const model::ModelWeights* host_weights,
@@ -87,7 +94,7 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
   }
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
-  PD_ASSIGN_OR_RETURN(gemm_, kc::Gemm::create());
+  PD_ASSIGN_OR_RETURN(gemm_, kc::Gemm::create(64ull << 20, options_.gemm_policy));
   PD_RETURN_IF_ERROR(upload_weights(host_weights));
   PD_RETURN_IF_ERROR(allocate_buffers());
   PD_RETURN_IF_ERROR(allocate_kv_pool());
@@ -231,7 +238,7 @@ Status CudaModelRunner::allocate_buffers() {
   logits_ = static_cast<float*>(alloc(s * c.vocab_size * sizeof(float)));
   // Largest workspace over the partition-size regimes (each regime's largest batch).
   decode_ws_bytes_ = 0;
-  for (int32_t rows_limit : {64, 256, INT32_MAX}) {
+  for (int32_t rows_limit : {64, INT32_MAX}) {
     const int32_t seqs = static_cast<int32_t>(
         std::min<int64_t>(options_.max_num_seqs, std::max<int64_t>(1, rows_limit / c.num_kv_heads)));
     decode_ws_bytes_ = std::max(
@@ -371,6 +378,8 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   const int32_t h = c.hidden_size, hq = c.num_heads, hkv = c.num_kv_heads, d = c.head_dim;
   const int32_t qkv_width = (hq + 2 * hkv) * d;
   int32_t* ints = d_ints_;
+  // Read at launch (and so at graph capture): each bucket's graph keeps the setting of its size.
+  kc::set_programmatic_launch(options_.programmatic_launch && t <= kProgrammaticLaunchMaxTokens);
   PD_RETURN_IF_ERROR(kc::embedding_lookup(residual_, embed_, ints + off_tokens_, t, c.vocab_size, h, stream_));
 
   kc::AttentionArgs base;
@@ -477,6 +486,30 @@ Status CudaModelRunner::run_decode_graph(int32_t bucket, const PassShape& shape)
     it = graphs_.emplace(bucket, exec).first;
   }
   return kc::cuda_status(cudaGraphLaunch(it->second, stream_), "graph launch");
+}
+
+Result<float> CudaModelRunner::time_decode_graph(int32_t num_seqs, int reps) {
+  auto it = graphs_.lower_bound(num_seqs);  // buckets are ascending: the first >= num_seqs serves it
+  if (it == graphs_.end() || reps <= 0) {
+    return failed_precondition("cuda runner: no decode graph captured for {} seqs (or reps {} <= 0)", num_seqs, reps);
+  }
+  cudaEvent_t start = nullptr, stop = nullptr;
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaEventCreate(&start), "event create"));
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaEventCreate(&stop), "event create"));
+  std::vector<float> ms(static_cast<size_t>(reps));
+  Status st = Status::Ok();
+  for (int r = 0; r < reps && st.ok(); ++r) {
+    st = kc::cuda_status(cudaEventRecord(start, stream_), "event record");
+    if (st.ok()) st = kc::cuda_status(cudaGraphLaunch(it->second, stream_), "graph launch");
+    if (st.ok()) st = kc::cuda_status(cudaEventRecord(stop, stream_), "event record");
+    if (st.ok()) st = kc::cuda_status(cudaEventSynchronize(stop), "event sync");
+    if (st.ok()) st = kc::cuda_status(cudaEventElapsedTime(&ms[static_cast<size_t>(r)], start, stop), "elapsed");
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  PD_RETURN_IF_ERROR(st);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {

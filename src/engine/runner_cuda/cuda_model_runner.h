@@ -36,6 +36,10 @@ struct CudaRunnerOptions {
   bool enable_cuda_graphs = true;
   kernels::cuda::DecodeKernel decode_kernel = kernels::cuda::DecodeKernel::kTensorCore;
   kernels::cuda::PrefillKernel prefill_kernel = kernels::cuda::PrefillKernel::kGqaTiled;
+  kernels::cuda::GemmPolicy gemm_policy = kernels::cuda::GemmPolicy::kAutotune;
+  // Programmatic dependent launch for the decode-path kernels (kernels.h) in passes of
+  // at most 4 tokens (where it measured faster); set process-wide at each forward pass.
+  bool programmatic_launch = true;
   uint64_t dummy_seed = 0;
 };
 
@@ -66,6 +70,15 @@ class CudaModelRunner final : public ModelRunner {
   // suppressed ids hold -inf there). For whole-model checks against the CPU runner.
   Result<std::vector<float>> last_logits(int32_t num_rows);
   int32_t num_graphs_captured() const { return static_cast<int32_t>(graphs_.size()); }
+  // The GEMM plans (what the autotuner measured and chose), for benchmarks.
+  const kernels::cuda::Gemm& gemm() const { return *gemm_; }
+  // Device time of one replay of the decode graph that serves num_seqs sequences
+  // (median of `reps`, milliseconds), on the inputs of the last execute(); the
+  // graph must have been captured by an earlier execute(). execute()'s wall time
+  // minus this is the host side of a step (preparation, copies, sampling).
+  Result<float> time_decode_graph(int32_t num_seqs, int reps);
+  // Tokens per split-K partition of decode attention for a batch (public so benchmarks time what the runner runs).
+  static int32_t decode_partition_tokens_for(int32_t num_seqs, int32_t num_kv_heads);
 
  private:
   struct LayerWeights {
