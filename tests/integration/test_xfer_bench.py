@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,40 @@ def test_ucx_over_tcp_with_registered_malloc_memory_is_byte_exact():
     report = parse_json(result.stdout)
     assert report["all_verified_byte_exact"] is True, result.stdout
     assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_ucx_staging_protocol_between_two_processes_is_byte_exact():
+    # Host memory registered as GPU memory: the staging protocol (chunks, buffers, acks)
+    # moves it, with memcpy as the device copy (what a GPU machine does with cudaMemcpy).
+    result = run_xferbench("--backend", "ucx", "--memory", "staged-host", *TINY_KV, "--no-b2b",
+                           "--perftest", "/nonexistent/ucx_perftest", "--json")
+    report = parse_json(result.stdout)
+    assert report["all_verified_byte_exact"] is True, result.stdout
+    assert result.returncode == 0, result.stdout
+    assert report["memory"] == "staged-host"
+    assert [s["verified_iterations"] for s in report["scenarios"]] == [3] * 5
+
+
+def can_make_network_namespaces() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, timeout=10).returncode == 0
+
+
+@pytest.mark.timeout(240)
+def test_ucx_tcp_between_network_namespaces_goes_over_the_veth_beside_perftest():
+    if not can_make_network_namespaces():
+        pytest.skip("needs root and ip netns to build two namespaces joined by a veth")
+    script = Path(__file__).resolve().parents[2] / "tools" / "xferbench" / "netns_bench.sh"
+    perftest = shutil.which("ucx_perftest") or "/nonexistent/ucx_perftest"
+    argv = ["bash", str(script), str(bin_path("xferbench")), *TINY_KV, "--scenarios", "kv,kv_layers", "--no-b2b",
+            "--perftest", perftest, "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=200)
+    report = parse_json(proc.stdout)
+    assert report["all_verified_byte_exact"] is True, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Our session travels over TCP on the veth (netns_bench.sh names it xbh<pid>), nothing else.
+    assert report["transports"].startswith("tcp/xbh") and "," not in report["transports"], report["transports"]
+    if perftest != "/nonexistent/ucx_perftest":
+        assert all(s["reference_gbps"] > 0 for s in report["scenarios"]), proc.stdout

@@ -6,8 +6,11 @@
 // two exchange descriptors and verification commands over a socketpair. Before each
 // iteration the target poisons its region; after it, the target checks every byte
 // the batch wrote against the pattern of the initiator's source bytes.
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -73,6 +76,17 @@ struct Options {
   // Target engine on a thread of this process instead of a forked process (cuda:
   // pointers instead of IPC, for machines where CUDA IPC is not available).
   bool same_process = false;
+  // Memory of both regions: "auto" (gpu for cuda, host for ucx), "host", "gpu" (ucx:
+  // through staging unless UCX handles CUDA memory) or "staged-host" (ucx: host memory
+  // registered as GPU memory and moved by the staging protocol with memcpy as the
+  // device copy: the protocol's cost on a machine without a GPU).
+  std::string memory = "auto";
+  // Network placement (ucx): the target runs in this network namespace (made with `ip
+  // netns add`, joined by e.g. a veth) and each engine uses the interface of its host
+  // address; ucx_perftest runs the same way. Empty: both on loopback.
+  std::string target_netns;
+  std::string target_host = "127.0.0.1";
+  std::string initiator_host = "127.0.0.1";
   // Engine settings to compare in one run: "name:key=value,..." (keys: mode, pipeline,
   // streams, chunk, ctas, threads, upload_table). Empty: one variant from the flags.
   std::vector<std::string> variants;
@@ -171,10 +185,24 @@ std::vector<uint8_t> recv_blob(int fd) {
   return blob;
 }
 
-xfer::EngineConfig engine_config(const Options& o, const std::string& name) {
+// What the regions are made of: kind for the engine, and whether the bytes live on a GPU.
+struct MemoryChoice {
+  MemKind kind = MemKind::kHost;
+  bool on_gpu = false;
+};
+MemoryChoice memory_choice(const Options& o) {
+  if (o.memory == "gpu" || (o.memory == "auto" && o.backend == "cuda")) return {MemKind::kCuda, true};
+  if (o.memory == "staged-host") return {MemKind::kCuda, false};
+  return {MemKind::kHost, false};
+}
+
+xfer::EngineConfig engine_config(const Options& o, const std::string& name, const std::string& listen_host) {
   xfer::EngineConfig c;
   c.name = name;
-  c.backends = {o.backend};
+  c.listen_host = listen_host;
+  if (o.memory == "staged-host") c.ucx_staging = "memcpy";
+  // "auto": both backends, and the engine's own choice for the session (reported).
+  c.backends = o.backend == "auto" ? std::vector<std::string>{"ucx", "cuda"} : std::vector<std::string>{o.backend};
   c.ucx_transports = o.ucx_tls;
   c.ucx_busy_poll = o.ucx_busy_poll;
   c.cuda_copy_mode = o.cuda_mode;
@@ -242,31 +270,67 @@ struct Buffer {
   }
 };
 
-// GPU memory (cudaMalloc) or host memory (engine-allocated shared memory, or malloc
-// with --host-malloc), registered with the engine.
-Result<xfer::MemDesc> allocate_and_register(const Options& o, xfer::Engine& engine, bool gpu, int device, size_t bytes,
+// GPU memory (cudaMalloc), host memory (engine-allocated shared memory, or malloc with
+// --host-malloc) or, for --memory staged-host, malloc memory registered as GPU memory.
+Result<xfer::MemDesc> allocate_and_register(const Options& o, xfer::Engine& engine, int device, size_t bytes,
                                             Buffer& buffer) {
-  if (!gpu && !o.host_malloc) {
+  const MemoryChoice memory = memory_choice(o);
+  if (memory.kind == MemKind::kHost && !o.host_malloc) {
     buffer = Buffer{false, -1, nullptr, bytes};
     buffer.engine_owned = true;
     return engine.allocate_host_memory(bytes, &buffer.ptr);
   }
-  buffer = Buffer::make(gpu, device, bytes);
+  buffer = Buffer::make(memory.on_gpu, device, bytes);
   if (buffer.ptr == nullptr) return resource_exhausted("allocating {} bytes failed", bytes);
-  return engine.register_memory(buffer.ptr, bytes, gpu ? MemKind::kCuda : MemKind::kHost, gpu ? device : -1);
+  return engine.register_memory(buffer.ptr, bytes, memory.kind, memory.kind == MemKind::kCuda ? device : -1);
+}
+
+// Joins network namespace `name` the way `ip netns exec` does: the namespace, then a
+// private mount namespace with a /sys of it (UCX lists network devices from
+// /sys/class/net). Before any thread or UCX context exists in this process.
+bool enter_netns(const std::string& name) {
+  const int fd = open(("/run/netns/" + name).c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool joined = setns(fd, CLONE_NEWNET) == 0;
+  close(fd);
+  if (!joined || unshare(CLONE_NEWNS) != 0) return false;
+  if (mount("", "/", nullptr, MS_SLAVE | MS_REC, nullptr) != 0) return false;
+  umount2("/sys", MNT_DETACH);
+  return mount(name.c_str(), "/sys", "sysfs", 0, nullptr) == 0;
+}
+
+// The interface with IPv4 address `host`, as `ip -o -4 addr` in `netns` (or here) lists it.
+std::string interface_named_for(const std::string& host, const std::string& netns) {
+  const std::string cmd = netns.empty() ? "ip -o -4 addr show" : "ip -n " + netns + " -o -4 addr show";
+  std::string found;
+  if (FILE* p = popen(cmd.c_str(), "r")) {
+    char line[512];
+    while (std::fgets(line, sizeof(line), p) != nullptr) {
+      std::istringstream fields(line);
+      std::string index, name, family, address;
+      fields >> index >> name >> family >> address;
+      if (address.substr(0, address.find('/')) == host) found = name;
+    }
+    pclose(p);
+  }
+  return found;
 }
 
 // ---- target process ----
 
 int run_target(const Options& o, int fd, size_t bytes) {
-  auto engine = xfer::Engine::create(engine_config(o, "xferbench-target"));
+  if (!o.target_netns.empty() && !enter_netns(o.target_netns)) {
+    std::fprintf(stderr, "target: cannot enter network namespace %s: %s\n", o.target_netns.c_str(),
+                 std::strerror(errno));
+    return 2;
+  }
+  auto engine = xfer::Engine::create(engine_config(o, "xferbench-target", o.target_host));
   if (!engine.ok()) {
     std::fprintf(stderr, "target: %s\n", engine.status().to_string().c_str());
     return 2;
   }
-  const bool gpu = o.backend == "cuda";
   Buffer region;
-  auto mem = allocate_and_register(o, **engine, gpu, o.remote_device, bytes, region);
+  auto mem = allocate_and_register(o, **engine, o.remote_device, bytes, region);
   if (!mem.ok()) {
     std::fprintf(stderr, "target: %s\n", mem.status().to_string().c_str());
     return 4;
@@ -355,11 +419,10 @@ class Initiator {
   // pattern) and a session to the target. end_variant() takes them down again.
   bool begin_variant(const Variant& variant) {
     error_.clear();
-    auto engine = xfer::Engine::create(engine_config(variant.options, "xferbench-initiator"));
+    auto engine = xfer::Engine::create(engine_config(variant.options, "xferbench-initiator", o_.initiator_host));
     if (!engine.ok()) return fail(engine.status().to_string());
     engine_ = std::move(engine).value();
-    const bool gpu = o_.backend == "cuda";
-    auto mem = allocate_and_register(o_, *engine_, gpu, o_.local_device, bytes_, local_);
+    auto mem = allocate_and_register(o_, *engine_, o_.local_device, bytes_, local_);
     if (!mem.ok()) return fail(mem.status().to_string());
     local_desc_ = *mem;
     registered_ = true;
@@ -368,6 +431,8 @@ class Initiator {
     auto session = engine_->session(local_desc_, remote_desc_, o_.backend);
     if (!session.ok()) return fail(session.status().to_string());
     session_ = *session;
+    transports_ = session_.transports();
+    session_backend_ = std::string(session_.backend());
     return true;
   }
 
@@ -474,6 +539,12 @@ class Initiator {
   const std::string& error() const {
     return error_;
   }
+  const std::string& transports() const {
+    return transports_;
+  }
+  const std::string& session_backend() const {
+    return session_backend_;
+  }
 
  private:
   bool fail(std::string why) {
@@ -490,6 +561,8 @@ class Initiator {
   xfer::EngineDesc peer_desc_;
   xfer::MemDesc remote_desc_;
   xfer::Session session_;
+  std::string transports_;
+  std::string session_backend_;
   std::string error_;
 };
 
@@ -510,9 +583,10 @@ int free_tcp_port() {
   return port;
 }
 
-bool port_listening(int port) {
-  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(file);
+// Whether `port` is listening in the network namespace of process `pid`.
+bool port_listening(pid_t pid, int port) {
+  for (const char* file : {"tcp", "tcp6"}) {
+    std::ifstream in(fmt::format("/proc/{}/net/{}", pid, file));
     std::string line;
     std::getline(in, line);
     while (std::getline(in, line)) {
@@ -530,26 +604,46 @@ bool port_listening(int port) {
 
 // Runs one ucx_perftest put-bandwidth test (server + client on loopback). Returns
 // {MB/s as 2^20 bytes per second (perftest's unit), messages/s}, or {0,0}.
+// Runs one ucx_perftest put-bandwidth test: the server where the target runs (its
+// namespace and interface), the client where the initiator runs. Returns {MB/s as 2^20
+// bytes per second (perftest's unit), messages/s}, or {0,0}.
 std::pair<double, double> perftest_put_bw(const Options& o, uint64_t bytes, int iters, std::string* log) {
   const int port = free_tcp_port();
-  std::string env = o.ucx_tls.empty() ? "" : "UCX_TLS=" + o.ucx_tls + " UCX_NET_DEVICES=lo ";
+  const std::string server_device = interface_named_for(o.target_host, o.target_netns);
+  const std::string client_device = interface_named_for(o.initiator_host, "");
+  std::string env = o.ucx_tls.empty() ? "" : "UCX_TLS=" + o.ucx_tls + " UCX_NET_DEVICES=" + client_device + " ";
   pid_t server = fork();
   if (server == 0) {
     if (!o.ucx_tls.empty()) {
       setenv("UCX_TLS", o.ucx_tls.c_str(), 1);
-      setenv("UCX_NET_DEVICES", "lo", 1);
+      setenv("UCX_NET_DEVICES", server_device.c_str(), 1);
     }
     freopen("/dev/null", "w", stdout);
-    execlp(o.perftest.c_str(), o.perftest.c_str(), "-p", std::to_string(port).c_str(), static_cast<char*>(nullptr));
+    const std::string port_text = std::to_string(port);
+    if (o.target_netns.empty()) {
+      execlp(o.perftest.c_str(), o.perftest.c_str(), "-p", port_text.c_str(), static_cast<char*>(nullptr));
+    } else {
+      execlp("ip", "ip", "netns", "exec", o.target_netns.c_str(), o.perftest.c_str(), "-p", port_text.c_str(),
+             static_cast<char*>(nullptr));
+    }
     _exit(127);
   }
-  // Waits on the real condition (the server's listening socket) with a deadline.
+  // Waits on the real condition (the server's listening socket, seen in its own network
+  // namespace) with a deadline.
   Deadline ready = Deadline::after_ms(10'000);
-  while (!port_listening(port) && !ready.expired()) usleep(2000);
-  std::string cmd = fmt::format("{}{} 127.0.0.1 -p {} -t ucp_put_bw -s {} -n {} -w {} 2>&1", env, o.perftest, port,
-                                bytes, iters, std::max(1, iters / 10));
+  bool server_exited = false;
+  while (!port_listening(server, port) && !ready.expired()) {
+    if (waitpid(server, nullptr, WNOHANG) == server) {  // e.g. no perftest binary: no reference
+      server_exited = true;
+      break;
+    }
+    usleep(2000);
+  }
+  std::string cmd = fmt::format("{}{} {} -p {} -t ucp_put_bw -s {} -n {} -w {} 2>&1", env, o.perftest, o.target_host,
+                                port, bytes, iters, std::max(1, iters / 10));
   *log = cmd;
   std::pair<double, double> result{0, 0};
+  if (server_exited) return result;
   if (FILE* p = popen(cmd.c_str(), "r")) {
     char line[1024];
     while (std::fgets(line, sizeof(line), p) != nullptr) {
@@ -715,6 +809,8 @@ int run(const Options& o) {
       results.back().settings = variants[v].settings();
     }
   }
+  const std::string transports = initiator.transports();
+  const std::string session_backend = initiator.session_backend();
   initiator.finish();
   int status = 0;
   if (child > 0) {
@@ -771,8 +867,12 @@ int run(const Options& o) {
   if (o.json) {
     nlohmann::json j;
     j["backend"] = o.backend;
+    j["session_backend"] = session_backend;
     for (const Variant& v : variants) j["variants"].push_back({{"name", v.name}, {"settings", v.settings()}});
     j["ucx_tls"] = o.ucx_tls;
+    j["memory"] = o.memory;
+    j["transports"] = transports;
+    j["target_netns"] = o.target_netns;
     j["iters"] = o.iters;
     j["block_bytes"] = block_bytes;
     j["all_verified_byte_exact"] = all_exact;
@@ -801,8 +901,11 @@ int run(const Options& o) {
     }
     std::printf("%s\n", j.dump(2).c_str());
   }
-  std::printf("\nxferbench backend=%s  (GB/s = 1e9 B/s; median of %d iterations; every iteration verified)\n",
-              o.backend.c_str(), o.iters);
+  std::printf(
+      "\nxferbench backend=%s memory=%s transports=%s%s  (GB/s = 1e9 B/s; median of %d iterations; every iteration "
+      "verified)\n",
+      o.backend.c_str(), o.memory.c_str(), transports.c_str(),
+      o.target_netns.empty() ? "" : (" target netns=" + o.target_netns).c_str(), o.iters);
   for (const Variant& v : variants) std::printf("  variant %-10s %s\n", v.name.c_str(), v.settings().c_str());
   std::printf("%-10s %-11s %8s %6s %4s %8s %10s %8s %10s %6s %8s %6s %8s %7s %8s  %s\n", "variant", "scenario", "MiB",
               "ops", "btch", "GB/s", "ops/s", "ref GB/s", "ref ops/s", "ratio", "b2b GB/s", "b2b x", "kern GB/s",
@@ -847,7 +950,8 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   pd::xferbench::Options o;
   CLI::App app{"xferbench: transfer-engine benchmark (two processes, one backend)"};
-  app.add_option("--backend", o.backend, "cuda or ucx")->check(CLI::IsMember({"cuda", "ucx"}));
+  app.add_option("--backend", o.backend, "cuda, ucx or auto (the engine picks; JSON says which)")
+      ->check(CLI::IsMember({"cuda", "ucx", "auto"}));
   app.add_option("--scenarios", o.scenarios, "comma list of contiguous,kv,kv_layers,small,mixed");
   app.add_option("--iters", o.iters, "timed iterations per scenario")->check(CLI::Range(1, 100000));
   app.add_option("--warmup", o.warmup, "untimed (but verified) iterations first")->check(CLI::Range(0, 1000));
@@ -886,6 +990,11 @@ int main(int argc, char** argv) {
                "cuda: one launch per large batch after uploading its op table (instead of sub-launches)");
   app.add_flag("!--no-b2b", o.b2b, "skip the back-to-back timing rows");
   app.add_flag("--same-process", o.same_process, "run the target engine on a thread instead of a second process");
+  app.add_option("--memory", o.memory, "auto, host, gpu or staged-host (ucx: host memory through the staging protocol)")
+      ->check(CLI::IsMember({"auto", "host", "gpu", "staged-host"}));
+  app.add_option("--target-netns", o.target_netns, "ucx: run the target (and perftest's server) in this netns");
+  app.add_option("--target-host", o.target_host, "ucx: the target's address (its interface is the one UCX uses)");
+  app.add_option("--initiator-host", o.initiator_host, "ucx: the initiator's address");
   CLI11_PARSE(app, argc, argv);
   pd::log::init("warn");
   return pd::xferbench::run(o);
