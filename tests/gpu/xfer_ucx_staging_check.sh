@@ -7,8 +7,9 @@
 #
 # Runs from the repository root on the GPU machine, with xferbench packed by
 #   PACK_OUT=.devcarry tests/gpu/pack_for_device.sh build-hB xferbench
+#   cp /usr/bin/ucx_perftest .devcarry/bin/ && cp -L /usr/lib/x86_64-linux-gnu/libgomp.so.1 .devcarry/lib/
 # (xferbench built with CUDA) and carried as .devcarry. ucx_perftest is optional (the
-# reference; install ucx-utils or skip it). Results and logs go to $OUT; a short table
+# reference: without it the GB/s columns still come, the perftest column reads 0). Results and logs go to $OUT; a short table
 # is printed last; the exit status is non-zero if any transfer was not byte-exact or a
 # run failed.
 set -uo pipefail
@@ -17,7 +18,9 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.devcarry/lib:${LD_LIBRARY_PATH:-}
 [ -d "$PWD/.devcarry/lib/ucx" ] && export UCX_MODULE_DIR=$PWD/.devcarry/lib/ucx
 XFERBENCH=${XFERBENCH:-$PWD/.devcarry/bin/xferbench}
-PERFTEST=$(command -v ucx_perftest || echo /nonexistent/ucx_perftest)
+# The reference: a carried ucx_perftest (same UCX as xferbench), else the machine's, else none.
+PERFTEST=$PWD/.devcarry/bin/ucx_perftest
+[ -x "$PERFTEST" ] || PERFTEST=$(command -v ucx_perftest || echo /nonexistent/ucx_perftest)
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 NUM_GPUS=$(nvidia-smi -L | wc -l)
 REMOTE=$([ "$NUM_GPUS" -ge 2 ] && echo 1 || echo 0)
