@@ -367,10 +367,13 @@ class UcxBackend : public Backend {
         std::equal(key->second.begin(), key->second.end(), std::begin(kStagedKey), std::end(kStagedKey));
     const bool local_staged = local.kind == MemKind::kCuda && !ucx_handles_cuda_;
     if (remote_staged || local_staged) {
-      if (local_staged && !staging_->has_device_copier()) {
-        return failed_precondition("ucx: local GPU region {} but no device copier", local.id);
+      // On a staged route our GPU memory is always copied by the device copier, even
+      // when our UCX could map it (the peer's cannot).
+      const bool local_device = local.kind == MemKind::kCuda;
+      if (local_device && !staging_->has_device_copier()) {
+        return failed_precondition("ucx: local GPU region {} on a staged route but no device copier", local.id);
       }
-      StagedMemory mine{static_cast<uint8_t*>(local.ptr), local.bytes, local_staged, local.device};
+      StagedMemory mine{static_cast<uint8_t*>(local.ptr), local.bytes, local_device, local.device};
       return std::shared_ptr<Route>(std::make_shared<UcxRoute>(peer, mine, remote.region_id));
     }
     ucp_rkey_h rkey = nullptr;
