@@ -5,26 +5,30 @@
 # bandwidth beside ucx_perftest's host put on the same transport. Also checks that the
 # engine's "auto" choice stays cuda for GPU <-> GPU on one host.
 #
-# Runs from the repository root on the GPU machine, with xferbench packed by
-#   PACK_OUT=.devcarry tests/gpu/pack_for_device.sh build-hB xferbench
-#   cp /usr/bin/ucx_perftest .devcarry/bin/ && cp -L /usr/lib/x86_64-linux-gnu/libgomp.so.1 .devcarry/lib/
-# (xferbench built with CUDA) and carried as .devcarry. ucx_perftest is optional (the
+# Runs from the repository root on the GPU machine, with xferbench (built with CUDA) packed by
+#   PACK_OUT=.devcarry-xfer tests/gpu/pack_for_device.sh build-hB xferbench
+#   cp /usr/bin/ucx_perftest /usr/bin/ucx_info .devcarry-xfer/bin/
+#   cp -L /usr/lib/x86_64-linux-gnu/libgomp.so.1 .devcarry-xfer/lib/
+# carried, and CARRY_DIR=.devcarry-xfer (default .devcarry). ucx_perftest is optional (the
 # reference: without it the GB/s columns still come, the perftest column reads 0). Results and logs go to $OUT; a short table
 # is printed last; the exit status is non-zero if any transfer was not byte-exact or a
 # run failed.
 set -uo pipefail
 OUT=${OUT:-/tmp/xfer_staging}
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.devcarry/lib:${LD_LIBRARY_PATH:-}
-[ -d "$PWD/.devcarry/lib/ucx" ] && export UCX_MODULE_DIR=$PWD/.devcarry/lib/ucx
-XFERBENCH=${XFERBENCH:-$PWD/.devcarry/bin/xferbench}
+CARRY=$PWD/${CARRY_DIR:-.devcarry}  # where pack_for_device.sh put the binaries (PACK_OUT)
+export LD_LIBRARY_PATH=$CARRY/lib:${LD_LIBRARY_PATH:-}
+[ -d "$CARRY/lib/ucx" ] && export UCX_MODULE_DIR=$CARRY/lib/ucx
+XFERBENCH=${XFERBENCH:-$CARRY/bin/xferbench}
 # The reference: a carried ucx_perftest (same UCX as xferbench), else the machine's, else none.
-PERFTEST=$PWD/.devcarry/bin/ucx_perftest
+PERFTEST=$CARRY/bin/ucx_perftest
 [ -x "$PERFTEST" ] || PERFTEST=$(command -v ucx_perftest || echo /nonexistent/ucx_perftest)
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 NUM_GPUS=$(nvidia-smi -L | wc -l)
 REMOTE=$([ "$NUM_GPUS" -ge 2 ] && echo 1 || echo 0)
-ucx_info -d 2>/dev/null | grep -E "Transport: cuda" || echo "(this UCX lists no cuda transports: staging is used)"
+UCX_INFO=$CARRY/bin/ucx_info
+[ -x "$UCX_INFO" ] || UCX_INFO=ucx_info
+"$UCX_INFO" -d 2>/dev/null | grep -E "Transport: cuda" || echo "(the carried UCX lists no cuda transports: staging is used)"
 # Qwen3-8B KV shape cut to 8 layers (70 MiB per pattern); 5 timed iterations.
 SHAPE=(--layers 8 --iters 5 --warmup 1 --local-device 0 --remote-device "$REMOTE" --perftest "$PERFTEST" --json)
 
