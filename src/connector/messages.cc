@@ -215,8 +215,13 @@ Status decode_fields(MapReader& reader, ControlMessage& msg) {
       PD_RETURN_IF_ERROR(decode_first_token(reader, msg));
       break;
     case MessageType::kAbort:
+      PD_RETURN_IF_ERROR(reader.str("text", &msg.text, kMaxTextBytes, /*required=*/false));
+      break;
     case MessageType::kError:
       PD_RETURN_IF_ERROR(reader.str("text", &msg.text, kMaxTextBytes, /*required=*/false));
+      if (reader.find("invalid_params") != nullptr) {
+        PD_RETURN_IF_ERROR(reader.boolean("invalid_params", &msg.invalid_params));
+      }
       break;
     case MessageType::kReadOk:
       PD_RETURN_IF_ERROR(decode_first_token(reader, msg));
@@ -308,8 +313,10 @@ std::vector<uint8_t> encode_message(const ControlMessage& msg) {
       num_fields += 3 + (msg.first_token ? 2 : 0);
       break;
     case MessageType::kAbort:
-    case MessageType::kError:
       num_fields += 1;
+      break;
+    case MessageType::kError:
+      num_fields += 1 + (msg.invalid_params ? 1 : 0);
       break;
     case MessageType::kReadOk:
       num_fields += msg.first_token ? 2 : 0;
@@ -385,6 +392,10 @@ std::vector<uint8_t> encode_message(const ControlMessage& msg) {
     case MessageType::kError:
       pack_str(pk, "text");
       pack_str(pk, msg.text.substr(0, kMaxTextBytes));
+      if (msg.type == MessageType::kError && msg.invalid_params) {
+        pack_str(pk, "invalid_params");
+        pk.pack(true);
+      }
       break;
     case MessageType::kReadOk:
       pack_first_token(pk, msg);

@@ -85,6 +85,11 @@ struct ControlMessage {
   std::optional<int32_t> first_token;
   uint64_t sampling_key = 0;
   std::string text;  // abort reason, done/error message
+  // error: true when the refused message carried request parameters that are
+  // wrong in themselves (block ids not of that transfer, a different prompt
+  // length, a READ of a WRITE transfer), not merely stale or busy. The consumer
+  // then fails that request as the client's error instead of recomputing.
+  bool invalid_params = false;
 };
 
 std::vector<uint8_t> encode_message(const ControlMessage& message);

@@ -20,9 +20,9 @@ int64_t now_ms() {
 // Under on_failure=fail a failed load finishes the request with an error, when
 // the engine offers ConnectorEvents::failed_requests; otherwise it recomputes.
 template <typename Events>
-bool push_failed_request(Events& events, std::string request_id, std::string message) {
+bool push_failed_request(Events& events, std::string request_id, std::string message, bool invalid_request = false) {
   if constexpr (requires { events.failed_requests.push_back({std::move(request_id), std::move(message)}); }) {
-    events.failed_requests.push_back({std::move(request_id), std::move(message)});
+    events.failed_requests.push_back({std::move(request_id), std::move(message), invalid_request});
     return true;
   } else {
     return false;
@@ -785,6 +785,11 @@ void PdConnector::run_actions() {
     for (auto& failure : ca.load_failures) {
       metrics_.load_errors->inc();
       metrics_.failed_consumer->inc();
+      if (failure.invalid_params && push_failed_request(events_, failure.request_id, failure.reason, true)) {
+        // Recomputing would serve a request whose parameters were forged or wrong.
+        PD_LOG_WARN("connector: request {} failed: {}", failure.request_id, failure.reason);
+        continue;
+      }
       if (config_.on_failure == FailurePolicy::kFail &&
           push_failed_request(events_, failure.request_id, "remote KV transfer failed: " + failure.reason)) {
         PD_LOG_WARN("connector: KV load for request {} failed ({}); failing it", failure.request_id, failure.reason);

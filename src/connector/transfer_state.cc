@@ -267,15 +267,19 @@ void ProducerTransfers::remember_closed(const std::string& transfer_id) {
 void ProducerTransfers::on_read(const PeerRef& from, const ControlMessage& msg, int64_t now_ms) {
   auto it = transfers_.find(msg.transfer_id);
   std::string refusal;
-  if (it == transfers_.end())
+  bool invalid_params = true;  // unless the refusal is about state, not about the parameters
+  if (it == transfers_.end()) {
     refusal = "unknown transfer (expired or never started)";
-  else if (!it->second.read_mode)
+    invalid_params = false;
+  } else if (!it->second.read_mode)
     refusal = "read for a WRITE transfer";
-  else if (!it->second.holding || it->second.failed)
+  else if (!it->second.holding || it->second.failed) {
     refusal = "transfer has no KV held";
-  else if (it->second.reader && !(*it->second.reader == from))
+    invalid_params = false;
+  } else if (it->second.reader && !(*it->second.reader == from)) {
     refusal = "transfer is being read by another peer";
-  else if (msg.num_tokens != it->second.num_prompt_tokens)
+    invalid_params = false;
+  } else if (msg.num_tokens != it->second.num_prompt_tokens)
     refusal = "num_tokens does not match the transfer";
   else if (msg.kv_tokens != msg.num_tokens && msg.kv_tokens != msg.num_tokens - 1)
     refusal = "kv_tokens is neither the prompt nor the prompt less its last token";
@@ -291,7 +295,13 @@ void ProducerTransfers::on_read(const PeerRef& from, const ControlMessage& msg, 
   }
   if (!refusal.empty()) {
     ++actions_.num_refused;
-    send(from, MessageType::kError, msg.transfer_id, refusal);
+    OutgoingMessage out;
+    out.to = from.key;
+    out.message.type = MessageType::kError;
+    out.message.transfer_id = msg.transfer_id;
+    out.message.text = refusal;
+    out.message.invalid_params = invalid_params;
+    actions_.sends.push_back(std::move(out));
     return;
   }
   Transfer& t = it->second;
@@ -656,7 +666,8 @@ bool ConsumerTransfers::from_producer(const Transfer& t, const PeerRef& from) co
          from.boot_nonce == t.params.remote_boot_nonce;
 }
 
-void ConsumerTransfers::finish(const std::string& transfer_id, Transfer& t, bool ok, const std::string& reason) {
+void ConsumerTransfers::finish(const std::string& transfer_id, Transfer& t, bool ok, const std::string& reason,
+                               bool invalid_params) {
   t.phase = Phase::kClosed;
   if (t.holding) {
     // The request is gone; this only ends the hold on its blocks.
@@ -667,7 +678,7 @@ void ConsumerTransfers::finish(const std::string& transfer_id, Transfer& t, bool
       ++actions_.num_completed;
       if (t.first_token) actions_.first_tokens.emplace_back(t.request_id, *t.first_token);
     } else {
-      actions_.load_failures.push_back({t.request_id, t.local_block_ids, reason});
+      actions_.load_failures.push_back({t.request_id, t.local_block_ids, reason, invalid_params});
     }
   }
   auto r = by_request_.find(t.request_id);
@@ -756,7 +767,12 @@ void ConsumerTransfers::on_abort_or_error(const PeerRef& from, const ControlMess
     t.failure = "producer aborted: " + msg.text;
     return;
   }
-  finish(msg.transfer_id, t, false, "producer aborted: " + msg.text);
+  // Only a refusal of our `read` can name the request's parameters invalid: the
+  // ids and length came from the client (kv_transfer_params).
+  const bool invalid_params =
+      msg.type == MessageType::kError && msg.invalid_params && t.phase == Phase::kAwaitingReadOk;
+  finish(msg.transfer_id, t, false,
+         (invalid_params ? "producer refused kv_transfer_params: " : "producer aborted: ") + msg.text, invalid_params);
 }
 
 bool ConsumerTransfers::request_finished(const std::string& request_id, int64_t now_ms) {

@@ -183,6 +183,9 @@ struct LoadFailure {
   std::string request_id;
   std::vector<int32_t> block_ids;
   std::string reason;
+  // The producer refused the request's own transfer parameters: fail the
+  // request as invalid (HTTP 400), whatever the failure policy.
+  bool invalid_params = false;
 };
 
 struct ConsumerActions {
@@ -308,7 +311,8 @@ class ConsumerTransfers {
 
   void ensure_peer(const std::string& transfer_id, Transfer& t, int64_t now_ms);
   void proceed(const std::string& transfer_id, Transfer& t, const Peer& peer);
-  void finish(const std::string& transfer_id, Transfer& t, bool ok, const std::string& reason);
+  void finish(const std::string& transfer_id, Transfer& t, bool ok, const std::string& reason,
+              bool invalid_params = false);
   bool from_producer(const Transfer& t, const PeerRef& from) const;
   void take_first_token(Transfer& t, const ControlMessage& msg);
   void send(const std::string& control, MessageType type, const std::string& transfer_id, std::string text = {});

@@ -200,7 +200,7 @@ class EngineImpl final : public Engine {
   }
 
   // Emits the final output of a request the scheduler has finished.
-  void finalize(FinishedRequest finished, std::string text_delta, std::string error) {
+  void finalize(FinishedRequest finished, std::string text_delta, std::string error, bool invalid_request = false) {
     const Request& r = *finished.request;
     auto it = io_.find(r.request_id());
     if (it == io_.end()) return;
@@ -209,6 +209,7 @@ class EngineImpl final : public Engine {
     out.finish_reason = r.finish_reason;
     out.text_delta = std::move(text_delta);
     out.error = std::move(error);
+    out.invalid_request = invalid_request;
     out.kv_transfer_params = std::move(finished.decision.kv_transfer_params);
     OutputCallback callback = std::move(it->second.callback);
     io_.erase(it);
@@ -223,12 +224,13 @@ class EngineImpl final : public Engine {
   }
 
   // Finishes a live request for a reason other than a sampled token.
-  void finish_live(Request& r, RequestState state, FinishReason reason, std::string error) {
+  void finish_live(Request& r, RequestState state, FinishReason reason, std::string error,
+                   bool invalid_request = false) {
     std::string text;
     auto it = io_.find(r.request_id());
     if (it != io_.end() && state != RequestState::kFinishedError) text = it->second.output.flush();
     FinishedRequest f = scheduler_.finish_request(r, state, reason);
-    finalize(std::move(f), std::move(text), std::move(error));
+    finalize(std::move(f), std::move(text), std::move(error), invalid_request);
   }
 
   void handle_message(Message& message) {
@@ -269,7 +271,7 @@ class EngineImpl final : public Engine {
     ConnectorEvents events = connector_->poll();
     for (const FailedRequest& failed : events.failed_requests) {
       if (Request* r = scheduler_.find(failed.request_id)) {
-        finish_live(*r, RequestState::kFinishedError, FinishReason::kError, failed.message);
+        finish_live(*r, RequestState::kFinishedError, FinishReason::kError, failed.message, failed.invalid_request);
       }
     }
     std::unordered_set<std::string> moved = scheduler_.apply_load_errors(events.load_errors);

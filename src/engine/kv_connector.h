@@ -84,12 +84,15 @@ struct LoadError {
   std::vector<int32_t> failed_block_ids;  // KV in these blocks is invalid
 };
 
-// A live request whose transfer failed for good (on_failure=fail policy):
-// the engine finishes it with kFinishedError and this message. Its blocks are
+// A live request whose transfer failed for good (on_failure=fail policy, or
+// its kv_transfer_params were refused by the peer they name): the engine
+// finishes it with kFinishedError and this message. Its blocks are
 // released through request_finished as for any finish (the connector may hold them).
 struct FailedRequest {
   std::string request_id;
   std::string message;
+  // The request's own parameters were refused (RequestOutput::invalid_request).
+  bool invalid_request = false;
 };
 
 // The producer's first output token for a request whose load completes in the

@@ -33,12 +33,12 @@ enum class FinishReason : uint8_t { kNone, kStop, kLength, kAbort, kError };
 const char* finish_reason_name(FinishReason reason);
 
 struct GenerateRequest {
-  std::string request_id;               // unique among live requests
+  std::string request_id;  // unique among live requests
   std::vector<int32_t> prompt_token_ids;
   SamplingParams sampling;
   // vLLM's kv_transfer_params extension; validated by the connector (issue 5).
   std::optional<nlohmann::json> kv_transfer_params;
-  int64_t arrival_ns = 0;               // 0 = stamped by the engine on arrival
+  int64_t arrival_ns = 0;  // 0 = stamped by the engine on arrival
 };
 
 struct TopLogprob {
@@ -56,17 +56,21 @@ struct TokenLogprob {
 struct RequestOutput {
   std::string request_id;
   std::vector<int32_t> new_token_ids;
-  std::string text_delta;                 // detokenized, never a broken UTF-8 sequence
-  std::vector<TokenLogprob> logprobs;     // parallel to new_token_ids when requested
+  std::string text_delta;              // detokenized, never a broken UTF-8 sequence
+  std::vector<TokenLogprob> logprobs;  // parallel to new_token_ids when requested
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
   // The stop string or token id that ended the request, if any (OpenAI "stop_reason").
   std::optional<std::string> stop_string;
   std::optional<int32_t> stop_token_id;
   int32_t num_prompt_tokens = 0;
-  int32_t num_output_tokens = 0;          // total so far
-  int32_t num_cached_tokens = 0;          // prompt tokens served from prefix cache or remote KV
-  std::string error;                      // set when finish_reason == kError
+  int32_t num_output_tokens = 0;  // total so far
+  int32_t num_cached_tokens = 0;  // prompt tokens served from prefix cache or remote KV
+  std::string error;              // set when finish_reason == kError
+  // With kError: the request's own input was refused after admission (e.g. a P/D
+  // producer refused its kv_transfer_params) -- the client's fault (HTTP 400),
+  // not the engine's.
+  bool invalid_request = false;
   std::optional<nlohmann::json> kv_transfer_params;  // returned by a P/D producer on finish
 };
 

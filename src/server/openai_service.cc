@@ -75,6 +75,7 @@ struct OpenAiService::Generation {
     int32_t num_output_tokens = 0;
     std::optional<json> kv_transfer_params;
     std::string error;
+    bool invalid_request = false;  // the error is the client's (HTTP 400)
   };
   struct Pending {
     size_t index;
@@ -378,11 +379,18 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     generation->wake.cancel();
   });
 
+  // A stream's 200 goes out with its first event, not before: an error that
+  // comes first (a P/D producer refusing the request's kv_transfer_params) can
+  // still be answered with its own status.
   const bool stream = g.fields.stream;
-  if (stream) {
-    bool started = co_await exchange.start_event_stream();
-    if (!started) g.client_gone = true;
-  }
+  bool stream_started = false;
+  auto start_stream = [&]() -> net::awaitable<bool> {
+    if (!stream_started) {
+      stream_started = true;
+      if (!co_await exchange.start_event_stream()) g.client_gone = true;
+    }
+    co_return !g.client_gone;
+  };
 
   TokenTextFn text_of = [this, as_ids = g.fields.return_tokens_as_token_ids](int32_t id) {
     return as_ids ? fmt::format("token_id:{}", id) : token_text(id);
@@ -390,6 +398,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
   auto deadline = SteadyClock::now() + std::chrono::milliseconds(config_.request_timeout_ms);
   bool timed_out = false;
   std::string stream_error;
+  bool stream_error_invalid = false;
 
   while (g.num_finished < g.choices.size() && !g.client_gone) {
     if (g.pending.empty()) {
@@ -418,8 +427,10 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
       choice.finish_reason = out.finish_reason;
       choice.stop_reason = stop_reason_json(out.stop_string, out.stop_token_id);
       choice.kv_transfer_params = out.kv_transfer_params;
-      if (out.finish_reason == engine::FinishReason::kError)
+      if (out.finish_reason == engine::FinishReason::kError) {
         choice.error = out.error.empty() ? "the engine failed this request" : out.error;
+        choice.invalid_request = out.invalid_request;
+      }
     }
     if (!stream) {
       choice.text += out.text_delta;
@@ -430,6 +441,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     }
     if (!choice.error.empty()) {
       stream_error = choice.error;
+      stream_error_invalid = choice.invalid_request;
       break;
     }
     std::string events;
@@ -462,6 +474,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
       events += sse_event(chunk);
     }
     if (!events.empty()) {
+      if (!co_await start_stream()) break;
       bool sent = co_await exchange.send_event(events);
       if (!sent) g.client_gone = true;
     }
@@ -485,7 +498,17 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     if (!kv_transfer_params && choice.kv_transfer_params) kv_transfer_params = choice.kv_transfer_params;
   }
 
+  if (stream && !stream_started && stream_error_invalid) {
+    ApiError error = bad_request(stream_error, "kv_transfer_params");
+    co_await exchange.respond_error(error);
+    co_return;
+  }
   if (stream) {
+    if (!co_await start_stream()) {
+      disconnects_counter().inc();
+      exchange.abandon();
+      co_return;
+    }
     std::string tail;
     if (timed_out) {
       timeouts_counter().inc();
@@ -509,7 +532,8 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
   }
   for (const auto& choice : g.choices) {
     if (!choice.error.empty()) {
-      ApiError error = internal(choice.error);
+      ApiError error =
+          choice.invalid_request ? bad_request(choice.error, "kv_transfer_params") : internal(choice.error);
       co_await exchange.respond_error(error);
       co_return;
     }

@@ -275,6 +275,40 @@ def test_malformed_kv_transfer_params_get_a_400(procs):
     assert_no_blocks_in_use(producer, consumer)
 
 
+def test_read_with_block_ids_of_another_transfer_gets_a_400(procs, plain):
+    """READ-mode block ids are the client's to send; ids that do not belong to the named transfer can only be
+    told apart by the producer. Its refusal reaches the client as a 400 (streamed or not), nothing is
+    recomputed, and the transfers the ids were taken from are still read by their own requests."""
+    producer = start_instance(procs, "kv_producer", read_mode=True)
+    consumer = start_instance(procs, "kv_consumer", read_mode=True)
+    other_prompt = [t + 1 for t in PROMPT]  # same length, no shared prefix: blocks of its own
+    held = []
+    for prompt in (PROMPT, other_prompt):
+        status, prefill = completion(producer.url, prompt, 1,
+                                     {"transfer_id": new_transfer_id(), "do_remote_decode": True, "mode": "read"})
+        assert status == 200, prefill
+        held.append((prompt, {**prefill["kv_transfer_params"], "do_remote_prefill": True, "mode": "read"}))
+    (prompt_a, params_a), (prompt_b, params_b) = held
+    assert set(params_a["block_ids"]).isdisjoint(params_b["block_ids"])
+    forged = {**params_a, "block_ids": params_b["block_ids"]}
+    for stream in (False, True):
+        status, raw, _ = http_request(consumer.url, "POST", "/v1/completions",
+                                      {"model": MODEL, "prompt": prompt_a, "max_tokens": 3, "stream": stream,
+                                       "kv_transfer_params": forged})
+        assert status == 400, f"stream={stream}: {status} {raw[:300]!r}"
+        body = json.loads(raw)
+        assert "does not belong" in body["error"]["message"], body
+        assert body["error"]["param"] == "kv_transfer_params", body
+    assert consumer.metric("pd_connector_recomputes_total") == 0
+    assert producer.metric("pd_connector_control_messages_refused_total") >= 2
+    for prompt, params in held:
+        status, decode = completion(consumer.url, prompt, MAX_TOKENS, params)
+        assert status == 200, decode
+        assert token_ids(decode) == reference(plain, prompt)
+    assert consumer.metric("pd_connector_recomputes_total") == 0
+    assert_no_blocks_in_use(producer, consumer)
+
+
 # ---- prefix cache: only the missing blocks move -----------------------------------------------
 
 def test_consumer_prefix_hit_receives_only_the_missing_blocks(procs, plain):

@@ -411,5 +411,33 @@ TEST_F(ConsumerStateTest, HandOverIsNotAskedForWhenOnlyTheLastTokenIsMissing) {
   EXPECT_EQ(c_.admit("req", handover_params(false, 7), 8, 9, 0), 0);
 }
 
+TEST_F(ConsumerStateTest, AReadRefusedForInvalidParametersFailsTheRequestAsInvalid) {
+  admit_and_allocate(/*read_mode=*/true);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();
+  auto refusal = msg(MessageType::kError);
+  refusal.text = "block 21 does not belong to transfer";
+  refusal.invalid_params = true;
+  c_.on_abort_or_error(producer(), refusal);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_TRUE(a.load_failures[0].invalid_params);
+  EXPECT_NE(a.load_failures[0].reason.find("refused kv_transfer_params"), std::string::npos);
+  EXPECT_TRUE(a.reads.empty());
+}
+
+TEST_F(ConsumerStateTest, AnInvalidParametersFlagOutsideAReadRequestIsNotTrusted) {
+  // WRITE: our blocks are ours, not the client's; a producer's error is a plain failure.
+  admit_and_allocate(/*read_mode=*/false);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();
+  auto refusal = msg(MessageType::kError);
+  refusal.invalid_params = true;
+  c_.on_abort_or_error(producer(), refusal);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_FALSE(a.load_failures[0].invalid_params);
+}
+
 }  // namespace
 }  // namespace pd::connector

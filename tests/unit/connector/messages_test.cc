@@ -67,6 +67,10 @@ TEST(ControlMessages, EveryTypeRoundTrips) {
   error.transfer_id.clear();
   error.text = "layout mismatch";
   messages.push_back(error);
+  auto refusal = base(MessageType::kError);
+  refusal.text = "block 3 does not belong";
+  refusal.invalid_params = true;
+  messages.push_back(refusal);
   for (const auto& m : messages) {
     auto decoded = decode_message(encode_message(m));
     ASSERT_TRUE(decoded.ok()) << message_type_name(m.type) << ": " << decoded.status().to_string();
@@ -82,6 +86,7 @@ TEST(ControlMessages, EveryTypeRoundTrips) {
     EXPECT_EQ(decoded->sampling_key, m.sampling_key);
     EXPECT_EQ(decoded->ok, m.ok);
     EXPECT_EQ(decoded->text, m.text);
+    EXPECT_EQ(decoded->invalid_params, m.invalid_params);
     EXPECT_EQ(decoded->engine_desc, m.engine_desc);
     EXPECT_EQ(decoded->layer_descs, m.layer_descs);
     EXPECT_EQ(decoded->fingerprint, m.fingerprint);

@@ -244,6 +244,19 @@ TEST_F(ProducerStateTest, ReadOfBlocksThatDoNotBelongToTheTransferIsRefused) {
   ASSERT_EQ(a.sends.size(), 1u);
   EXPECT_EQ(a.sends[0].message.type, MessageType::kError);
   EXPECT_NE(a.sends[0].message.text.find("does not belong"), std::string::npos);
+  EXPECT_TRUE(a.sends[0].message.invalid_params) << "the ids came from the client: its error";
+}
+
+TEST_F(ProducerStateTest, ReadOfAnExpiredTransferIsRefusedButNotAsInvalidParameters) {
+  auto read = simple(MessageType::kRead);
+  read.block_ids = {1};
+  read.num_tokens = 10;
+  read.kv_tokens = 9;
+  p_.on_read(consumer(), read, 0);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kError);
+  EXPECT_FALSE(a.sends[0].message.invalid_params) << "a slow consumer recomputes";
 }
 
 TEST_F(ProducerStateTest, ReadHoldEndsAtTransferTimeoutAndAReadExtendsIt) {
