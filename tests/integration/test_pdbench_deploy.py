@@ -30,6 +30,19 @@ def test_pd_deployment_moves_kv_and_ends_clean(config, tmp_path):
     assert len(moved) == 2 and sum(moved) > 0, proc.stderr
     assert re.findall(r"KV blocks in use (\d+)", proc.stderr) == ["0", "0"]
     assert (tmp_path / "producer.log").stat().st_size > 0 and (tmp_path / "consumer.log").stat().st_size > 0
+    # Through pdrouter, every consumer request took the producer's first token (no logprobs asked for).
+    assert re.findall(r"consumer: .*first tokens handed over (\d+)", proc.stderr) == ["8"], proc.stderr
+
+
+def test_kv_extra_reaches_the_instances_and_can_switch_the_hand_over_off(tmp_path):
+    proc = deploy("--config", "pd-write", "--log-dir", str(tmp_path), "--kv-extra", '{"first_token_handover": false}',
+                  "--", sys.executable, str(PDBENCH), "run", "--base-url", "{url}", "--max-concurrency", "4",
+                  "--num-requests", "8", "--input-len", "40", "--output-len", "4", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "first tokens handed over" not in proc.stderr, proc.stderr
+    assert re.findall(r"KV blocks in use (\d+)", proc.stderr) == ["0", "0"]
+    bad = deploy("--config", "pd-write", "--kv-extra", "[1]", "--", "true")
+    assert bad.returncode != 0 and "--kv-extra must be a JSON object" in bad.stderr
 
 
 def test_collocated_deployment_passes_the_command_status_through(tmp_path):

@@ -111,10 +111,14 @@ def router_health(url: str) -> str:
         return error.read().decode(errors="replace")
 
 
-def metric_sum(metrics_text: str, name: str) -> float:
+def metric_sum(metrics_text: str, name: str, label: str = "") -> float:
+    """Sum of a metric's samples; with label (e.g. 'result="accepted"'), of those carrying it."""
     total = 0.0
     for line in metrics_text.splitlines():
         if line.startswith(name) and len(line) > len(name) and line[len(name)] in " {":
+            labels = line[len(name):].split("}", 1)[0] if line[len(name)] == "{" else ""
+            if label and label not in labels:
+                continue
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -142,6 +146,9 @@ def main() -> int:
                         help="extra pdserve flags for every instance, one string (e.g. '--max-num-batched-tokens 4096')")
     parser.add_argument("--producer-args", default="", help="extra pdserve flags for the producer only")
     parser.add_argument("--consumer-args", default="", help="extra pdserve flags for the consumer only")
+    parser.add_argument("--kv-extra", default="{}",
+                        help="JSON object merged into every instance's kv_connector_extra_config, "
+                             "e.g. '{\"first_token_handover\": false}'")
     parser.add_argument("--log-dir", default=None, help="where instance logs go (default: a temporary folder)")
     parser.add_argument("--ready-timeout-s", type=float, default=600, help="model load + warm-up limit per instance")
     parser.add_argument("--echo", action="store_true", help="echo every log line of the processes")
@@ -167,13 +174,16 @@ def main() -> int:
         reg_port = int(router.wait_for(REGISTRATION_RE, 30).group(2))
         router_url = f"http://{rhost}:{rport}"
 
+        kv_extra = json.loads(args.kv_extra)
+        if not isinstance(kv_extra, dict):
+            raise SystemExit("--kv-extra must be a JSON object")
         plan = instance_plan(args.config, gpus, args.num_collocated)
         instances: dict[str, str] = {}
         for name, role, gpu in plan:
             extra = {"kv_role": role} if role else {"kv_role": "kv_both"}
             kv_config = {"kv_connector": "PdConnector", **extra,
                          "kv_connector_extra_config": {"read_mode": args.config == "pd-read", "proxy_ip": "127.0.0.1",
-                                                       "proxy_ping_port": reg_port}}
+                                                       "proxy_ping_port": reg_port, **kv_extra}}
             argv = [str(bin_dir / "pdserve"), "--model", args.model, "--device", args.device, "--port", "0",
                     "--kv-transfer-config", json.dumps(kv_config)]
             if args.device == "cuda":
@@ -214,7 +224,10 @@ def main() -> int:
             count = metric_sum(metrics, "pd_connector_transfer_seconds_count")
             seconds = metric_sum(metrics, "pd_connector_transfer_seconds_sum")
             mean = f", mean transfer {seconds / count * 1e3:.2f} ms over {count:.0f}" if count else ""
-            print(f"[deploy] {name}: KV blocks in use {used:.0f}, KV bytes moved {moved:,.0f}{mean}", file=sys.stderr)
+            handed = metric_sum(metrics, "pd_connector_first_tokens_total", 'result="accepted"')
+            handover = f", first tokens handed over {handed:.0f}" if handed else ""
+            print(f"[deploy] {name}: KV blocks in use {used:.0f}, KV bytes moved {moved:,.0f}{mean}{handover}",
+                  file=sys.stderr)
             if used != 0:
                 # Prefix-cache blocks are not "in use": the metric counts referenced blocks only.
                 print(f"[deploy] error: {name} still holds {used:.0f} KV blocks", file=sys.stderr)
