@@ -108,13 +108,15 @@ std::string endpoint_transports(ucp_ep_h ep) {
 // The device copier of ucx staging (EngineConfig::ucx_staging); null when GPU memory
 // cannot be staged here.
 Result<std::unique_ptr<StagingCopier>> make_staging_copier(const EngineConfig& config) {
+  if (config.ucx_staging_chunk_bytes < 4096 || config.ucx_staging_slots == 0) {
+    return invalid_argument(
+        "EngineConfig: ucx_staging_chunk_bytes must be >= 4096 and ucx_staging_slots >= 1, got {} and {}",
+        config.ucx_staging_chunk_bytes, config.ucx_staging_slots);
+  }
   if (config.ucx_staging == "off") return std::unique_ptr<StagingCopier>();
   if (config.ucx_staging == "memcpy") return make_memcpy_copier();
   if (config.ucx_staging != "auto") {
     return invalid_argument("EngineConfig.ucx_staging must be auto, off or memcpy, got '{}'", config.ucx_staging);
-  }
-  if (config.ucx_staging_chunk_bytes < 4096 || config.ucx_staging_slots == 0) {
-    return invalid_argument("EngineConfig: ucx_staging_chunk_bytes must be >= 4096 and ucx_staging_slots >= 1");
   }
   Result<std::unique_ptr<StagingCopier>> cuda = make_cuda_copier();
   if (!cuda.ok()) return std::unique_ptr<StagingCopier>();  // no GPU: host memory only

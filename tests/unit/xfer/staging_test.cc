@@ -249,6 +249,14 @@ TEST(StagingOff, GpuRegionsAreRefusedWithoutAStagingPath) {
             ErrorCode::kFailedPrecondition);
 }
 
+TEST(StagingConfig, BadSettingsAreRefusedAtEngineCreation) {
+  EngineConfig unknown_mode = staged_config("bad", 64 << 10, 2);
+  unknown_mode.ucx_staging = "carrier-pigeon";
+  EXPECT_EQ(Engine::create(unknown_mode).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(Engine::create(staged_config("bad", 64 << 10, 0)).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(Engine::create(staged_config("bad", 100, 2)).status().code(), ErrorCode::kInvalidArgument);
+}
+
 // ---- the pure parts: chunk plan and wire checks ----
 
 TEST(StagingPlan, ChunksKeepOrderRespectBothBoundsAndCoverEveryByteOnce) {
