@@ -7,7 +7,8 @@
 #   part "ttft":    TTFT at low load (one request at a time), Qwen3-32B shape, ISL 2000: collocated,
 #                   WRITE and READ with the hand-over, WRITE and READ without it (the consumer computes
 #                   the last prompt token, as before) -- docs/perf/connector.md.
-# Needs .devpack/carry.tar.xz (tests/gpu/pack_for_device.sh, then tar -cJf; README "Benchmarking").
+# Needs .devpack/carry.tar.xz holding .devcarry (pdserve, pdrouter, xferbench: tests/gpu/pack_for_device.sh)
+# and .devcarry-xfer (the staging check's carry, see tests/gpu/xfer_ucx_staging_check.sh).
 # Results go to $OUT (JSON + logs); a short table is printed last.
 set -uo pipefail
 PART=${1:?usage: device_handover_checks.sh xfer-eq|ttft}
@@ -35,7 +36,7 @@ if [ "$PART" = xfer-eq ]; then
   echo "xferbench rc=$?"; tail -12 "$OUT/xferbench_compare.log"
 
   step "2. ucx GPU staging"
-  OUT=$OUT/staging CARRY_DIR=.devcarry timeout 240 bash tests/gpu/xfer_ucx_staging_check.sh > "$OUT/staging.log" 2>&1
+  OUT=$OUT/staging CARRY_DIR=.devcarry-xfer timeout 240 bash tests/gpu/xfer_ucx_staging_check.sh > "$OUT/staging.log" 2>&1
   echo "staging rc=$?"; tail -12 "$OUT/staging.log"
 
   step "3. P/D equality on the ~1B model (hand-over on)"
