@@ -81,10 +81,11 @@ def start_in_namespace(procs, netns: NetnsPair, index: int, role: str, read_mode
     host = netns.ips[index]
     argv = [*netns.prefix(index), str(bin_path("pdserve")), "--port", "0", *MODEL_FLAGS, "--host", host,
             "--kv-transfer-config", kv_config(role, read_mode, kv_ip=host, allowed_peers=[peer_ip])]
-    # Control plane and HTTP cross the veth; the UCX data plane keeps UCX's own transport choice
-    # (on one host that may be shared memory: UCX_TLS=tcp currently fails ucp_ep_create with
-    # "Destination is unreachable" between the namespaces -- see docs/perf/connector.md).
-    managed = procs.spawn(argv)
+    # Control plane, HTTP and the UCX data plane all cross the veth: UCX_TLS=tcp,self keeps UCX off
+    # shared memory, as between two hosts. (xfer waits for the veth's carrier before UCX lists its
+    # devices; before that fix UCX advertised loopback only and ucp_ep_create failed with
+    # "Destination is unreachable" -- docs/perf/xfer.md.)
+    managed = procs.spawn(argv, env={"UCX_TLS": "tcp,self"})
     match = managed.wait_for_line(LISTEN_RE, 90)
     server = PdserveServer(managed, match.group(1), int(match.group(2)))
     wait_for(server.healthy, 60, f"{server.base_url}/health")
