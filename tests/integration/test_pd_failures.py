@@ -189,6 +189,31 @@ def test_dead_producer_times_out_within_the_handshake_bound(procs, plain):
     assert_no_blocks_in_use(consumer)
 
 
+def test_a_request_timing_out_before_its_first_token_is_answered_in_both_response_kinds(procs):
+    """A consumer request whose KV never comes (the producer never gets its leg) outlives
+    --request-timeout-ms before any token: non-streamed it is a 504; streamed, the 200 goes out with the
+    timeout event (pdserve sends a stream's headers with its first event). Either way it is aborted and
+    its blocks come back."""
+    producer = start_instance(procs, "kv_producer")
+    consumer = start_instance(procs, "kv_consumer", flags=("--request-timeout-ms", "400"), transfer_timeout=2)
+    for stream in (False, True):
+        params = consumer_params_write(producer, new_transfer_id())
+        start = time.monotonic()
+        status, raw, _ = http_request(consumer.url, "POST", "/v1/completions",
+                                      {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": stream,
+                                       "kv_transfer_params": params})
+        assert time.monotonic() - start < 5
+        if not stream:
+            assert status == 504, raw[:300]
+            assert json.loads(raw)["error"]["type"] == "timeout_error"
+        else:
+            assert status == 200, raw[:300]
+            events = [line[len("data: "):] for line in raw.decode().splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]", events
+            assert json.loads(events[-2])["error"]["type"] == "timeout_error", events
+    assert_no_blocks_in_use(producer, consumer)
+
+
 def test_restarted_producer_is_re_handshaken(procs, plain):
     port = free_port()
     producer = start_instance(procs, "kv_producer", handshake_port=port)
