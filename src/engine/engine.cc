@@ -275,29 +275,20 @@ class EngineImpl final : public Engine {
       }
     }
     std::unordered_set<std::string> moved = scheduler_.apply_load_errors(events.load_errors);
-    scheduler_.apply_connector_events(events);
+    const std::vector<Scheduler::HandedOver> handed_over = scheduler_.apply_connector_events(events);
     for (const auto& id : events.finished_sending) release_id_if_unused(id);
     for (const auto& id : events.finished_recving) release_id_if_unused(id);
     if (moved_back != nullptr) *moved_back = std::move(moved);
-    accept_handed_over_tokens(events.first_tokens);
-  }
-
-  // First-token hand-over: the producer's token becomes this request's first
-  // output, emitted now; its next step is a decode. Taken only where the whole
-  // prompt's KV is in place (a load error in the same poll rolled it back).
-  void accept_handed_over_tokens(std::vector<HandedOverToken>& tokens) {
+    // First-token hand-over: the producer's token is this request's first
+    // output, emitted now; its next step is a decode.
     const int64_t now = now_ns();
-    for (HandedOverToken& t : tokens) {
-      Request* r = scheduler_.find(t.request_id);
-      if (r == nullptr || !scheduler_.run_with_remote_prompt(*r)) {
-        ++num_handed_over_tokens_ignored_;
-        continue;
-      }
+    for (const Scheduler::HandedOver& h : handed_over) {
       SampledToken token;
-      token.token_id = t.token_id;
-      ++num_handed_over_tokens_;
-      process_token(*r, token, now);
+      token.token_id = h.token_id;
+      process_token(*h.request, token, now);
     }
+    num_handed_over_tokens_ += static_cast<int64_t>(handed_over.size());
+    num_handed_over_tokens_ignored_ += static_cast<int64_t>(events.first_tokens.size() - handed_over.size());
   }
 
   void run() {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cassert>
 #include <string_view>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
@@ -78,17 +79,6 @@ void Scheduler::update_block_hashes(Request& request) {
 void Scheduler::append_token(Request& request, int32_t token_id) {
   request.append_output_token(token_id);
   update_block_hashes(request);
-}
-
-bool Scheduler::run_with_remote_prompt(Request& request) {
-  if (request.state() != RequestState::kWaiting || request.num_output_tokens() != 0 ||
-      request.num_computed_tokens != request.num_tokens()) {
-    return false;
-  }
-  remove_from_queues(&request);
-  check_pool(request.transition_to(RequestState::kRunning), "handover run");
-  running_.push_back(&request);
-  return true;
 }
 
 void Scheduler::release_blocks(const std::string& request_id, std::vector<int32_t>& block_ids, bool hold) {
@@ -404,7 +394,7 @@ FinishedRequest Scheduler::finish_request(Request& request, RequestState final_s
   return out;
 }
 
-void Scheduler::apply_connector_events(const ConnectorEvents& events) {
+std::vector<Scheduler::HandedOver> Scheduler::apply_connector_events(const ConnectorEvents& events) {
   auto release_hold = [this](const std::string& id) {
     auto it = holds_.find(id);
     if (it == holds_.end()) return false;
@@ -414,19 +404,20 @@ void Scheduler::apply_connector_events(const ConnectorEvents& events) {
     release_blocks(id, blocks, /*hold=*/false);
     return true;
   };
-  std::unordered_set<std::string_view> handed_over;
-  for (const HandedOverToken& t : events.first_tokens) handed_over.insert(t.request_id);
+  std::unordered_map<std::string_view, int32_t> first_tokens;
+  for (const HandedOverToken& t : events.first_tokens) first_tokens.emplace(t.request_id, t.token_id);
+  std::vector<HandedOver> handed_over;
   for (const std::string& id : events.finished_recving) {
     Request* request = find(id);
     if (request != nullptr && request->state() == RequestState::kWaitingForRemoteKv) {
       remove_from_queues(request);
       request->num_computed_tokens += request->num_pending_external_tokens;
       request->num_pending_external_tokens = 0;
-      if (request->num_computed_tokens >= request->num_tokens() && !handed_over.contains(id)) {
-        // The whole prompt's KV arrived but no first token came with it: compute
-        // the last prompt token again for its logits.
-        request->num_computed_tokens = request->num_tokens() - 1;
-      }
+      const bool whole_prompt = request->num_computed_tokens >= request->num_tokens();
+      const auto token = first_tokens.find(id);
+      const bool take_token = whole_prompt && token != first_tokens.end() && request->num_output_tokens() == 0;
+      // Without a token the last prompt token is computed again for its logits.
+      if (whole_prompt && !take_token) request->num_computed_tokens = request->num_tokens() - 1;
       // Received full blocks are as good as computed ones: share them.
       const int32_t num_full = std::min(static_cast<int32_t>(request->block_hashes.size()),
                                         request->num_computed_tokens / config_.block_size);
@@ -435,7 +426,13 @@ void Scheduler::apply_connector_events(const ConnectorEvents& events) {
       }
       request->num_cached_blocks = std::max(request->num_cached_blocks, num_full);
       check_pool(request->transition_to(RequestState::kWaiting), "recv done");
-      waiting_.push_front(request);
+      if (take_token) {
+        check_pool(request->transition_to(RequestState::kRunning), "recv done, token handed over");
+        running_.push_back(request);
+        handed_over.push_back(HandedOver{request, token->second});
+      } else {
+        waiting_.push_front(request);
+      }
     } else if (!release_hold(id)) {
       ++num_unknown_connector_ids_;
     }
@@ -443,6 +440,7 @@ void Scheduler::apply_connector_events(const ConnectorEvents& events) {
   for (const std::string& id : events.finished_sending) {
     if (!release_hold(id)) ++num_unknown_connector_ids_;
   }
+  return handed_over;
 }
 
 std::vector<FinishedRequest> Scheduler::expire_remote_kv_waits(int64_t now) {

@@ -98,19 +98,22 @@ class Scheduler {
   // Appends a sampled token (and the hashes of blocks it completes).
   void append_token(Request& request, int32_t token_id);
 
-  // First-token hand-over: a waiting request whose whole prompt's KV arrived
-  // joins the running set as if its prefill had run here, so that the handed-over
-  // token is appended (or finishes it) like any sampled token. False when the
-  // request is not such a request (then nothing changes).
-  bool run_with_remote_prompt(Request& request);
-
   // Finishes a live request in any state: transitions it, removes it from its
   // queue, asks the connector, frees or holds its blocks.
   FinishedRequest finish_request(Request& request, RequestState final_state, FinishReason reason);
 
   // Moves finished remote loads back to waiting, releases holds. Ids that are
   // neither are ignored (counted in num_unknown_connector_ids).
-  void apply_connector_events(const ConnectorEvents& events);
+  // First-token hand-over: a load that brought the whole prompt's KV together
+  // with the producer's token puts its request in the running set as if its
+  // prefill had run here; the returned (request, token) pairs are for the
+  // caller to append like sampled tokens. A whole-prompt load without a token
+  // leaves the last prompt token to compute again (for its logits).
+  struct HandedOver {
+    Request* request;
+    int32_t token_id;
+  };
+  std::vector<HandedOver> apply_connector_events(const ConnectorEvents& events);
   int64_t num_unknown_connector_ids() const { return num_unknown_connector_ids_; }
 
   // Remote-KV waits past their deadline: recompute (like a preemption) or fail.

@@ -214,6 +214,45 @@ TEST(ConnectorHooks, LoadErrorRecomputesFromTheFirstFailedBlock) {
   EXPECT_EQ(h.outputs("pd"), reference_outputs(iota_tokens(50), 2));
 }
 
+ExternalMatch whole_prompt_match() {
+  ExternalMatch m{50, true, 60'000};
+  m.includes_last_prompt_token = true;
+  return m;
+}
+
+TEST(ConnectorHooks, AWholePromptLoadWithAHandedOverTokenRunsAsIfPrefilledHere) {
+  ScriptedConnector conn;
+  conn.match = whole_prompt_match();
+  SchedulerHarness h(config(), &conn);
+  Request* r = h.add("pd", iota_tokens(50), 2, kParams);
+  h.step();
+  ASSERT_EQ(conn.alloc_block_ids.size(), 4u) << "blocks for all 50 tokens";
+  auto handed = h.scheduler.apply_connector_events(ConnectorEvents{{"pd"}, {}, {}, {}, {HandedOverToken{"pd", 7}}});
+  ASSERT_EQ(handed.size(), 1u);
+  EXPECT_EQ(handed[0].request, r);
+  EXPECT_EQ(handed[0].token_id, 7);
+  EXPECT_EQ(r->state(), RequestState::kRunning);
+  EXPECT_EQ(r->num_computed_tokens, 50);
+}
+
+TEST(ConnectorHooks, AHandedOverTokenWhoseLoadFailedInPartIsNotTaken) {
+  // A load error in the same poll voids block 1: the token is dropped and the
+  // prompt is recomputed from block 1, so the output is the model's own.
+  ScriptedConnector conn;
+  conn.match = whole_prompt_match();
+  SchedulerHarness h(config(), &conn);
+  Request* r = h.add("pd", iota_tokens(50), 2, kParams);
+  h.step();
+  ASSERT_EQ(conn.alloc_block_ids.size(), 4u);
+  h.scheduler.apply_load_errors({LoadError{"pd", {conn.alloc_block_ids[1]}}});
+  auto handed = h.scheduler.apply_connector_events(ConnectorEvents{{"pd"}, {}, {}, {}, {HandedOverToken{"pd", 7}}});
+  EXPECT_TRUE(handed.empty());
+  EXPECT_EQ(r->num_computed_tokens, 16) << "only the first block arrived intact";
+  EXPECT_EQ(r->state(), RequestState::kWaiting);
+  h.run_until_idle();
+  EXPECT_EQ(h.outputs("pd"), reference_outputs(iota_tokens(50), 2));
+}
+
 TEST(ConnectorHooks, SynchronousLoadFailureVoidsTheStepAndRecomputes) {
   ScriptedConnector conn;
   conn.match = {32, false, 0};
