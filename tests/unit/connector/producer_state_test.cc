@@ -38,6 +38,13 @@ ControlMessage simple(MessageType type, const std::string& id = kT) {
 class ProducerStateTest : public ::testing::Test {
  protected:
   ProducerTransfers p_{kLayers, kBlockSize, ProducerTimeouts{/*defer=*/1000, /*transfer=*/500}};
+
+  // The final step saves every layer, seals, and every posted write completes.
+  void prefill_and_complete_every_write() {
+    for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+    p_.on_forward_done(kT, true);
+    for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  }
 };
 
 // 10 tokens: the consumer needs KV of 9 tokens = 3 blocks.
@@ -327,9 +334,7 @@ TEST_F(ProducerStateTest, DoneCarriesTheFirstTokenToAConsumerThatTookTheWholePro
   ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
   p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 9, 0, /*kv_tokens=*/9), 64, 0);
   EXPECT_EQ(p_.take_actions().num_refused, 0) << "3 blocks for all 9 tokens";
-  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
-  p_.on_forward_done(kT, true);
-  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  prefill_and_complete_every_write();
   EXPECT_TRUE(p_.take_actions().sends.empty()) << "done waits for the token sampled in the same step";
   p_.first_token_sampled(kT, 4242, 0xfeed);
   auto a = p_.take_actions();
@@ -345,9 +350,7 @@ TEST_F(ProducerStateTest, DoneCarriesTheFirstTokenToAConsumerThatTookTheWholePro
 TEST_F(ProducerStateTest, DoneWithoutATokenWhenTheRequestFinishesWithoutOne) {
   ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
   p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 9, 0, 9), 64, 0);
-  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
-  p_.on_forward_done(kT, true);
-  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  prefill_and_complete_every_write();
   EXPECT_TRUE(p_.take_actions().sends.empty());
   EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
   auto a = p_.take_actions();
@@ -361,9 +364,7 @@ TEST_F(ProducerStateTest, ATokenIsNotSentToAConsumerThatComputesTheLastTokenItse
   ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
   p_.first_token_sampled(kT, 4242, 1);
   p_.on_blocks(consumer(), blocks_msg({7, 8}, 9), 64, 0);
-  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
-  p_.on_forward_done(kT, true);
-  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  prefill_and_complete_every_write();
   auto a = p_.take_actions();
   ASSERT_EQ(a.sends.size(), 1u);
   EXPECT_FALSE(a.sends[0].message.first_token.has_value());
