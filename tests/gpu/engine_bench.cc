@@ -10,7 +10,10 @@
 // decode attention per split-K partition size), sums them per step, and the
 // decode rows then show that sum beside the graph replay and execute() times.
 // Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all|none] [--ctx 2048] [--decode-kernel tc|simt]
-//        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1]
+//        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1] [--fuse 0|1]
+//        [--pdl-max-tokens N]
+// --fuse 0: the runner without its decode-step fusions (CudaRunnerOptions::fused_decode_kernels).
+// --pdl-max-tokens N: programmatic dependent launch for passes of up to N tokens (default 4).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -61,6 +64,8 @@ struct Row {
 
 // --ops: batch size -> sum of the kernels of one decode step (ms).
 std::map<int, double> g_kernel_sum_ms;
+// --pdl-max-tokens: CudaRunnerOptions::programmatic_launch_max_tokens (0 = the runner's default).
+int g_pdl_max_tokens = 0;
 
 const char* policy_name(kc::GemmPolicy p) {
   return p == kc::GemmPolicy::kAutotune ? "autotune" : p == kc::GemmPolicy::kHeuristic ? "heuristic" : "skinny";
@@ -239,31 +244,59 @@ void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::v
     const double kv_bytes = static_cast<double>(m) * oc.ctx * 2.0 * hkv * d * 2.0;
     const int runner_part = engine::CudaModelRunner::decode_partition_tokens_for(m, hkv);
     double attn_ms = 0.0;
+    DeviceBuffer<uint32_t> merge_counters(static_cast<size_t>(m) * hkv);
+    PD_CUDA_CHECK(cudaMemset(merge_counters.get(), 0, merge_counters.count() * sizeof(uint32_t)));
     for (int part : {32, 64, 128, 256}) {
       a.decode_partition_tokens = part;
       const size_t ws_bytes = kc::decode_attention_workspace_bytes(m, hq, d, oc.ctx, part);
       DeviceBuffer<uint8_t> ws(ws_bytes);
-      int call = 0;
-      const double ms = time_in_graph_ms(
+      // Merged by a reduce kernel, then (what the runner runs) in the attention kernel's last CTA per row.
+      for (uint32_t* counters : {static_cast<uint32_t*>(nullptr), merge_counters.get()}) {
+        int call = 0;
+        const double ms = time_in_graph_ms(
+            [&](cudaStream_t st) {
+              // Each call reads other sequences' blocks of the pool (a different layer of the real model).
+              const int first_seq = (call++ * m) % (num_seq_slots - m + 1);
+              kc::AttentionArgs args = a;
+              args.block_tables = d_table.get() + static_cast<size_t>(first_seq) * blocks_per_seq;
+              args.decode_merge_counters = counters;
+              PD_STATUS_CHECK(kc::decode_attention(args, ws.get(), ws_bytes, st));
+            },
+            kOpsCallsPerGraph);
+        const bool runs = part == runner_part && counters != nullptr;
+        row("decode attn part " + std::to_string(part) + (counters != nullptr ? " merged" : " +reduce") +
+                (runs ? " (runner)" : ""),
+            kv_bytes, ms);
+        if (runs) attn_ms = ms;
+      }
+    }
+    // SwiGLU + down projection as the runner runs it (Gemm::run_swiglu, autotuned: fused into the
+    // skinny kernel's activation load, or silu_mul + the tuned GEMM).
+    double swiglu_down_ms = 0.0;
+    {
+      WeightPool pool(static_cast<size_t>(h) * inter, kMinPoolBytes);
+      auto gemm = kc::Gemm::create(64ull << 20, kc::GemmPolicy::kAutotune);
+      PD_STATUS_CHECK(gemm.status());
+      swiglu_down_ms = time_in_graph_ms(
           [&](cudaStream_t st) {
-            // Each call reads other sequences' blocks of the pool (a different layer of the real model).
-            const int first_seq = (call++ * m) % (num_seq_slots - m + 1);
-            kc::AttentionArgs args = a;
-            args.block_tables = d_table.get() + static_cast<size_t>(first_seq) * blocks_per_seq;
-            PD_STATUS_CHECK(kc::decode_attention(args, ws.get(), ws_bytes, st));
+            PD_STATUS_CHECK((*gemm)->run_swiglu(x.get(), kc::GemmOut::kBFloat16, gate_up.get(), act_out.get(),
+                                                pool.take(), m, h, inter, st));
           },
           kOpsCallsPerGraph);
-      row("decode attn part " + std::to_string(part) + (part == runner_part ? " (runner)" : ""), kv_bytes, ms);
-      if (part == runner_part) attn_ms = ms;
+      std::string choice = "unfused";
+      for (const kc::GemmTuning& t : (*gemm)->tunings()) {
+        if (t.swiglu_prologue && t.chose_skinny) choice = "fused v" + std::to_string(t.skinny_variant);
+      }
+      row("silu_mul + down (" + choice + ")", 2.0 * h * inter + 2.0 * m * 2 * inter + 2.0 * m * h, swiglu_down_ms);
     }
     const auto& g = gemm_ms[m];
-    const double layer_ms = 2 * rms_ms + g[0] + rope_ms + attn_ms + g[1] + g[2] + silu_ms + g[3];
+    const double layer_ms = 2 * rms_ms + g[0] + rope_ms + attn_ms + g[1] + g[2] + swiglu_down_ms;
     const double step_ms = cfg.num_layers * layer_ms + g[4] + rms_ms;
     g_kernel_sum_ms[m] = step_ms;
     std::printf(
-        "M=%d: one layer %.4f ms (gemms %.4f, attention %.4f, norms/rope/silu %.4f); step %.3f ms "
+        "M=%d: one layer %.4f ms (gemms incl. silu %.4f, attention %.4f, norms/rope %.4f); step %.3f ms "
         "(%d layers + lm_head %.4f)\n",
-        m, layer_ms, g[0] + g[1] + g[2] + g[3], attn_ms, 2 * rms_ms + rope_ms + silu_ms, step_ms, cfg.num_layers, g[4]);
+        m, layer_ms, g[0] + g[1] + g[2] + swiglu_down_ms, attn_ms, 2 * rms_ms + rope_ms, step_ms, cfg.num_layers, g[4]);
   }
 }
 
@@ -310,7 +343,7 @@ engine::StepInput make_step(int num_seqs, int new_tokens, int computed, int voca
 }
 
 void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels::cuda::DecodeKernel decode_kernel,
-                 kc::GemmPolicy gemm_policy, bool decode_only, bool pdl, std::vector<Row>* rows) {
+                 kc::GemmPolicy gemm_policy, bool decode_only, bool pdl, bool fused, std::vector<Row>* rows) {
   const model::ModelConfig cfg = qwen3_config(big);
   const char* name = big ? "Qwen3-32B" : "Qwen3-8B";
   const std::vector<int> batches = big ? std::vector<int>{1, 16, 64} : std::vector<int>{1, 16, 64, 128};
@@ -326,6 +359,8 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   opt.decode_kernel = decode_kernel;
   opt.gemm_policy = gemm_policy;
   opt.programmatic_launch = pdl;
+  opt.fused_decode_kernels = fused;
+  if (g_pdl_max_tokens > 0) opt.programmatic_launch_max_tokens = g_pdl_max_tokens;
   const auto t0 = std::chrono::steady_clock::now();
   auto created = engine::CudaModelRunner::create(cfg, nullptr, opt);
   PD_STATUS_CHECK(created.status());
@@ -349,7 +384,8 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
     const double floor_ms = bytes / (copy_gbs * 1e6);
     Row row{std::string(name) + " decode b" + std::to_string(b) + " ctx" + std::to_string(ctx), floor_ms, ms,
             "HBM floor " + std::to_string(static_cast<int>(bytes / 1e6)) + " MB, gemm " + policy_name(gemm_policy) +
-                (pdl ? ", pdl" : ", no pdl")};
+                (pdl ? ", pdl <= " + std::to_string(opt.programmatic_launch_max_tokens) + " tokens" : ", no pdl") +
+                (fused ? "" : ", unfused")};
     auto graph_ms = runner.time_decode_graph(b, 20);
     PD_STATUS_CHECK(graph_ms.status());
     row.graph_ms = *graph_ms;
@@ -359,6 +395,11 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   std::printf("%s: GEMM plans tuned at load (us per call): m n k -> choice, cuBLASLt first / best, best skinny\n",
               name);
   for (const kc::GemmTuning& t : runner.gemm().tunings()) {
+    if (t.swiglu_prologue) {
+      std::printf("  %4d %6d %6d -> %-6s silu_mul + gemm %.1f, fused skinny %.1f (v%d)\n", t.m, t.n, t.k,
+                  t.chose_skinny ? "fused" : "unfused", t.unfused_us, t.skinny_us, t.skinny_variant);
+      continue;
+    }
     std::printf("  %4d %6d %6d -> %-6s %8.1f %8.1f %8.1f (v%d)  (%d cuBLASLt candidates)\n", t.m, t.n, t.k,
                 t.chose_skinny ? "skinny" : "cublas", t.heuristic_us, t.best_cublas_us, t.skinny_us, t.skinny_variant,
                 t.num_candidates);
@@ -394,7 +435,7 @@ int main(int argc, char** argv) {
   int ctx = 2048;
   auto decode_kernel = pd::kernels::cuda::DecodeKernel::kTensorCore;
   auto gemm_policy = kc::GemmPolicy::kAutotune;
-  bool decode_only = false, ops = false, pdl = true;
+  bool decode_only = false, ops = false, pdl = true, fused = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--gemm") == 0) {
       const std::string v = argv[i + 1];
@@ -405,6 +446,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--decode-only") == 0) decode_only = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--ops") == 0) ops = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--pdl") == 0) pdl = std::atoi(argv[i + 1]) != 0;
+    if (std::strcmp(argv[i], "--fuse") == 0) fused = std::atoi(argv[i + 1]) != 0;
+    if (std::strcmp(argv[i], "--pdl-max-tokens") == 0) g_pdl_max_tokens = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--model") == 0) which = argv[i + 1];
     if (std::strcmp(argv[i], "--ctx") == 0) ctx = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--decode-kernel") == 0 && std::strcmp(argv[i + 1], "simt") == 0) {
@@ -422,10 +465,10 @@ int main(int argc, char** argv) {
   if (ops) bench_ops(qwen3_config(false), OpsContext{copy_gbs, ctx}, {1, 16, 64, 128});
   std::vector<Row> rows;
   if (which == "all" || which == "qwen3-8b") {
-    bench_model(false, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, &rows);
+    bench_model(false, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, fused, &rows);
   }
   if (which == "all" || which == "qwen3-32b") {
-    bench_model(true, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, &rows);
+    bench_model(true, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, fused, &rows);
   }
   // graph_ms: device time of the decode graph alone; kernels_ms: its kernels timed one by one (--ops).
   std::printf("\n%-36s %10s %10s %8s %9s %10s  %s\n", "step", "floor_ms", "meas_ms", "x floor", "graph_ms",

@@ -15,12 +15,6 @@ using bf16 = __nv_bfloat16;
 
 constexpr int32_t kGraphBuckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
 constexpr float kDummyStdDev = 0.02f;
-// Programmatic dependent launch only for passes of at most this many tokens. Measured on
-// an H200, Qwen3-8B decode graph replay (docs/perf/engine.md): b1 4.63 ms with vs 4.91 without;
-// b16 6.67 vs 6.34 ms (worse), b64 equal, b128 worse. b2..b4 are not measured; they are
-// included because, like b1, their GEMMs are mostly the skinny kernels (pdl.cuh waits).
-constexpr int32_t kProgrammaticLaunchMaxTokens = 4;
-
 int32_t ceil_div(int32_t a, int32_t b) {
   return (a + b - 1) / b;
 }
@@ -246,6 +240,8 @@ Status CudaModelRunner::allocate_buffers() {
                                                                decode_partition_tokens_for(seqs, c.num_kv_heads)));
   }
   decode_ws_ = alloc(decode_ws_bytes_);
+  const size_t num_merge_counters = s * static_cast<size_t>(c.num_kv_heads);
+  decode_merge_counters_ = static_cast<uint32_t*>(alloc(num_merge_counters * sizeof(uint32_t)));
   max_blocks_per_seq_ = ceil_div(options_.max_model_len, options_.block_size);
   size_t off = 0;
   auto take = [&](size_t n) {
@@ -270,9 +266,11 @@ Status CudaModelRunner::allocate_buffers() {
        {static_cast<void*>(residual_), static_cast<void*>(x_), static_cast<void*>(qkv_buf_), static_cast<void*>(q_buf_),
         static_cast<void*>(attn_buf_), static_cast<void*>(gate_up_buf_), static_cast<void*>(act_buf_),
         static_cast<void*>(sample_hidden_), static_cast<void*>(logits_), decode_ws_, static_cast<void*>(d_ints_),
-        static_cast<void*>(d_sampling_), static_cast<void*>(d_logprobs_)}) {
+        static_cast<void*>(d_sampling_), static_cast<void*>(d_logprobs_), static_cast<void*>(decode_merge_counters_)}) {
     if (p == nullptr) return resource_exhausted("cuda runner: out of device memory for activation buffers");
   }
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaMemset(decode_merge_counters_, 0, num_merge_counters * sizeof(uint32_t)),
+                                     "memset decode merge counters"));
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaMallocHost(reinterpret_cast<void**>(&h_ints_), ints_count_ * sizeof(int32_t)),
                                      "cudaMallocHost(step inputs)"));
   std::memset(h_ints_, 0, ints_count_ * sizeof(int32_t));
@@ -379,7 +377,7 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   const int32_t qkv_width = (hq + 2 * hkv) * d;
   int32_t* ints = d_ints_;
   // Read at launch (and so at graph capture): each bucket's graph keeps the setting of its size.
-  kc::set_programmatic_launch(options_.programmatic_launch && t <= kProgrammaticLaunchMaxTokens);
+  kc::set_programmatic_launch(options_.programmatic_launch && t <= options_.programmatic_launch_max_tokens);
   PD_RETURN_IF_ERROR(kc::embedding_lookup(residual_, embed_, ints + off_tokens_, t, c.vocab_size, h, stream_));
 
   kc::AttentionArgs base;
@@ -400,6 +398,7 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   dec.max_context_len = shape.max_context;
   dec.decode_partition_tokens = decode_partition_tokens_for(shape.num_decode, hkv);
   dec.decode_kernel = options_.decode_kernel;
+  if (options_.fused_decode_kernels) dec.decode_merge_counters = decode_merge_counters_;
   kc::AttentionArgs pre = base;
   pre.query_start = ints + off_qstart_ + shape.num_decode;
   pre.context_lens = ints + off_ctx_ + shape.num_decode;
@@ -450,8 +449,13 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
     PD_RETURN_IF_ERROR(kc::rmsnorm(x_, x_, residual_, w.post_norm, t, h, c.rms_norm_eps, stream_));
     PD_RETURN_IF_ERROR(
         gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, x_, w.gate_up, t, 2 * c.intermediate_size, h, stream_));
-    PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
-    PD_RETURN_IF_ERROR(gemm_->run(x_, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size, stream_));
+    if (options_.fused_decode_kernels) {
+      PD_RETURN_IF_ERROR(gemm_->run_swiglu(x_, kc::GemmOut::kBFloat16, gate_up_buf_, act_buf_, w.down, t, h,
+                                           c.intermediate_size, stream_));
+    } else {
+      PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
+      PD_RETURN_IF_ERROR(gemm_->run(x_, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size, stream_));
+    }
   }
   if (shape.num_sample == 0) return Status::Ok();
   // Final residual add + norm only for the rows that are sampled.

@@ -38,8 +38,18 @@ struct CudaRunnerOptions {
   kernels::cuda::PrefillKernel prefill_kernel = kernels::cuda::PrefillKernel::kGqaTiled;
   kernels::cuda::GemmPolicy gemm_policy = kernels::cuda::GemmPolicy::kAutotune;
   // Programmatic dependent launch for the decode-path kernels (kernels.h) in passes of
-  // at most 4 tokens (where it measured faster); set process-wide at each forward pass.
+  // at most programmatic_launch_max_tokens tokens; set process-wide at each forward pass.
+  // Measured on an H200, Qwen3-8B decode graph replay (docs/perf/engine.md, session 3):
+  // b1 4.63 ms with vs 4.91 without; b16 6.67 vs 6.34 ms (worse), b64 equal, b128 worse.
+  // b2..b4 are not measured; they are included because, like b1, their GEMMs are mostly
+  // the skinny kernels (pdl.cuh waits).
   bool programmatic_launch = true;
+  int32_t programmatic_launch_max_tokens = 4;
+  // Decode-step fusions (docs/perf/engine.md, session 4): decode attention merges its split-K
+  // partitions in its last CTA per (sequence, kv head) instead of a reduce kernel (kTensorCore
+  // only), and SwiGLU runs inside the down projection's activation load where the GEMM
+  // autotuner finds that faster (M <= 16). Off = the separate kernels (before/after runs).
+  bool fused_decode_kernels = true;
   uint64_t dummy_seed = 0;
 };
 
@@ -141,6 +151,7 @@ class CudaModelRunner final : public ModelRunner {
   float* logits_ = nullptr;                 // [max_num_seqs][V]
   void* decode_ws_ = nullptr;
   size_t decode_ws_bytes_ = 0;
+  uint32_t* decode_merge_counters_ = nullptr;  // [max_num_seqs][num_kv_heads], zero between launches
 
   // Step inputs: one int32 region (device + pinned host mirror) at fixed offsets, so a
   // captured graph always reads the same addresses.

@@ -14,8 +14,9 @@
 // Decode: one CTA = (sequence, kv head, partition of 16..256 tokens) serving all
 // q heads of the GQA group, so each K/V byte is read once per step. A warp
 // takes chunks of tokens; each token is split over head_dim/8 lanes holding
-// 16 bytes each. Partial (max, sum, output) go to a workspace; a second kernel
-// merges the partitions.
+// 16 bytes each. Partial (max, sum, output) go to a workspace; the last CTA of
+// each (sequence, kv head) merges them (AttentionArgs::decode_merge_counters;
+// without counters, and for the older variants, a second kernel does).
 #include <cuda_bf16.h>
 
 #include <atomic>
@@ -965,6 +966,13 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
                              num_partitions, part_lse, part_out);
 }
 
+// Zero output rows for the group's q heads of a sequence with no context.
+template <int kHeadDim>
+__device__ __forceinline__ void decode_write_zero_rows(const AttentionArgs& a, int seq, int kv_head, int group) {
+  bf16* out = a.out + (static_cast<int64_t>(a.query_start[seq]) * a.num_q_heads + kv_head * group) * kHeadDim;
+  for (int idx = threadIdx.x; idx < group * kHeadDim; idx += blockDim.x) out[idx] = __float2bfloat16(0.0f);
+}
+
 template <int kHeadDim>
 constexpr int decode_ring_smem_bytes() {
   return kMmaDecodeWarps * kDecodeRingStages * 2 * kKvBlockSize * (kHeadDim + kSmemPad) *
@@ -989,18 +997,24 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   extern __shared__ __align__(16) unsigned char decode_ring_smem[];
   __shared__ float m_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
   __shared__ float l_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
-  wait_for_prior_grids();  // pdl.cuh: before any global access
-  allow_dependents();
 
+  // Before the wait (pdl.cuh): only the step inputs copied in before the step's first
+  // kernel (context lengths, block tables), so their latency overlaps the previous kernel.
   const int seq = blockIdx.z;
   const int kv_head = blockIdx.y;
   const int part = blockIdx.x;
   const int ctx = a.context_lens[seq];
   const int part_tokens = a.decode_partition_tokens;
   const int part_begin = part * part_tokens;
-  if (part_begin >= ctx) return;  // the reduce reads only partitions below ctx
-  const int part_end = min(ctx, part_begin + part_tokens);
   const int group = a.num_q_heads / a.num_kv_heads;
+  if (part_begin >= ctx) {  // the merge reads only partitions below ctx
+    if (ctx == 0 && part == 0 && a.decode_merge_counters != nullptr) {
+      wait_for_prior_grids();
+      decode_write_zero_rows<kHeadDim>(a, seq, kv_head, group);  // graph padding: no partition runs
+    }
+    return;
+  }
+  const int part_end = min(ctx, part_begin + part_tokens);
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   // [kDecodeRingStages][K, V][kKvBlockSize][kStride] per warp.
@@ -1012,6 +1026,8 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   const int num_mine = part_blocks > warp ? (part_blocks - warp + kMmaDecodeWarps - 1) / kMmaDecodeWarps : 0;
   const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
   const int32_t my_block = lane < num_mine ? table[part_begin / kKvBlockSize + warp + lane * kMmaDecodeWarps] : 0;
+  wait_for_prior_grids();  // the KV cache and q are the previous kernel's (RoPE's) output
+  allow_dependents();
 
   const int block_elems = 2 * kKvBlockSize * a.num_kv_heads * kHeadDim;  // K and V of one paged block
   // Lane's copies: chunk lane % kChunksPerRow of slots lane / kChunksPerRow + c * (32 / kChunksPerRow).
@@ -1063,6 +1079,76 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   }
   decode_mma_merge<kHeadDim>(o, m0, l0, reinterpret_cast<float*>(decode_ring_smem), m_s, l_s, a, group, seq, kv_head,
                              part, num_partitions, part_lse, part_out);
+  if (a.decode_merge_counters == nullptr) return;  // decode_reduce_kernel merges
+
+  // Split-K merge in place: the last CTA of this (sequence, kv head) to finish merges every
+  // partition's partial (threadfence-reduction pattern: publish, fence, count; the last one
+  // to count sees every other CTA's partials).
+  __shared__ bool merges;
+  __threadfence();  // this CTA's partials are visible device-wide before it is counted
+  __syncthreads();
+  const int used = (ctx + part_tokens - 1) / part_tokens;
+  if (threadIdx.x == 0) {
+    uint32_t* counter = a.decode_merge_counters + seq * a.num_kv_heads + kv_head;
+    merges = atomicAdd(counter, 1u) + 1u == static_cast<uint32_t>(used);
+    // Every partition has counted: reset for the next launch (graph replays reuse the counters).
+    if (merges) *counter = 0u;
+  }
+  __syncthreads();
+  if (!merges) return;
+  __threadfence();
+  // Pass 1, warp w for q heads w, w + 4, ...: the max and the sum of 2^lse over the
+  // partitions, each lane folding its partitions online, then across the warp.
+  __shared__ float head_max[kMmaDecodeMaxRows];
+  __shared__ float head_inv_sum[kMmaDecodeMaxRows];
+  const int64_t group_base = (static_cast<int64_t>(seq) * a.num_q_heads + kv_head * group) * num_partitions;
+  for (int h = warp; h < group; h += kMmaDecodeWarps) {
+    const float* lse = part_lse + group_base + h * num_partitions;
+    float mm = -FLT_MAX, sum = 0.0f;
+    for (int p = lane; p < used; p += 32) {
+      const float x = __ldcg(lse + p);
+      const float m_new = fmaxf(mm, x);
+      sum = sum * exp2f(mm - m_new) + exp2f(x - m_new);
+      mm = m_new;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, mm, off);
+      const float s_other = __shfl_xor_sync(0xffffffffu, sum, off);
+      const float m_new = fmaxf(mm, m_other);
+      sum = (mm == -FLT_MAX ? 0.0f : sum * exp2f(mm - m_new)) +
+            (m_other == -FLT_MAX ? 0.0f : s_other * exp2f(m_other - m_new));
+      mm = m_new;
+    }
+    if (lane == 0) {
+      head_max[h] = mm;
+      head_inv_sum[h] = 1.0f / sum;
+    }
+  }
+  __syncthreads();
+  // Pass 2: a thread per 4 consecutive output elements of one head; the loads of the
+  // partitions are independent, so several are in flight.
+  constexpr int kQuadsPerHead = kHeadDim / 4;
+  for (int idx = threadIdx.x; idx < group * kQuadsPerHead; idx += kMmaDecodeWarps * 32) {
+    const int h = idx / kQuadsPerHead;
+    const int quad = idx % kQuadsPerHead;
+    const int64_t base = group_base + h * num_partitions;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+    for (int p = 0; p < used; ++p) {
+      const float w = exp2f(__ldcg(part_lse + base + p) - head_max[h]);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part_out + (base + p) * kHeadDim) + quad);
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+    const float inv = head_inv_sum[h];
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(
+        a.out + (static_cast<int64_t>(a.query_start[seq]) * a.num_q_heads + kv_head * group + h) * kHeadDim + quad * 4);
+    dst[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+    dst[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  }
 }
 
 template <int kHeadDim>
@@ -1089,10 +1175,17 @@ __global__ void decode_reduce_kernel(AttentionArgs a, const float* __restrict__ 
       __float2bfloat16(used > 0 ? out / sum : 0.0f);
 }
 
+// The workspace: [rows] log2-sum-exps, then [rows][head_dim] partial outputs, 16-byte
+// aligned (the in-kernel merge reads them as float4); rows = seqs x q heads x partitions.
+float* decode_partial_outputs(float* workspace, const AttentionArgs& args, int32_t num_partitions) {
+  const size_t rows = static_cast<size_t>(args.num_seqs) * args.num_q_heads * num_partitions;
+  return workspace + (rows + 3) / 4 * 4;
+}
+
 template <int kHeadDim, int kMaxGroup>
 cudaError_t launch_decode_t(const AttentionArgs& args, float* workspace, int32_t num_partitions, cudaStream_t stream) {
   float* lse = workspace;
-  float* out = workspace + static_cast<size_t>(args.num_seqs) * args.num_q_heads * num_partitions;
+  float* out = decode_partial_outputs(workspace, args, num_partitions);
   decode_attention_kernel<kHeadDim, kMaxGroup>
       <<<dim3(num_partitions, args.num_kv_heads, args.num_seqs), kDecodeWarps * 32, 0, stream>>>(args, lse, out,
                                                                                                  num_partitions);
@@ -1107,7 +1200,7 @@ template <int kHeadDim>
 cudaError_t launch_decode_mma(const AttentionArgs& args, float* workspace, int32_t num_partitions,
                               cudaStream_t stream) {
   float* lse = workspace;
-  float* out = workspace + static_cast<size_t>(args.num_seqs) * args.num_q_heads * num_partitions;
+  float* out = decode_partial_outputs(workspace, args, num_partitions);
   const dim3 grid(num_partitions, args.num_kv_heads, args.num_seqs);
   if (args.decode_kernel == DecodeKernel::kTensorCore) {
     constexpr int kSmemBytes = decode_ring_smem_bytes<kHeadDim>();  // > 48 KiB for D128: needs the opt-in
@@ -1115,7 +1208,7 @@ cudaError_t launch_decode_mma(const AttentionArgs& args, float* workspace, int32
     if (attr != cudaSuccess) return attr;
     attr = launch_dependent(decode_attention_mma_ring_kernel<kHeadDim>, grid, dim3(kMmaDecodeWarps * 32),
                             static_cast<size_t>(kSmemBytes), stream, args, lse, out, num_partitions);
-    if (attr != cudaSuccess) return attr;
+    if (attr != cudaSuccess || args.decode_merge_counters != nullptr) return attr;  // merged in place
   } else {
     decode_attention_mma_kernel<kHeadDim><<<grid, kMmaDecodeWarps * 32, 0, stream>>>(args, lse, out, num_partitions);
   }

@@ -132,7 +132,8 @@ size_t decode_attention_workspace_bytes(int32_t num_seqs, int32_t num_q_heads, i
                                         int32_t max_context_len, int32_t partition_tokens) {
   const size_t rows =
       static_cast<size_t>(num_seqs) * num_q_heads * decode_partitions(max_context_len, partition_tokens);
-  return rows * (1 + static_cast<size_t>(head_dim)) * sizeof(float);
+  // launch_decode_attention aligns the partial outputs after the rows' sums to 16 bytes.
+  return ((rows + 3) / 4 * 4 + rows * static_cast<size_t>(head_dim)) * sizeof(float);
 }
 
 Status decode_attention(const AttentionArgs& args_in, void* workspace, size_t workspace_bytes, cudaStream_t stream) {

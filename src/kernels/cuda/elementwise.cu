@@ -6,6 +6,7 @@
 
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/swiglu.cuh"
 
 namespace pd::kernels::cuda::detail {
 namespace {
@@ -71,12 +72,15 @@ __global__ void __launch_bounds__(kNormThreads)
   const int num_vec = hidden / kVec;
   const auto* xv = reinterpret_cast<const Bf16x8*>(x + row * hidden);
   auto* rv = residual ? reinterpret_cast<Bf16x8*>(residual + row * hidden) : nullptr;
+  const auto* wv = reinterpret_cast<const Bf16x8*>(weight);
   float vals[kNormMaxVecPerThread][kVec];
+  Bf16x8 weights[kNormMaxVecPerThread];  // loaded with the row, not after the reduction: one memory latency less
   float sum_sq = 0.0f;
 #pragma unroll
   for (int k = 0; k < kNormMaxVecPerThread; ++k) {
     const int i = threadIdx.x + k * kNormThreads;
     if (i < num_vec) {
+      weights[k] = wv[i];
       to_float8(xv[i], vals[k]);
       if (rv) {
         float r[kVec];
@@ -99,14 +103,13 @@ __global__ void __launch_bounds__(kNormThreads)
 #pragma unroll
   for (int w = 0; w < kNormThreads / 32; ++w) total += partial[w];
   const float inv_rms = rsqrtf(total / static_cast<float>(hidden) + eps);
-  const auto* wv = reinterpret_cast<const Bf16x8*>(weight);
   auto* ov = reinterpret_cast<Bf16x8*>(out + row * hidden);
 #pragma unroll
   for (int k = 0; k < kNormMaxVecPerThread; ++k) {
     const int i = threadIdx.x + k * kNormThreads;
     if (i < num_vec) {
       float w[kVec];
-      to_float8(wv[i], w);
+      to_float8(weights[k], w);
       float o[kVec];
       // HF order: normalize in fp32, round to bf16, then multiply by the weight.
 #pragma unroll
@@ -144,11 +147,7 @@ __global__ void silu_mul_kernel(bf16* __restrict__ out, const bf16* __restrict__
   to_float8(gv[i], g);
   to_float8(uv[i], u);
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    // HF rounds silu(gate) to bf16 before the product.
-    const float s = __bfloat162float(__float2bfloat16(g[j] / (1.0f + __expf(-g[j]))));
-    o[j] = s * u[j];
-  }
+  for (int j = 0; j < kVec; ++j) o[j] = swiglu(g[j], u[j]);
   reinterpret_cast<Bf16x8*>(out + row * intermediate)[i] = from_float8(o);
 }
 
@@ -169,17 +168,24 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_kv_kernel(RopeKvArgs a) 
   if (head >= num_heads) return;
   const int qkv_width = num_heads * kHeadDim;
   const bf16* src = a.qkv + static_cast<int64_t>(t) * qkv_width + head * kHeadDim;
-  float lo[kPairs], hi[kPairs];
+  const bool is_q = head < a.num_q_heads;
+  const bool is_k = !is_q && head < a.num_q_heads + a.num_kv_heads;
+  const bf16* norm_w = is_q ? a.q_norm_weight : is_k ? a.k_norm_weight : nullptr;
+  // Every load that does not depend on another is issued here, together, so the kernel
+  // waits for memory once rather than once per step (it is latency-bound at decode).
+  float lo[kPairs], hi[kPairs], norm_lo[kPairs], norm_hi[kPairs], freq[kPairs];
 #pragma unroll
   for (int p = 0; p < kPairs; ++p) {
     const int i = lane * kPairs + p;
     lo[p] = __bfloat162float(src[i]);
     hi[p] = __bfloat162float(src[i + kHalf]);
+    norm_lo[p] = norm_w != nullptr ? __bfloat162float(norm_w[i]) : 1.0f;
+    norm_hi[p] = norm_w != nullptr ? __bfloat162float(norm_w[i + kHalf]) : 1.0f;
+    freq[p] = a.inv_freq[i];
   }
-  const bool is_q = head < a.num_q_heads;
-  const bool is_k = !is_q && head < a.num_q_heads + a.num_kv_heads;
+  const float pos = static_cast<float>(a.positions[t]);
+  const int slot = is_q ? 0 : a.slot_mapping[t];
   if (is_q || is_k) {
-    const bf16* norm_w = is_q ? a.q_norm_weight : a.k_norm_weight;
     if (norm_w != nullptr) {
       float ss = 0.0f;
 #pragma unroll
@@ -188,20 +194,15 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_kv_kernel(RopeKvArgs a) 
       const float inv_rms = rsqrtf(ss / kHeadDim + a.norm_eps);
 #pragma unroll
       for (int p = 0; p < kPairs; ++p) {
-        const int i = lane * kPairs + p;
         // Rounded to bf16 like HF's q_norm/k_norm output, then rotated.
-        lo[p] = __bfloat162float(
-            __float2bfloat16(__bfloat162float(__float2bfloat16(lo[p] * inv_rms)) * __bfloat162float(norm_w[i])));
-        hi[p] = __bfloat162float(__float2bfloat16(__bfloat162float(__float2bfloat16(hi[p] * inv_rms)) *
-                                                  __bfloat162float(norm_w[i + kHalf])));
+        lo[p] = __bfloat162float(__float2bfloat16(__bfloat162float(__float2bfloat16(lo[p] * inv_rms)) * norm_lo[p]));
+        hi[p] = __bfloat162float(__float2bfloat16(__bfloat162float(__float2bfloat16(hi[p] * inv_rms)) * norm_hi[p]));
       }
     }
-    const float pos = static_cast<float>(a.positions[t]);
 #pragma unroll
     for (int p = 0; p < kPairs; ++p) {
-      const int i = lane * kPairs + p;
       float s, c;
-      sincosf(pos * a.inv_freq[i], &s, &c);
+      sincosf(pos * freq[p], &s, &c);
       const float x1 = lo[p], x2 = hi[p];
       lo[p] = x1 * c - x2 * s;
       hi[p] = x2 * c + x1 * s;
@@ -211,7 +212,6 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_kv_kernel(RopeKvArgs a) 
   if (is_q) {
     dst = a.q_out + (static_cast<int64_t>(t) * a.num_q_heads + head) * kHeadDim;
   } else {
-    const int slot = a.slot_mapping[t];
     if (slot < 0) return;
     const int block = slot / a.block_size;
     const int offset = slot % a.block_size;

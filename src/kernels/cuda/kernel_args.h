@@ -77,6 +77,11 @@ struct AttentionArgs {
   // (0 = kDecodePartitionTokens). Smaller partitions give small batches more CTAs.
   int32_t decode_partition_tokens = 0;
   DecodeKernel decode_kernel = DecodeKernel::kTensorCore;
+  // Decode, kTensorCore only: when set, the last CTA to finish of each (sequence, kv head)
+  // merges the partitions itself, so no reduce kernel runs. At least num_seqs * num_kv_heads
+  // counters, all zero before the first launch; every launch leaves them zero again (graph
+  // replays rely on it). Two launches that may run at the same time must not share them.
+  uint32_t* decode_merge_counters = nullptr;
   PrefillKernel prefill_kernel = PrefillKernel::kGqaTiled;
 };
 

@@ -51,8 +51,10 @@ Status rope_kv_write(const RopeKvArgs& args, cudaStream_t stream);
 Status prefill_attention(const AttentionArgs& args, cudaStream_t stream);
 
 // Decode: exactly one query per sequence; split-K over the context in
-// partitions (AttentionArgs::decode_partition_tokens), then a reduce. A sequence with
-// context_len 0 (graph padding) gets a zero output row.
+// partitions (AttentionArgs::decode_partition_tokens), then a merge of the partitions:
+// inside the attention kernel when AttentionArgs::decode_merge_counters is set (tensor-core
+// ring kernel only), else in a second kernel. A sequence with context_len 0 (graph padding)
+// gets a zero output row.
 size_t decode_attention_workspace_bytes(int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
                                         int32_t max_context_len, int32_t partition_tokens = kDecodePartitionTokens);
 Status decode_attention(const AttentionArgs& args, void* workspace, size_t workspace_bytes, cudaStream_t stream);

@@ -3,15 +3,20 @@
 // is still running, so its launch latency overlaps that kernel's tail instead
 // of following it (a decode step is ~370 short kernels; the gaps add up).
 //
-// Contract of every kernel launched this way: its first statement is
-// wait_for_prior_grids(), before any global memory access. The wait returns
-// once the previous grid in the stream has completed and its writes are
-// visible, so no two kernels' memory operations ever overlap and the usual
-// stream order holds for memory (also transitively: each kernel waited for
-// its own predecessor). allow_dependents() only lets the next kernel be
-// scheduled early; it orders nothing. Both are no-ops for a kernel launched
+// Contract of every kernel launched this way: it calls wait_for_prior_grids()
+// before any global memory access, and allow_dependents() only after it. The
+// wait returns once the previous grid in the stream has completed and its
+// writes are visible, so no two kernels' memory operations ever overlap and
+// the usual stream order holds for memory (also transitively: each kernel
+// waited for its own predecessor). allow_dependents() only lets the next kernel
+// be scheduled early; it orders nothing. Both are no-ops for a kernel launched
 // without the attribute, and launches are plain ones while
 // programmatic_launch_enabled() is false.
+// The one exception: reads of what no kernel of the step writes (the step
+// inputs copied in before its first kernel: context lengths, block tables) may
+// precede the wait. Because every kernel lets its successor start only after
+// its own wait, when a kernel starts, all kernels before its predecessor have
+// completed, and the copies before them too. Decode attention does this.
 #pragma once
 
 #include <cuda_runtime.h>
