@@ -12,7 +12,7 @@
 // Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all|none] [--ctx 2048] [--decode-kernel tc|simt]
 //        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1] [--fuse 0|1]
 //        [--pdl-max-tokens N]
-// --fuse 0: the runner without its decode-step fusions (CudaRunnerOptions::fused_decode_kernels).
+// --fuse 0: decode attention merged by its reduce kernel (CudaRunnerOptions::decode_merge_in_attention off).
 // --pdl-max-tokens N: programmatic dependent launch for passes of up to N tokens (default 4).
 #include <algorithm>
 #include <chrono>
@@ -270,33 +270,14 @@ void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::v
         if (runs) attn_ms = ms;
       }
     }
-    // SwiGLU + down projection as the runner runs it (Gemm::run_swiglu, autotuned: fused into the
-    // skinny kernel's activation load, or silu_mul + the tuned GEMM).
-    double swiglu_down_ms = 0.0;
-    {
-      WeightPool pool(static_cast<size_t>(h) * inter, kMinPoolBytes);
-      auto gemm = kc::Gemm::create(64ull << 20, kc::GemmPolicy::kAutotune);
-      PD_STATUS_CHECK(gemm.status());
-      swiglu_down_ms = time_in_graph_ms(
-          [&](cudaStream_t st) {
-            PD_STATUS_CHECK((*gemm)->run_swiglu(x.get(), kc::GemmOut::kBFloat16, gate_up.get(), act_out.get(),
-                                                pool.take(), m, h, inter, st));
-          },
-          kOpsCallsPerGraph);
-      std::string choice = "unfused";
-      for (const kc::GemmTuning& t : (*gemm)->tunings()) {
-        if (t.swiglu_prologue && t.chose_skinny) choice = "fused v" + std::to_string(t.skinny_variant);
-      }
-      row("silu_mul + down (" + choice + ")", 2.0 * h * inter + 2.0 * m * 2 * inter + 2.0 * m * h, swiglu_down_ms);
-    }
     const auto& g = gemm_ms[m];
-    const double layer_ms = 2 * rms_ms + g[0] + rope_ms + attn_ms + g[1] + g[2] + swiglu_down_ms;
+    const double layer_ms = 2 * rms_ms + g[0] + rope_ms + attn_ms + g[1] + g[2] + silu_ms + g[3];
     const double step_ms = cfg.num_layers * layer_ms + g[4] + rms_ms;
     g_kernel_sum_ms[m] = step_ms;
     std::printf(
-        "M=%d: one layer %.4f ms (gemms incl. silu %.4f, attention %.4f, norms/rope %.4f); step %.3f ms "
+        "M=%d: one layer %.4f ms (gemms %.4f, attention %.4f, norms/rope/silu %.4f); step %.3f ms "
         "(%d layers + lm_head %.4f)\n",
-        m, layer_ms, g[0] + g[1] + g[2] + swiglu_down_ms, attn_ms, 2 * rms_ms + rope_ms, step_ms, cfg.num_layers, g[4]);
+        m, layer_ms, g[0] + g[1] + g[2] + g[3], attn_ms, 2 * rms_ms + rope_ms + silu_ms, step_ms, cfg.num_layers, g[4]);
   }
 }
 
@@ -359,7 +340,7 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   opt.decode_kernel = decode_kernel;
   opt.gemm_policy = gemm_policy;
   opt.programmatic_launch = pdl;
-  opt.fused_decode_kernels = fused;
+  opt.decode_merge_in_attention = fused;
   if (g_pdl_max_tokens > 0) opt.programmatic_launch_max_tokens = g_pdl_max_tokens;
   const auto t0 = std::chrono::steady_clock::now();
   auto created = engine::CudaModelRunner::create(cfg, nullptr, opt);
@@ -385,7 +366,7 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
     Row row{std::string(name) + " decode b" + std::to_string(b) + " ctx" + std::to_string(ctx), floor_ms, ms,
             "HBM floor " + std::to_string(static_cast<int>(bytes / 1e6)) + " MB, gemm " + policy_name(gemm_policy) +
                 (pdl ? ", pdl <= " + std::to_string(opt.programmatic_launch_max_tokens) + " tokens" : ", no pdl") +
-                (fused ? "" : ", unfused")};
+                (fused ? "" : ", reduce kernel")};
     auto graph_ms = runner.time_decode_graph(b, 20);
     PD_STATUS_CHECK(graph_ms.status());
     row.graph_ms = *graph_ms;
@@ -395,11 +376,6 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   std::printf("%s: GEMM plans tuned at load (us per call): m n k -> choice, cuBLASLt first / best, best skinny\n",
               name);
   for (const kc::GemmTuning& t : runner.gemm().tunings()) {
-    if (t.swiglu_prologue) {
-      std::printf("  %4d %6d %6d -> %-6s silu_mul + gemm %.1f, fused skinny %.1f (v%d)\n", t.m, t.n, t.k,
-                  t.chose_skinny ? "fused" : "unfused", t.unfused_us, t.skinny_us, t.skinny_variant);
-      continue;
-    }
     std::printf("  %4d %6d %6d -> %-6s %8.1f %8.1f %8.1f (v%d)  (%d cuBLASLt candidates)\n", t.m, t.n, t.k,
                 t.chose_skinny ? "skinny" : "cublas", t.heuristic_us, t.best_cublas_us, t.skinny_us, t.skinny_variant,
                 t.num_candidates);

@@ -161,42 +161,6 @@ void check_gemm(int m, int n, int k, kc::GemmOut out_type, kc::GemmPolicy policy
   }
 }
 
-// Gemm::run_swiglu: out = silu_mul(gate_up) * w^T against the CPU silu_mul + matmul; policy
-// kSkinny forces the fused skinny variant, kAutotune runs what the tuner picked (fused or not).
-void check_gemm_swiglu(int m, int n, int k, kc::GemmPolicy policy, int skinny_variant = 0) {
-  std::vector<float> gu_f, w_f;
-  auto gu = random_bf16(static_cast<size_t>(m) * 2 * k, 4.0f, rng(), &gu_f);
-  auto w = random_bf16(static_cast<size_t>(n) * k, 1.0f, rng(), &w_f);
-  DeviceBuffer<bf16> d_gu(gu.size()), d_w(w.size()), d_act(static_cast<size_t>(m) * k),
-      d_out(static_cast<size_t>(m) * n);
-  d_gu.upload(gu);
-  d_w.upload(w);
-  auto gemm = kc::Gemm::create(64ull << 20, policy, skinny_variant);
-  PD_STATUS_CHECK(gemm.status());
-  std::vector<float> act(static_cast<size_t>(m) * k), ref(static_cast<size_t>(m) * n);
-  for (int r = 0; r < m; ++r) {
-    const float* g = gu_f.data() + static_cast<size_t>(r) * 2 * k;
-    cpu::silu_mul(g, g + k, k, act.data() + static_cast<size_t>(r) * k);
-  }
-  cpu::matmul(act.data(), w_f.data(), nullptr, m, n, k, ref.data());
-  d_act.poison();
-  d_out.poison();
-  PD_STATUS_CHECK(
-      (*gemm)->run_swiglu(d_out.get(), kc::GemmOut::kBFloat16, d_gu.get(), d_act.get(), d_w.get(), m, n, k, nullptr));
-  std::string note;
-  for (const kc::GemmTuning& t : (*gemm)->tunings()) {
-    if (!t.swiglu_prologue) continue;
-    char buf[128];
-    std::snprintf(buf, sizeof(buf), "tuned: %s (silu_mul + gemm %.1f us, fused skinny v%d %.1f us)",
-                  t.chose_skinny ? "fused" : "unfused", t.unfused_us, t.skinny_variant, t.skinny_us);
-    note = buf;
-  }
-  const std::string name =
-      policy == kc::GemmPolicy::kSkinny ? "swiglu_gemm_v" + std::to_string(skinny_variant) : "swiglu_gemm_tuned";
-  record(name, std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k),
-         compare(to_float(d_out.download()), ref), note);
-}
-
 // A random paged cache: num_blocks blocks, filled with random bf16.
 struct PagedCache {
   int num_blocks, num_kv_heads, head_dim;
@@ -717,17 +681,6 @@ int main(int argc, char** argv) {
       check_gemm(m, n, k, out, pd::kernels::cuda::GemmPolicy::kSkinny, variant);
     }
   }
-  // SwiGLU in the skinny kernel's activation load (down projection shapes and odd ones), every variant.
-  for (auto [m, n, k] : std::vector<std::tuple<int, int, int>>{
-           {1, 4096, 12288}, {3, 1000, 520}, {8, 4104, 12288}, {16, 4096, 12288}, {9, 24, 8}, {4, 1000, 264}}) {
-    for (int variant = 0; variant < pd::kernels::cuda::Gemm::num_skinny_variants(); ++variant) {
-      if (m > pd::kernels::cuda::Gemm::skinny_variant_max_m_swiglu(variant)) continue;
-      check_gemm_swiglu(m, n, k, pd::kernels::cuda::GemmPolicy::kSkinny, variant);
-    }
-  }
-  check_gemm_swiglu(1, 4096, 12288, pd::kernels::cuda::GemmPolicy::kAutotune);
-  check_gemm_swiglu(16, 4096, 12288, pd::kernels::cuda::GemmPolicy::kAutotune);
-  check_gemm_swiglu(64, 4096, 12288, pd::kernels::cuda::GemmPolicy::kAutotune);  // above the skinny kernel: unfused
   check_gemm(1, 32000, 4096, pd::kernels::cuda::GemmOut::kFloat32, pd::kernels::cuda::GemmPolicy::kAutotune);
   check_gemm(16, 4096, 4096, pd::kernels::cuda::GemmOut::kBFloat16, pd::kernels::cuda::GemmPolicy::kAutotune);
   check_gemm(64, 4096, 12288, pd::kernels::cuda::GemmOut::kBFloat16, pd::kernels::cuda::GemmPolicy::kAutotune);

@@ -398,7 +398,7 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   dec.max_context_len = shape.max_context;
   dec.decode_partition_tokens = decode_partition_tokens_for(shape.num_decode, hkv);
   dec.decode_kernel = options_.decode_kernel;
-  if (options_.fused_decode_kernels) dec.decode_merge_counters = decode_merge_counters_;
+  if (options_.decode_merge_in_attention) dec.decode_merge_counters = decode_merge_counters_;
   kc::AttentionArgs pre = base;
   pre.query_start = ints + off_qstart_ + shape.num_decode;
   pre.context_lens = ints + off_ctx_ + shape.num_decode;
@@ -449,13 +449,8 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
     PD_RETURN_IF_ERROR(kc::rmsnorm(x_, x_, residual_, w.post_norm, t, h, c.rms_norm_eps, stream_));
     PD_RETURN_IF_ERROR(
         gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, x_, w.gate_up, t, 2 * c.intermediate_size, h, stream_));
-    if (options_.fused_decode_kernels) {
-      PD_RETURN_IF_ERROR(gemm_->run_swiglu(x_, kc::GemmOut::kBFloat16, gate_up_buf_, act_buf_, w.down, t, h,
-                                           c.intermediate_size, stream_));
-    } else {
-      PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
-      PD_RETURN_IF_ERROR(gemm_->run(x_, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size, stream_));
-    }
+    PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
+    PD_RETURN_IF_ERROR(gemm_->run(x_, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size, stream_));
   }
   if (shape.num_sample == 0) return Status::Ok();
   // Final residual add + norm only for the rows that are sampled.

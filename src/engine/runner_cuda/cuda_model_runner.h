@@ -45,11 +45,10 @@ struct CudaRunnerOptions {
   // the skinny kernels (pdl.cuh waits).
   bool programmatic_launch = true;
   int32_t programmatic_launch_max_tokens = 4;
-  // Decode-step fusions (docs/perf/engine.md, session 4): decode attention merges its split-K
-  // partitions in its last CTA per (sequence, kv head) instead of a reduce kernel (kTensorCore
-  // only), and SwiGLU runs inside the down projection's activation load where the GEMM
-  // autotuner finds that faster (M <= 16). Off = the separate kernels (before/after runs).
-  bool fused_decode_kernels = true;
+  // Decode attention merges its split-K partitions in its last CTA per (sequence, kv head)
+  // instead of a second (reduce) kernel; kTensorCore only. Measured equal in speed
+  // (docs/perf/engine.md, session 4), one launch fewer per layer. Off = the reduce kernel.
+  bool decode_merge_in_attention = true;
   uint64_t dummy_seed = 0;
 };
 

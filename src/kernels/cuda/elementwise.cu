@@ -6,7 +6,6 @@
 
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
-#include "kernels/cuda/swiglu.cuh"
 
 namespace pd::kernels::cuda::detail {
 namespace {
@@ -147,7 +146,11 @@ __global__ void silu_mul_kernel(bf16* __restrict__ out, const bf16* __restrict__
   to_float8(gv[i], g);
   to_float8(uv[i], u);
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) o[j] = swiglu(g[j], u[j]);
+  for (int j = 0; j < kVec; ++j) {
+    // HF rounds silu(gate) to bf16 before the product.
+    const float s = __bfloat162float(__float2bfloat16(g[j] / (1.0f + __expf(-g[j]))));
+    o[j] = s * u[j];
+  }
   reinterpret_cast<Bf16x8*>(out + row * intermediate)[i] = from_float8(o);
 }
 

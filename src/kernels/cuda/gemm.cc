@@ -42,10 +42,6 @@ int32_t Gemm::skinny_variant_max_m(int32_t variant) {
   return detail::skinny_gemm_max_m(variant);
 }
 
-int32_t Gemm::skinny_variant_max_m_swiglu(int32_t variant) {
-  return detail::skinny_gemm_max_m(variant, detail::SkinnyPrologue::kSwiGlu);
-}
-
 Result<std::unique_ptr<Gemm>> Gemm::create(size_t workspace_bytes, GemmPolicy policy, int32_t skinny_variant) {
   if (skinny_variant < 0 || skinny_variant >= detail::kNumSkinnyGemmVariants) {
     return invalid_argument("gemm: skinny variant {} (have 0..{})", skinny_variant, detail::kNumSkinnyGemmVariants - 1);
@@ -83,24 +79,19 @@ Status Gemm::launch(const Plan& plan, const Call& c) {
                    "cublasLtMatmul");
 }
 
-template <typename LaunchFn>
-Result<float> Gemm::time_calls(const LaunchFn& launch_once, cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop) {
-  PD_RETURN_IF_ERROR(launch_once());  // warm-up (first-use costs of the algorithm)
+Result<float> Gemm::time_plan(const Plan& plan, const Call& call, cudaEvent_t start, cudaEvent_t stop) {
+  PD_RETURN_IF_ERROR(launch(plan, call));  // warm-up (first-use costs of the algorithm)
   float best_ms = 0.0f;
   for (int round = 0; round < kTimingRounds; ++round) {
-    PD_RETURN_IF_ERROR(cuda_status(cudaEventRecord(start, stream), "gemm tuning event"));
-    for (int i = 0; i < kCallsPerRound; ++i) PD_RETURN_IF_ERROR(launch_once());
-    PD_RETURN_IF_ERROR(cuda_status(cudaEventRecord(stop, stream), "gemm tuning event"));
+    PD_RETURN_IF_ERROR(cuda_status(cudaEventRecord(start, call.stream), "gemm tuning event"));
+    for (int i = 0; i < kCallsPerRound; ++i) PD_RETURN_IF_ERROR(launch(plan, call));
+    PD_RETURN_IF_ERROR(cuda_status(cudaEventRecord(stop, call.stream), "gemm tuning event"));
     PD_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(stop), "gemm tuning sync"));
     float ms = 0.0f;
     PD_RETURN_IF_ERROR(cuda_status(cudaEventElapsedTime(&ms, start, stop), "gemm tuning elapsed"));
     best_ms = round == 0 ? ms : std::min(best_ms, ms);
   }
   return best_ms * 1000.0f / kCallsPerRound;
-}
-
-Result<float> Gemm::time_plan(const Plan& plan, const Call& call, cudaEvent_t start, cudaEvent_t stop) {
-  return time_calls([&] { return launch(plan, call); }, call.stream, start, stop);
 }
 
 Status Gemm::tune(Plan& plan, const Call& call, const std::vector<cublasLtMatmulHeuristicResult_t>& candidates) {
@@ -213,91 +204,6 @@ Status Gemm::run(void* out, GemmOut out_type, const __nv_bfloat16* a, const __nv
   const Call call{out, out_type, a, w, m, n, k, stream};
   PD_ASSIGN_OR_RETURN(Plan * plan, plan_for(call));
   return launch(*plan, call);
-}
-
-Result<int32_t> Gemm::tune_swiglu(const Call& fused, __nv_bfloat16* act_scratch) {
-  const Call unfused{fused.out, fused.out_type, act_scratch, fused.w, fused.m, fused.n, fused.k, fused.stream};
-  PD_ASSIGN_OR_RETURN(Plan * plan, plan_for(unfused));  // tunes the plain GEMM first
-  cudaEvent_t start = nullptr, stop = nullptr;
-  PD_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&start), "gemm tuning event create"));
-  const Status created = cuda_status(cudaEventCreate(&stop), "gemm tuning event create");
-  if (!created.ok()) {
-    cudaEventDestroy(start);
-    return created;
-  }
-  GemmTuning t;
-  t.m = fused.m;
-  t.n = fused.n;
-  t.k = fused.k;
-  t.out_type = fused.out_type;
-  t.swiglu_prologue = true;
-  Result<float> unfused_us = time_calls(
-      [&] {
-        PD_RETURN_IF_ERROR(silu_mul(act_scratch, fused.a, fused.m, fused.k, fused.stream));
-        return launch(*plan, unfused);
-      },
-      fused.stream, start, stop);
-  Status st = unfused_us.status();
-  if (st.ok()) t.unfused_us = *unfused_us;
-  for (int32_t v = 0; v < detail::kNumSkinnyGemmVariants && st.ok(); ++v) {
-    if (fused.m > detail::skinny_gemm_max_m(v, detail::SkinnyPrologue::kSwiGlu)) continue;
-    Result<float> us = time_calls(
-        [&] {
-          return cuda_status(detail::launch_skinny_gemm(fused.out, false, fused.a, fused.w, fused.m, fused.n, fused.k,
-                                                        v, fused.stream, detail::SkinnyPrologue::kSwiGlu),
-                             "skinny gemm (swiglu) launch");
-        },
-        fused.stream, start, stop);
-    st = us.status();
-    if (st.ok() && (t.skinny_us < 0.0f || *us < t.skinny_us)) {
-      t.skinny_us = *us;
-      t.skinny_variant = v;
-    }
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  PD_RETURN_IF_ERROR(st);
-  t.chose_skinny = t.skinny_variant >= 0 && t.skinny_us < t.unfused_us;
-  tunings_.push_back(t);
-  return t.chose_skinny ? t.skinny_variant : -1;
-}
-
-Status Gemm::run_swiglu(void* out, GemmOut out_type, const __nv_bfloat16* gate_up, __nv_bfloat16* act_scratch,
-                        const __nv_bfloat16* w, int32_t m, int32_t n, int32_t k, cudaStream_t stream) {
-  if (m == 0) return Status::Ok();
-  if (m < 0 || n <= 0 || k <= 0 || k % 8 != 0 || n % 8 != 0) {
-    return invalid_argument("gemm (swiglu) shape m={} n={} k={}: need m >= 0, n, k > 0 and multiples of 8", m, n, k);
-  }
-  const Call fused{out, out_type, gate_up, w, m, n, k, stream};
-  // The fused kernel reads gate_up (and w) with 16-byte loads; a misaligned call runs unfused.
-  const bool fusable = out_type == GemmOut::kBFloat16 && aligned_16(gate_up, w);
-  const auto key = std::make_tuple(m, n, k, out_type);
-  int32_t variant = -1;
-  auto it = swiglu_variants_.find(key);
-  if (it != swiglu_variants_.end()) {
-    variant = it->second;
-  } else if (fusable) {
-    if (policy_ == GemmPolicy::kSkinny &&
-        m <= detail::skinny_gemm_max_m(forced_skinny_variant_, detail::SkinnyPrologue::kSwiGlu)) {
-      variant = forced_skinny_variant_;
-      swiglu_variants_.emplace(key, variant);
-    } else if (policy_ == GemmPolicy::kAutotune && m <= detail::kSkinnyGemmMaxM) {
-      // Inside a capture nothing can be timed: run unfused and decide at the next call outside one.
-      if (!stream_is_capturing(stream)) {
-        PD_ASSIGN_OR_RETURN(variant, tune_swiglu(fused, act_scratch));
-        swiglu_variants_.emplace(key, variant);
-      }
-    } else {
-      swiglu_variants_.emplace(key, -1);
-    }
-  }
-  if (variant >= 0 && fusable) {
-    return cuda_status(
-        detail::launch_skinny_gemm(out, false, gate_up, w, m, n, k, variant, stream, detail::SkinnyPrologue::kSwiGlu),
-        "skinny gemm (swiglu) launch");
-  }
-  PD_RETURN_IF_ERROR(silu_mul(act_scratch, gate_up, m, k, stream));
-  return run(out, out_type, act_scratch, w, m, n, k, stream);
 }
 
 }  // namespace pd::kernels::cuda

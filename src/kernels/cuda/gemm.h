@@ -45,10 +45,6 @@ struct GemmTuning {
   int32_t skinny_variant = -1;   // which one
   int32_t num_candidates = 0;
   bool chose_skinny = false;
-  // run_swiglu's decision: skinny_us / skinny_variant are the skinny kernel with SwiGLU
-  // in its activation load, unfused_us is silu_mul + the tuned GEMM; chose_skinny = fused.
-  bool swiglu_prologue = false;
-  float unfused_us = -1.0f;
 };
 
 class Gemm {
@@ -60,22 +56,12 @@ class Gemm {
                                               GemmPolicy policy = GemmPolicy::kAutotune, int32_t skinny_variant = 0);
   static int32_t num_skinny_variants();
   static int32_t skinny_variant_max_m(int32_t variant);
-  // The same for run_swiglu's fused kernel (0: the variant has no SwiGLU prologue).
-  static int32_t skinny_variant_max_m_swiglu(int32_t variant);
   ~Gemm();
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
   Status run(void* out, GemmOut out_type, const __nv_bfloat16* a, const __nv_bfloat16* w, int32_t m, int32_t n,
              int32_t k, cudaStream_t stream);
-  // out = silu_mul(gate_up) * w^T, gate_up [m][2k] = [gate | up] rows (silu_mul's input),
-  // act_scratch [m][k]. Either the skinny kernel applies SwiGLU while loading its activations
-  // (one launch, no round trip through act_scratch), or silu_mul writes act_scratch and run()
-  // follows. kAutotune: for m <= 16 and bf16 out, the first call of a shape outside a graph
-  // capture times both (the fused one per skinny variant) and keeps the faster; kSkinny: the
-  // forced variant, fused, whenever m fits it; kHeuristic and larger m: unfused.
-  Status run_swiglu(void* out, GemmOut out_type, const __nv_bfloat16* gate_up, __nv_bfloat16* act_scratch,
-                    const __nv_bfloat16* w, int32_t m, int32_t n, int32_t k, cudaStream_t stream);
 
   GemmPolicy policy() const { return policy_; }
   // One entry per tuned shape, in the order they were tuned.
@@ -102,10 +88,6 @@ class Gemm {
   Status launch(const Plan& plan, const Call& call);
   // Time of one call in microseconds: the fastest of a few rounds of back-to-back calls.
   Result<float> time_plan(const Plan& plan, const Call& call, cudaEvent_t start, cudaEvent_t stop);
-  template <typename LaunchFn>
-  Result<float> time_calls(const LaunchFn& launch_once, cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop);
-  // run_swiglu's tuning: the fastest fused skinny variant, or -1 when silu_mul + run() is faster.
-  Result<int32_t> tune_swiglu(const Call& fused_call, __nv_bfloat16* act_scratch);
   Status tune(Plan& plan, const Call& call, const std::vector<cublasLtMatmulHeuristicResult_t>& candidates);
 
   cublasLtHandle_t handle_ = nullptr;
@@ -114,8 +96,6 @@ class Gemm {
   GemmPolicy policy_ = GemmPolicy::kAutotune;
   int32_t forced_skinny_variant_ = 0;  // kSkinny
   std::map<std::tuple<int32_t, int32_t, int32_t, GemmOut>, Plan> plans_;
-  // run_swiglu: (m, n, k, out type) -> fused skinny variant, -1 = silu_mul + run().
-  std::map<std::tuple<int32_t, int32_t, int32_t, GemmOut>, int32_t> swiglu_variants_;
   std::vector<GemmTuning> tunings_;
 };
 

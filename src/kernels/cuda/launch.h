@@ -31,19 +31,13 @@ cudaError_t launch_sample_rows(float* logits, int32_t num_rows, int32_t vocab, c
                                const int32_t* suppressed_ids, int32_t* tokens, float* logprobs, cudaStream_t stream);
 // Skinny GEMM (skinny_gemm.cu): out[m][n] = a[m][k] * w[n][k]^T for 1 <= m <= skinny_gemm_max_m(variant),
 // n % 8 == 0, k % 8 == 0, a and w 16-byte aligned (Gemm checks), fp32 accumulate, bf16 or fp32 out.
-// Variants 0..3 (tensor cores, 16 columns per CTA): 1 and 3 interleave the warps' K chunks;
-// 2, 3 keep 8 chunks in flight (m <= 8). Variant 4: CUDA-core GEMV, one row per warp load
-// (m <= 4). Variants 5, 6 (tensor cores, 32 columns per CTA): K contiguous / interleaved.
+// Variants 0..3 (tensor cores): bit 0 interleaves the warps' K chunks; 2, 3 keep 8 chunks in
+// flight (m <= 8). Variant 4: CUDA-core GEMV, one row per warp load (m <= 4).
 inline constexpr int32_t kSkinnyGemmMaxM = 16;
-inline constexpr int32_t kNumSkinnyGemmVariants = 7;
-// Prologue kSwiGlu (bf16 out only; variants 0..4): a is [m][2k] = [gate | up] rows and the
-// GEMM's activations are silu_mul's output, computed while loading.
-enum class SkinnyPrologue : uint8_t { kNone, kSwiGlu };
-// The largest m a variant takes with that prologue; 0 for an unknown variant or an
-// uninstantiated (variant, prologue) pair.
-int32_t skinny_gemm_max_m(int32_t variant, SkinnyPrologue prologue = SkinnyPrologue::kNone);
+inline constexpr int32_t kNumSkinnyGemmVariants = 5;
+int32_t skinny_gemm_max_m(int32_t variant);  // 0 for an unknown variant
 cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf16* w, int32_t m, int32_t n, int32_t k,
-                               int32_t variant, cudaStream_t stream, SkinnyPrologue prologue = SkinnyPrologue::kNone);
+                               int32_t variant, cudaStream_t stream);
 // Whether the decode-path launchers use programmatic dependent launch (pdl.cuh);
 // set through kernels.h's set_programmatic_launch.
 bool programmatic_launch_enabled();
