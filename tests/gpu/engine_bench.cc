@@ -10,9 +10,10 @@
 // decode attention per split-K partition size), sums them per step, and the
 // decode rows then show that sum beside the graph replay and execute() times.
 // Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all|none] [--ctx 2048] [--decode-kernel tc|simt]
-//        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1] [--fuse 0|1]
+//        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1] [--merge-in-attention 0|1]
 //        [--pdl-max-tokens N]
-// --fuse 0: decode attention merged by its reduce kernel (CudaRunnerOptions::decode_merge_in_attention off).
+// --merge-in-attention 1: decode attention merges its partitions in its last CTA instead of the reduce
+// kernel (CudaRunnerOptions::decode_merge_in_attention; off by default).
 // --pdl-max-tokens N: programmatic dependent launch for passes of up to N tokens (default 4).
 #include <algorithm>
 #include <chrono>
@@ -324,7 +325,8 @@ engine::StepInput make_step(int num_seqs, int new_tokens, int computed, int voca
 }
 
 void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels::cuda::DecodeKernel decode_kernel,
-                 kc::GemmPolicy gemm_policy, bool decode_only, bool pdl, bool fused, std::vector<Row>* rows) {
+                 kc::GemmPolicy gemm_policy, bool decode_only, bool pdl, bool merge_in_attention,
+                 std::vector<Row>* rows) {
   const model::ModelConfig cfg = qwen3_config(big);
   const char* name = big ? "Qwen3-32B" : "Qwen3-8B";
   const std::vector<int> batches = big ? std::vector<int>{1, 16, 64} : std::vector<int>{1, 16, 64, 128};
@@ -340,7 +342,7 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   opt.decode_kernel = decode_kernel;
   opt.gemm_policy = gemm_policy;
   opt.programmatic_launch = pdl;
-  opt.decode_merge_in_attention = fused;
+  opt.decode_merge_in_attention = merge_in_attention;
   if (g_pdl_max_tokens > 0) opt.programmatic_launch_max_tokens = g_pdl_max_tokens;
   const auto t0 = std::chrono::steady_clock::now();
   auto created = engine::CudaModelRunner::create(cfg, nullptr, opt);
@@ -366,7 +368,7 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
     Row row{std::string(name) + " decode b" + std::to_string(b) + " ctx" + std::to_string(ctx), floor_ms, ms,
             "HBM floor " + std::to_string(static_cast<int>(bytes / 1e6)) + " MB, gemm " + policy_name(gemm_policy) +
                 (pdl ? ", pdl <= " + std::to_string(opt.programmatic_launch_max_tokens) + " tokens" : ", no pdl") +
-                (fused ? "" : ", reduce kernel")};
+                (merge_in_attention ? ", merge in attention" : "")};
     auto graph_ms = runner.time_decode_graph(b, 20);
     PD_STATUS_CHECK(graph_ms.status());
     row.graph_ms = *graph_ms;
@@ -411,7 +413,7 @@ int main(int argc, char** argv) {
   int ctx = 2048;
   auto decode_kernel = pd::kernels::cuda::DecodeKernel::kTensorCore;
   auto gemm_policy = kc::GemmPolicy::kAutotune;
-  bool decode_only = false, ops = false, pdl = true, fused = true;
+  bool decode_only = false, ops = false, pdl = true, merge_in_attention = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--gemm") == 0) {
       const std::string v = argv[i + 1];
@@ -422,7 +424,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--decode-only") == 0) decode_only = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--ops") == 0) ops = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--pdl") == 0) pdl = std::atoi(argv[i + 1]) != 0;
-    if (std::strcmp(argv[i], "--fuse") == 0) fused = std::atoi(argv[i + 1]) != 0;
+    if (std::strcmp(argv[i], "--merge-in-attention") == 0) merge_in_attention = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--pdl-max-tokens") == 0) g_pdl_max_tokens = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--model") == 0) which = argv[i + 1];
     if (std::strcmp(argv[i], "--ctx") == 0) ctx = std::atoi(argv[i + 1]);
@@ -441,10 +443,12 @@ int main(int argc, char** argv) {
   if (ops) bench_ops(qwen3_config(false), OpsContext{copy_gbs, ctx}, {1, 16, 64, 128});
   std::vector<Row> rows;
   if (which == "all" || which == "qwen3-8b") {
-    bench_model(false, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, fused, &rows);
+    bench_model(false, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, merge_in_attention,
+                &rows);
   }
   if (which == "all" || which == "qwen3-32b") {
-    bench_model(true, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, fused, &rows);
+    bench_model(true, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, merge_in_attention,
+                &rows);
   }
   // graph_ms: device time of the decode graph alone; kernels_ms: its kernels timed one by one (--ops).
   std::printf("\n%-36s %10s %10s %8s %9s %10s  %s\n", "step", "floor_ms", "meas_ms", "x floor", "graph_ms",

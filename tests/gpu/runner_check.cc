@@ -44,7 +44,9 @@ struct Seq {
   std::vector<int32_t> blocks;
 };
 
-int run_check(model::ModelFamily family, int head_dim, bool graphs) {
+// merge_in_attention: CudaRunnerOptions::decode_merge_in_attention (the split-K merge of
+// decode attention in its last CTA instead of the reduce kernel).
+int run_check(model::ModelFamily family, int head_dim, bool graphs, bool merge_in_attention = false) {
   const auto cfg = small_config(family, head_dim);
   // Both runners get the same bf16-representable weights, so the check sees
   // the kernels' error, not the weight rounding.
@@ -65,6 +67,7 @@ int run_check(model::ModelFamily family, int head_dim, bool graphs) {
   opt.max_num_batched_tokens = 512;
   opt.num_kv_blocks = num_blocks;
   opt.enable_cuda_graphs = graphs;
+  opt.decode_merge_in_attention = merge_in_attention;
   auto gpu_r = engine::CudaModelRunner::create(cfg, &weights, opt);
   PD_STATUS_CHECK(gpu_r.status());
 
@@ -155,6 +158,7 @@ int main() {
   failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true);
   failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 64, false);
   failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 128, true);
+  failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, /*merge_in_attention=*/true);
   std::printf("runner check: %d failing steps\n", failures);
   return failures == 0 ? 0 : 1;
 }

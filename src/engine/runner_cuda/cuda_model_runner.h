@@ -46,9 +46,10 @@ struct CudaRunnerOptions {
   bool programmatic_launch = true;
   int32_t programmatic_launch_max_tokens = 4;
   // Decode attention merges its split-K partitions in its last CTA per (sequence, kv head)
-  // instead of a second (reduce) kernel; kTensorCore only. Measured equal in speed
-  // (docs/perf/engine.md, session 4), one launch fewer per layer. Off = the reduce kernel.
-  bool decode_merge_in_attention = true;
+  // instead of a second (reduce) kernel; kTensorCore only. Off by default: alone the two
+  // take the same time, but whole decode steps measured 0.1-0.4 ms slower at b1 with it in
+  // three runs out of three (docs/perf/engine.md, session 4).
+  bool decode_merge_in_attention = false;
   uint64_t dummy_seed = 0;
 };
 
