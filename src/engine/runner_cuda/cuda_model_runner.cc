@@ -1,6 +1,7 @@
 #include "engine/runner_cuda/cuda_model_runner.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -92,7 +93,63 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
   PD_RETURN_IF_ERROR(upload_weights(host_weights));
   PD_RETURN_IF_ERROR(allocate_buffers());
   PD_RETURN_IF_ERROR(allocate_kv_pool());
-  return kc::cuda_status(cudaStreamSynchronize(stream_), "init sync");
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "init sync"));
+  return prepare_decode_buckets();
+}
+
+Status CudaModelRunner::prepare_decode_buckets() {
+  const auto start = std::chrono::steady_clock::now();
+  // The same bucket rule as execute(): the first kGraphBuckets entry >= the batch, capped at max_num_seqs.
+  decode_buckets_.clear();
+  for (int32_t b : kGraphBuckets) {
+    const int32_t bucket = std::min(b, options_.max_num_seqs);
+    if (decode_buckets_.empty() || decode_buckets_.back() != bucket) decode_buckets_.push_back(bucket);
+    if (b >= options_.max_num_seqs) break;
+  }
+  int32_t* tok = h_ints_ + off_tokens_;
+  int32_t* pos = h_ints_ + off_positions_;
+  int32_t* slot = h_ints_ + off_slots_;
+  int32_t* qstart = h_ints_ + off_qstart_;
+  int32_t* ctx = h_ints_ + off_ctx_;
+  int32_t* sample_rows = h_ints_ + off_sample_rows_;
+  for (int32_t bucket : decode_buckets_) {
+    // Padding rows only (as execute() pads a graph): no context read, no KV written.
+    qstart[0] = 0;
+    for (int32_t i = 0; i < bucket; ++i) {
+      tok[i] = 0;
+      pos[i] = 0;
+      slot[i] = -1;
+      qstart[i + 1] = i + 1;
+      ctx[i] = 0;
+      sample_rows[i] = 0;
+    }
+    auto h2d = [&](size_t off, size_t count) {
+      return kc::cuda_status(
+          cudaMemcpyAsync(d_ints_ + off, h_ints_ + off, count * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
+          "bucket input copy");
+    };
+    const auto n = static_cast<size_t>(bucket);
+    PD_RETURN_IF_ERROR(h2d(off_tokens_, n));
+    PD_RETURN_IF_ERROR(h2d(off_positions_, n));
+    PD_RETURN_IF_ERROR(h2d(off_slots_, n));
+    PD_RETURN_IF_ERROR(h2d(off_qstart_, n + 1));
+    PD_RETURN_IF_ERROR(h2d(off_ctx_, n));
+    PD_RETURN_IF_ERROR(h2d(off_sample_rows_, n));
+    PassShape shape;
+    shape.num_tokens = bucket;
+    shape.num_decode = bucket;
+    shape.num_sample = bucket;
+    shape.max_context = options_.max_model_len;
+    if (options_.enable_cuda_graphs) {
+      PD_RETURN_IF_ERROR(run_decode_graph(bucket, shape));
+    } else {
+      PD_RETURN_IF_ERROR(forward(shape, nullptr));
+    }
+  }
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "bucket preparation sync"));
+  gemm_->set_tuning(false);
+  bucket_preparation_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return Status::Ok();
 }
 
 Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) {

@@ -80,6 +80,10 @@ class CudaModelRunner final : public ModelRunner {
   // suppressed ids hold -inf there). For whole-model checks against the CPU runner.
   Result<std::vector<float>> last_logits(int32_t num_rows);
   int32_t num_graphs_captured() const { return static_cast<int32_t>(graphs_.size()); }
+  // Decode batch sizes served by one graph (or, without graphs, tuned at load) each.
+  const std::vector<int32_t>& decode_buckets() const { return decode_buckets_; }
+  // Wall time of prepare_decode_buckets() at load.
+  double bucket_preparation_seconds() const { return bucket_preparation_seconds_; }
   // The GEMM plans (what the autotuner measured and chose), for benchmarks.
   const kernels::cuda::Gemm& gemm() const { return *gemm_; }
   // Device time of one replay of the decode graph that serves num_seqs sequences
@@ -123,6 +127,11 @@ class CudaModelRunner final : public ModelRunner {
   // Launches the forward pass (through the lm_head) on stream_ for the inputs already in device buffers.
   Status forward(const PassShape& shape, LayerKvHooks* hooks);
   Status run_decode_graph(int32_t bucket, const PassShape& shape);
+  // At load: tunes the GEMM plans of every decode bucket (and captures its graph when
+  // graphs are on) with a pass of padding rows, then turns GEMM tuning off, so that no
+  // serving step pays for tuning or capture (each costs tens of milliseconds on large
+  // weights, and every running request would see it as one long inter-token gap).
+  Status prepare_decode_buckets();
   void* alloc(size_t bytes);
 
   model::ModelConfig config_;
@@ -169,6 +178,8 @@ class CudaModelRunner final : public ModelRunner {
   void* kv_pool_ = nullptr;
 
   std::map<int32_t, cudaGraphExec_t> graphs_;  // decode bucket -> instantiated graph
+  std::vector<int32_t> decode_buckets_;
+  double bucket_preparation_seconds_ = 0.0;
 };
 
 }  // namespace pd::engine

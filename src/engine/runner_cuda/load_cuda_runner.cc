@@ -24,6 +24,12 @@ Result<CudaRunnerOptions> with_attention_override(CudaRunnerOptions options) {
   return options;
 }
 
+void log_prepared(const CudaModelRunner& runner) {
+  PD_LOG_INFO("cuda runner: {} decode buckets (up to {} seqs) tuned{} at load in {:.2f} s; GEMM tuning now off",
+              runner.decode_buckets().size(), runner.decode_buckets().empty() ? 0 : runner.decode_buckets().back(),
+              runner.num_graphs_captured() > 0 ? " and captured" : "", runner.bucket_preparation_seconds());
+}
+
 }  // namespace
 
 Result<std::unique_ptr<ModelRunner>> load_cuda_runner(const CudaLoadRequest& original) {
@@ -34,10 +40,12 @@ Result<std::unique_ptr<ModelRunner>> load_cuda_runner(const CudaLoadRequest& ori
   }
   if (request.load_format == "dummy") {
     PD_ASSIGN_OR_RETURN(auto runner, CudaModelRunner::create(request.config, nullptr, request.options));
+    log_prepared(*runner);
     return std::unique_ptr<ModelRunner>(std::move(runner));
   }
   PD_ASSIGN_OR_RETURN(auto weights, model::load_safetensors_weights(request.config, request.model_dir));
   PD_ASSIGN_OR_RETURN(auto runner, CudaModelRunner::create(request.config, &weights, request.options));
+  log_prepared(*runner);
   return std::unique_ptr<ModelRunner>(std::move(runner));
 }
 

@@ -154,6 +154,33 @@ Status Gemm::tune(Plan& plan, const Call& call, const std::vector<cublasLtMatmul
   return Status::Ok();
 }
 
+bool Gemm::borrow_tuned_choice(Plan& plan, const Call& call) const {
+  const Plan* donor = nullptr;
+  int32_t donor_m = 0;
+  for (const auto& [key, candidate] : plans_) {
+    const auto& [m, n, k, out_type] = key;
+    if (!candidate.tuned || n != call.n || k != call.k || out_type != call.out_type || m < call.m) continue;
+    if (donor == nullptr || m < donor_m) {
+      donor = &candidate;
+      donor_m = m;
+    }
+  }
+  if (donor == nullptr) return false;
+  if (donor->skinny_variant >= 0) {
+    if (call.m > detail::skinny_gemm_max_m(donor->skinny_variant)) return false;
+    plan.skinny_variant = donor->skinny_variant;
+    return true;
+  }
+  // An algorithm (tile, split-K, ...) tuned for M' is usually right for a slightly smaller M,
+  // but cuBLASLt decides whether it supports this shape and fits the workspace.
+  cublasLtMatmulHeuristicResult_t check{};
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoCheck(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, &donor->algo, &check);
+  if (st != CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes_) return false;
+  plan.algo = donor->algo;
+  return true;
+}
+
 // Column-major view: out^T [N x M] = w [N x K] (stored K x N, transposed) * a^T (K x M).
 Result<Gemm::Plan*> Gemm::plan_for(const Call& call) {
   const auto key = std::make_tuple(call.m, call.n, call.k, call.out_type);
@@ -173,7 +200,8 @@ Result<Gemm::Plan*> Gemm::plan_for(const Call& call) {
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, k, n, k), "layout A"));
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, k, m, k), "layout B"));
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.c, c_type, n, m, n), "layout C"));
-  const bool tuned = policy_ == GemmPolicy::kAutotune && m <= kMaxTunedM && !stream_is_capturing(call.stream);
+  const bool autotuned_size = policy_ == GemmPolicy::kAutotune && m <= kMaxTunedM;
+  const bool tuned = autotuned_size && tuning_enabled_ && !stream_is_capturing(call.stream);
   cublasLtMatmulPreference_t pref = nullptr;
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatmulPreferenceCreate(&pref), "preference create"));
   const uint64_t ws = workspace_bytes_;
@@ -190,7 +218,16 @@ Result<Gemm::Plan*> Gemm::plan_for(const Call& call) {
   if (policy_ == GemmPolicy::kSkinny && m <= detail::skinny_gemm_max_m(forced_skinny_variant_)) {
     plan.skinny_variant = forced_skinny_variant_;
   }
-  if (tuned) PD_RETURN_IF_ERROR(tune(plan, call, results));
+  if (tuned) {
+    PD_RETURN_IF_ERROR(tune(plan, call, results));
+    plan.tuned = true;
+  } else if (autotuned_size) {
+    if (borrow_tuned_choice(plan, call)) {
+      ++num_borrowed_plans_;
+    } else {
+      ++num_untuned_plans_;
+    }
+  }
   auto [pos, inserted] = plans_.emplace(key, plan);
   return &pos->second;
 }

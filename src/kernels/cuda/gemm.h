@@ -5,13 +5,20 @@
 // workspace is owned here, so calls are safe inside CUDA graph capture once a
 // shape has been seen outside it.
 //
-// Policy kAutotune (the default): the first call of a shape with M <= 256
-// (decode buckets, short prefills) that is not inside a graph capture times up
-// to kTunedAlgos of cuBLASLt's heuristic candidates and, for M <= 16, each
-// variant of the skinny kernel, on the call's own buffers, and keeps the fastest. Other
-// shapes take cuBLASLt's first heuristic choice. The first call of a tuned
-// shape therefore synchronizes the stream and writes `out` several times
-// (out must not alias a or w, as for any call).
+// Policy kAutotune (the default): while tuning is on, the first call of a shape
+// with M <= 256 (decode buckets, short prefills) that is not inside a graph
+// capture times up to kTunedAlgos of cuBLASLt's heuristic candidates and, for
+// M <= 16, each variant of the skinny kernel, on the call's own buffers, and
+// keeps the fastest. The first call of a tuned shape therefore synchronizes the
+// stream, takes tens of milliseconds on large weights and writes `out` several
+// times (out must not alias a or w, as for any call). A server tunes its decode
+// buckets at load and then turns tuning off (set_tuning(false)): a new M in a
+// serving step (a chunked-prefill remainder plus decode rows takes any value)
+// must not stall every running request. With tuning off, a new shape with
+// M <= 256 borrows the plan of the smallest tuned M' >= M of the same N, K and
+// output (the skinny kernel fits any M <= M'; a cuBLASLt algorithm only if
+// cuBLASLt confirms it for the new shape); anything else takes cuBLASLt's first
+// heuristic choice.
 // Not thread-safe: one Gemm per stream owner.
 #pragma once
 
@@ -64,6 +71,12 @@ class Gemm {
              int32_t k, cudaStream_t stream);
 
   GemmPolicy policy() const { return policy_; }
+  // Whether a new shape may still be tuned (kAutotune only; on after create()).
+  void set_tuning(bool enabled) { tuning_enabled_ = enabled; }
+  bool tuning() const { return tuning_enabled_; }
+  // Shapes planned with tuning off: borrowed from a tuned M, or cuBLASLt's first choice.
+  int32_t num_borrowed_plans() const { return num_borrowed_plans_; }
+  int32_t num_untuned_plans() const { return num_untuned_plans_; }
   // One entry per tuned shape, in the order they were tuned.
   const std::vector<GemmTuning>& tunings() const { return tunings_; }
 
@@ -74,6 +87,7 @@ class Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
     int32_t skinny_variant = -1;  // >= 0: the skinny kernel runs instead of algo
+    bool tuned = false;           // chosen by timing (a plan other shapes may borrow)
   };
   struct Call {
     void* out;
@@ -89,12 +103,18 @@ class Gemm {
   // Time of one call in microseconds: the fastest of a few rounds of back-to-back calls.
   Result<float> time_plan(const Plan& plan, const Call& call, cudaEvent_t start, cudaEvent_t stop);
   Status tune(Plan& plan, const Call& call, const std::vector<cublasLtMatmulHeuristicResult_t>& candidates);
+  // With tuning off: takes the choice of the smallest tuned M' >= call.m of the same
+  // N, K and output into `plan` where it is valid for call.m. True if it did.
+  bool borrow_tuned_choice(Plan& plan, const Call& call) const;
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   GemmPolicy policy_ = GemmPolicy::kAutotune;
   int32_t forced_skinny_variant_ = 0;  // kSkinny
+  bool tuning_enabled_ = true;
+  int32_t num_borrowed_plans_ = 0;
+  int32_t num_untuned_plans_ = 0;
   std::map<std::tuple<int32_t, int32_t, int32_t, GemmOut>, Plan> plans_;
   std::vector<GemmTuning> tunings_;
 };
