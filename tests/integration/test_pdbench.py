@@ -21,7 +21,8 @@ sys.path.insert(0, str(PDBENCH_DIR))
 
 from pdbenchlib.http_stream import Endpoint, SseParser  # noqa: E402
 from pdbenchlib.runner import ClientOptions, request_body  # noqa: E402
-from pdbenchlib.stats import RequestResult, Slo, goodput, percentile, summarize_run, within_slo  # noqa: E402
+from pdbenchlib.stats import (RequestResult, Slo, goodput, lifetime_share_after, percentile,  # noqa: E402
+                              summarize_run, within_slo)
 from pdbenchlib.workload import WorkloadSpec, plan_requests  # noqa: E402
 
 CLI_TIMEOUT_S = 60
@@ -301,6 +302,19 @@ def test_request_body_asks_for_exact_lengths_and_usage():
     assert options.endpoint.path_prefix == ""  # a trailing /v1 in --base-url is accepted
 
 
+def test_lifetime_share_after():
+    def req(sent_s, e2e_s, warmup=False, ok=True):
+        return RequestResult(index=0, warmup=warmup, input_len=8, output_len=4, sent_s=sent_s, ok=ok, e2e_s=e2e_s)
+
+    # Lives 10 s from t=0 and 10 s from t=15; arrivals end at t=20: 0 + 5 of 20 s after the end.
+    assert lifetime_share_after([req(0.0, 10.0), req(15.0, 10.0)], 20.0) == pytest.approx(0.25)
+    # Sent after the end: all of its life counts; warm-ups and unfinished requests do not count.
+    assert lifetime_share_after([req(25.0, 4.0), req(0.0, 100.0, warmup=True), req(1.0, None, ok=False)],
+                                20.0) == pytest.approx(1.0)
+    assert lifetime_share_after([req(0.0, 5.0)], 20.0) == 0.0
+    assert lifetime_share_after([], 20.0) is None
+
+
 def test_staircase_plan_windows():
     import argparse
     import importlib.util
@@ -346,4 +360,9 @@ def test_staircase_sweep_against_server(server, tmp_path):
     for run in doc["runs"]:
         assert run["completed"] >= 1 and run["failed"] == 0
         assert run["slo"]["mean_itl"]["attainment"] == 1.0
+        assert 0.0 <= run["lifetime_after_arrivals_end"] <= 1.0
+    # Without a tail the top window's requests finish after the last arrival: some of their life is drain.
+    assert doc["runs"][-1]["lifetime_after_arrivals_end"] > 0.0
+    assert doc["runs"][-1]["lifetime_after_arrivals_end"] >= doc["runs"][0]["lifetime_after_arrivals_end"]
+    assert "after the last arrival" in proc.stdout
     assert doc["goodput"]["mean_itl"]

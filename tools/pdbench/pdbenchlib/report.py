@@ -42,6 +42,10 @@ def run_table(run: dict, slo: dict) -> str:
             v = run["slo"][variant]
             lines.append(f"SLO ({limits}, {name}): {v['num_within']}/{run['num_requests']} within "
                          f"= {100.0 * (v['attainment'] or 0.0):.1f}%")
+    drain = run.get("lifetime_after_arrivals_end")
+    if drain:
+        lines.append(f"staircase: {100.0 * drain:.1f}% of these requests' lifetime came after the last arrival "
+                     "(load falling: optimistic)")
     lag = run.get("client_loop_lag_ms") or {}
     lines.append(f"client event-loop lag (ms): p99 {_num(lag.get('p99'), 2)}, max {_num(lag.get('max'), 2)}")
     if run["num_short_outputs"]:

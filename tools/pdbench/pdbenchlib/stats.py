@@ -183,6 +183,21 @@ def summarize_run(results: list[RequestResult], slo: Slo) -> dict:
     return summary
 
 
+def lifetime_share_after(results: list[RequestResult], t_end_s: float) -> float | None:
+    """Share of the measured, finished requests' summed lifetime (send to last token) that came
+    after `t_end_s` (same clock as `sent_s`). In a staircase sweep, with `t_end_s` the last
+    arrival, it says how much of a window's life was spent in a draining server, where load
+    only falls: 0 for a window whose requests all finished while arrivals went on."""
+    total = after = 0.0
+    for r in results:
+        finished = r.finished_s
+        if r.warmup or finished is None:
+            continue
+        total += finished - r.sent_s
+        after += max(0.0, finished - max(r.sent_s, t_end_s))
+    return after / total if total > 0 else None
+
+
 def goodput(points: list[tuple[float, float]], target: float = 0.9) -> dict:
     """DistServe goodput from (request rate, SLO attainment) points.
 
