@@ -348,6 +348,45 @@ def test_staircase_plan_windows():
     assert not first & {tuple(p.prompt_ids) for tag, p in plan if tag == 1}
 
 
+def test_staircase_plan_lead_and_hold():
+    import argparse
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pdbench_cli", PDBENCH)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    base = dict(staircase_window_s=20.0, warmup_requests=2, input_len=64, output_len=16, range_ratio=0.0,
+                vocab_size=1000, min_token_id=10, seed=1, burstiness=1.0, staircase_tail_s=None)
+    rates = [1.0, 3.0]
+    plain = cli.staircase_plan(argparse.Namespace(**base, staircase_lead_s=None, staircase_hold_s=None), rates)
+    plateau = cli.staircase_plan(argparse.Namespace(**base, staircase_lead_s=10.0, staircase_hold_s=30.0), rates)
+    # No lead and no hold is the plain staircase.
+    assert cli.staircase_plan(argparse.Namespace(**base), rates) == plain
+    assert [p.index for _, p in plateau] == list(range(len(plateau)))
+    arrivals = [p.arrival_s for _, p in plateau]
+    assert arrivals == sorted(arrivals)
+    step_zero = plateau[2][1].arrival_s  # the first arrival after the 2 initial warm-ups
+    for k, rate in enumerate(rates):
+        start = step_zero + k * 60.0
+        step = [p for tag, p in plateau if tag == k and p.arrival_s >= start - 1e-9]
+        measured = [p for p in step if not p.warmup]
+        # Measured arrivals only inside [lead, lead + window) of the step; lead and hold arrive
+        # at the same rate, unmeasured, and nothing of step k arrives after its 60 s.
+        assert measured and all(start + 10.0 <= p.arrival_s < start + 30.0 for p in measured)
+        assert any(p.warmup and p.arrival_s < start + 10.0 for p in step)
+        assert any(p.warmup and p.arrival_s >= start + 30.0 for p in step)
+        assert all(p.arrival_s < start + 60.0 for p in step)
+        expected = rate * 20.0
+        assert abs(len(measured) - expected) < 4 * math.sqrt(expected) + 1
+        hold = [p for p in step if p.warmup and p.arrival_s >= start + 30.0]
+        assert abs(len(hold) - rate * 30.0) < 4 * math.sqrt(rate * 30.0) + 1
+
+
+def test_staircase_hold_needs_window():
+    proc = run_pdbench("sweep", "--base-url", "http://127.0.0.1:9", "--rates", "1", "--staircase-hold-s", "5")
+    assert proc.returncode == 2
+    assert "--staircase-hold-s needs --staircase-window-s" in proc.stderr
+
+
 def test_staircase_sweep_against_server(server, tmp_path):
     out = tmp_path / "stair.json"
     proc = run_pdbench("sweep", "--base-url", server.base_url, "--rates", "4,8", "--staircase-window-s", "1.5",
@@ -366,3 +405,16 @@ def test_staircase_sweep_against_server(server, tmp_path):
     assert doc["runs"][-1]["lifetime_after_arrivals_end"] >= doc["runs"][0]["lifetime_after_arrivals_end"]
     assert "after the last arrival" in proc.stdout
     assert doc["goodput"]["mean_itl"]
+    # A plateau per rate: lead and hold arrivals are warm-ups of their window, the measured ones
+    # are counted as before, and the top window's requests no longer outlive the arrivals.
+    out2 = tmp_path / "plateau.json"
+    proc = run_pdbench("sweep", "--base-url", server.base_url, "--rates", "4,8", "--staircase-window-s", "1.5",
+                       "--staircase-lead-s", "0.5", "--staircase-hold-s", "2", "--input-len", "32",
+                       "--output-len", "8", "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
+                       "--json-out", str(out2), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    plateau = json.loads(out2.read_text())
+    assert plateau["config"]["staircase_lead_s"] == 0.5 and plateau["config"]["staircase_hold_s"] == 2.0
+    for run in plateau["runs"]:
+        assert run["completed"] >= 1 and run["failed"] == 0 and run["num_warmup"] >= 1
+    assert plateau["runs"][-1]["lifetime_after_arrivals_end"] < doc["runs"][-1]["lifetime_after_arrivals_end"]

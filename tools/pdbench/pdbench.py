@@ -195,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--staircase-tail-s", type=_positive_float, default=None,
                        help="with --staircase-window-s: keep the top rate arriving this many more seconds, "
                             "unmeasured, so the last window is not measured in a draining server")
+    sweep.add_argument("--staircase-lead-s", type=_positive_float, default=None,
+                       help="with --staircase-window-s: before each window opens, its rate arrives for this "
+                            "many seconds, unmeasured, so the window starts at that rate's load")
+    sweep.add_argument("--staircase-hold-s", type=_positive_float, default=None,
+                       help="with --staircase-window-s: after each window closes, its rate keeps arriving for "
+                            "this many seconds, unmeasured, before the next rate's lead; with a hold as long "
+                            "as a request lives, each window's requests live at their own rate only (a "
+                            "plateau per rate instead of a rising staircase)")
     _add_load_flags(sweep)
 
     plot = commands.add_parser("plot", help="PNGs from sweep JSON files",
@@ -221,6 +229,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--goodput-target must be in (0, 1], got {args.goodput_target}")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    for flag in ("staircase_tail_s", "staircase_lead_s", "staircase_hold_s"):
+        if getattr(args, flag, None) and not getattr(args, "staircase_window_s", None):
+            parser.error(f"--{flag.replace('_', '-')} needs --staircase-window-s")
 
 
 async def _preflight(endpoint: Endpoint, model: str | None, max_total_len: int) -> str:
@@ -330,26 +341,35 @@ async def _benchmark(args: argparse.Namespace, rates: list[float], is_sweep: boo
 
 
 def staircase_plan(args: argparse.Namespace, rates: list[float]) -> list[tuple[int, PlannedRequest]]:
-    """(rate index, request) in send order: rate k's measured requests arrive inside
-    [k*W, (k+1)*W) after the warm-up lead-in, each window with its own seeded prompts."""
+    """(rate index, request) in send order. Step k lasts lead + W + hold seconds at rate k (after
+    the warm-up requests, before step 0); its measured requests arrive in [lead, lead + W) of it,
+    the lead's and the hold's are warm-ups (unmeasured) of the same rate. Each step has its own
+    seeded prompts. Lead and hold 0: rate k's measured requests arrive in [k*W, (k+1)*W)."""
     window = args.staircase_window_s
+    lead = getattr(args, "staircase_lead_s", None) or 0.0
+    hold = getattr(args, "staircase_hold_s", None) or 0.0
+    span = lead + window + hold
     plan: list[tuple[int, PlannedRequest]] = []
     offset = 0.0
     for k, rate in enumerate(rates):
         if not math.isfinite(rate):
             raise PdbenchError("--staircase-window-s needs finite --rates")
         warmup = args.warmup_requests if k == 0 else 0
-        # Poisson arrivals: draw more than rate x window and keep those inside the window.
+        # Poisson arrivals: draw more than rate x span and keep those inside the step.
         spec = WorkloadSpec(input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
                             vocab_size=args.vocab_size, min_token_id=args.min_token_id, seed=args.seed,
-                            num_requests=max(1, math.ceil(2 * rate * window) + 10), num_warmup=warmup,
+                            num_requests=max(1, math.ceil(2 * rate * span) + 10), num_warmup=warmup,
                             request_rate=rate, burstiness=args.burstiness)
         requests = plan_requests(spec, k)
-        lead_in = requests[warmup].arrival_s  # the warm-ups arrive before the window opens
-        kept = [r for r in requests if r.warmup or r.arrival_s - lead_in < window]
-        for r in kept:
-            plan.append((k, dataclasses.replace(r, index=len(plan), arrival_s=offset + r.arrival_s)))
-        offset += lead_in + window
+        lead_in = requests[warmup].arrival_s  # the warm-ups arrive before the step starts
+        for r in requests:
+            step_s = r.arrival_s - lead_in
+            if not r.warmup and step_s >= span:
+                continue
+            measured = not r.warmup and lead <= step_s < lead + window
+            plan.append((k, dataclasses.replace(r, index=len(plan), warmup=not measured,
+                                                arrival_s=offset + r.arrival_s)))
+        offset += lead_in + span
     tail = args.staircase_tail_s or 0.0
     if tail > 0:
         # The top rate keeps arriving for `tail` seconds, excluded from every statistic, so the
@@ -372,6 +392,8 @@ async def _staircase(args: argparse.Namespace, rates: list[float], options: Clie
     label = f"staircase {','.join(f'{r:g}' for r in rates)} req/s, {args.staircase_window_s:g} s windows"
     document["config"]["staircase_window_s"] = args.staircase_window_s
     document["config"]["staircase_tail_s"] = args.staircase_tail_s
+    document["config"]["staircase_lead_s"] = args.staircase_lead_s
+    document["config"]["staircase_hold_s"] = args.staircase_hold_s
     outcome = await execute_run(options, [p for _, p in plan], label)
     exit_code = EXIT_OK
     last_arrival_s = max(p.arrival_s for _, p in plan)

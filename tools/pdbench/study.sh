@@ -6,7 +6,8 @@
 # Inside one deployment: a TTFT probe at low load (one request at a time, ISL 2000,
 # OSL 16), then a staircase sweep over $RATES (ISL 2000, OSL 1000, fixed lengths,
 # Poisson arrivals, $WINDOW_S s per rate) with SLO TTFT <= 1 s and ITL <= 50 ms.
-# Environment: BIN_DIR (pdserve/pdrouter), RATES, WINDOW_S, TUNED_BUDGET, MODEL, DEVICE (cuda).
+# Environment: BIN_DIR (pdserve/pdrouter), RATES, WINDOW_S, TAIL_S, LEAD_S and HOLD_S (a plateau
+# per rate: pdbench --staircase-lead-s / --staircase-hold-s), TUNED_BUDGET, MODEL, DEVICE (cuda).
 # ISL/OSL: ISL, OSL (2000/1000).
 set -uo pipefail
 config=${1:?config}
@@ -32,7 +33,7 @@ bench="python3 $root/tools/pdbench/pdbench.py"
 probe="$bench run --base-url {url} --max-concurrency 1 --num-requests 8 --warmup-requests 2 --input-len ${ISL:-2000} \
   --output-len 16 --seed 11 --label $config --save-requests --json-out $out/ttft_$config.json --quiet"
 sweep="$bench sweep --base-url {url} --rates $rates --staircase-window-s $window --warmup-requests 4 \
-  --staircase-tail-s ${TAIL_S:-$window} --input-len ${ISL:-2000} --output-len ${OSL:-1000} --slo-ttft-ms 1000 --slo-itl-ms 50 --request-timeout-s 240 \
+  --staircase-tail-s ${TAIL_S:-$window} ${LEAD_S:+--staircase-lead-s $LEAD_S} ${HOLD_S:+--staircase-hold-s $HOLD_S} --input-len ${ISL:-2000} --output-len ${OSL:-1000} --slo-ttft-ms 1000 --slo-itl-ms 50 --request-timeout-s 240 \
   --label $config --save-requests --json-out $out/sweep_$config.json"
 python3 "$root/tools/pdbench/deploy.py" --device "${DEVICE:-cuda}" --gpus 0,1 --bin-dir "$bin" --model "$model" \
   --log-dir "$out/logs_$config" "${deploy[@]}" -- bash -c "$probe && $sweep"
