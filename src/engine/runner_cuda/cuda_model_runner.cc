@@ -100,7 +100,7 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
 
 Status CudaModelRunner::prepare_decode_buckets() {
   const auto start = std::chrono::steady_clock::now();
-  // The same bucket rule as execute(): the first kGraphBuckets entry >= the batch, capped at max_num_seqs.
+  // Each kGraphBuckets entry capped at max_num_seqs; execute() serves a batch with the first one >= it.
   decode_buckets_.clear();
   for (int32_t b : kGraphBuckets) {
     const int32_t bucket = std::min(b, options_.max_num_seqs);
@@ -587,15 +587,9 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
   shape.num_prefill = num_seqs - num_decode;
   const bool use_graph = options_.enable_cuda_graphs && input.layer_hooks == nullptr && shape.num_prefill == 0 &&
                          num_decode <= std::min(options_.max_num_seqs, kGraphBuckets[std::size(kGraphBuckets) - 1]);
-  int32_t bucket = num_seqs;
-  if (use_graph) {
-    for (int32_t b : kGraphBuckets) {
-      if (b >= num_seqs) {
-        bucket = std::min(b, options_.max_num_seqs);
-        break;
-      }
-    }
-  }
+  // decode_buckets_ ascend: the first one >= num_seqs serves it (they cover every use_graph batch).
+  const int32_t bucket =
+      use_graph ? *std::lower_bound(decode_buckets_.begin(), decode_buckets_.end(), num_seqs) : num_seqs;
   int32_t* tok = h_ints_ + off_tokens_;
   int32_t* pos = h_ints_ + off_positions_;
   int32_t* slot = h_ints_ + off_slots_;
