@@ -84,7 +84,19 @@ class ChildPeer {
     if (!write_all(fd_, &cmd, 1, deadline)) return std::nullopt;
     return recv_frame(fd_, deadline);
   }
-  void send_signal(int signal) { kill(pid_, signal); }
+  // SIGSTOP, then wait until the kernel reports the child stopped: kill() returns before the
+  // child has stopped, and a child still running for that moment can answer the batch the test
+  // means to send to a frozen peer (CI saw a 1 MB staged write land in 1 ms that way).
+  bool stop() {
+    if (kill(pid_, SIGSTOP) != 0) return false;
+    int status = 0;
+    return waitpid(pid_, &status, WUNTRACED) == pid_ && WIFSTOPPED(status);
+  }
+  bool resume() {
+    if (kill(pid_, SIGCONT) != 0) return false;
+    int status = 0;
+    return waitpid(pid_, &status, WCONTINUED) == pid_ && WIFCONTINUED(status);
+  }
   void kill_now() {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
@@ -288,7 +300,7 @@ TEST(TwoProcess, StoppedPeerFailsAStagedBatchAtItsDeadlineAndLaterBatchesStillLa
   ASSERT_TRUE(warm.ok());
   ASSERT_TRUE(engine->wait(*warm, Deadline::after_ms(kIoTimeoutMs)).ok());
 
-  child->send_signal(SIGSTOP);  // alive, connected, never answers
+  ASSERT_TRUE(child->stop());  // alive, connected, never answers
   constexpr int64_t kBatchDeadlineMs = 500;
   const int64_t start = now_ns();
   auto id = session->write(whole, Deadline::after_ms(kBatchDeadlineMs));
@@ -298,7 +310,7 @@ TEST(TwoProcess, StoppedPeerFailsAStagedBatchAtItsDeadlineAndLaterBatchesStillLa
   EXPECT_EQ(s.code(), ErrorCode::kDeadlineExceeded) << s.to_string();
   EXPECT_GE(elapsed_ms, kBatchDeadlineMs - 5);
   EXPECT_LT(elapsed_ms, kBatchDeadlineMs + 1'000);
-  child->send_signal(SIGCONT);
+  ASSERT_TRUE(child->resume());
 
   // The dropped chunks' buffers come back (late replies are ignored) and a new batch
   // lands byte-exact.
