@@ -21,8 +21,8 @@ sys.path.insert(0, str(PDBENCH_DIR))
 
 from pdbenchlib.http_stream import Endpoint, SseParser  # noqa: E402
 from pdbenchlib.runner import ClientOptions, request_body  # noqa: E402
-from pdbenchlib.stats import (RequestResult, Slo, goodput, lifetime_share_after, percentile,  # noqa: E402
-                              summarize_run, within_slo)
+from pdbenchlib.stats import (RequestResult, Slo, goodput, lifetime_share_after, measured_spans,  # noqa: E402
+                              percentile, staircase_drain_shares, summarize_run, within_slo)
 from pdbenchlib.workload import WorkloadSpec, plan_requests  # noqa: E402
 
 CLI_TIMEOUT_S = 60
@@ -190,6 +190,28 @@ def test_plot_writes_attainment_and_cdf_pngs(loose_sweep, tmp_path):
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000, name
 
 
+def test_plot_marks_optimistic_staircase_windows(tmp_path):
+    pytest.importorskip("matplotlib")
+    from pdbenchlib import plot
+
+    def run(rate, attainment, drain):
+        within = {"num_within": 1, "attainment": attainment}
+        return {"request_rate": rate, "slo": {"mean_itl": within, "p99_itl": within},
+                "lifetime_after_arrivals_end": drain}
+
+    doc = {"pdbench": {"format_version": 1}, "config": {"staircase_window_s": 20.0, "slo": {"ttft_ms": 1000,
+                                                                                          "itl_ms": 50}},
+           "runs": [run(1.0, 1.0, 0.0), run(2.0, 0.9, 0.05), run(3.0, 1.0, 0.35)]}
+    assert plot.optimistic_rates(doc) == {3.0}
+    path = tmp_path / "stair.json"
+    path.write_text(json.dumps(doc))
+    done = run_pdbench("plot", str(path), "--out-dir", str(tmp_path / "png"), "--cdf-rate", "1")
+    # The CDFs need per-request data this document lacks: the attainment plot is written first.
+    assert done.returncode == 2 and "--save-requests" in done.stderr
+    png = (tmp_path / "png" / "attainment.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+
+
 # ---------------------------------------------------------------- pure functions
 
 
@@ -307,12 +329,29 @@ def test_lifetime_share_after():
         return RequestResult(index=0, warmup=warmup, input_len=8, output_len=4, sent_s=sent_s, ok=ok, e2e_s=e2e_s)
 
     # Lives 10 s from t=0 and 10 s from t=15; arrivals end at t=20: 0 + 5 of 20 s after the end.
-    assert lifetime_share_after([req(0.0, 10.0), req(15.0, 10.0)], 20.0) == pytest.approx(0.25)
+    assert lifetime_share_after(measured_spans([req(0.0, 10.0), req(15.0, 10.0)]), 20.0) == pytest.approx(0.25)
     # Sent after the end: all of its life counts; warm-ups and unfinished requests do not count.
-    assert lifetime_share_after([req(25.0, 4.0), req(0.0, 100.0, warmup=True), req(1.0, None, ok=False)],
-                                20.0) == pytest.approx(1.0)
-    assert lifetime_share_after([req(0.0, 5.0)], 20.0) == 0.0
+    spans = measured_spans([req(25.0, 4.0), req(0.0, 100.0, warmup=True), req(1.0, None, ok=False)])
+    assert spans == [(25.0, 29.0)]
+    assert lifetime_share_after(spans, 20.0) == pytest.approx(1.0)
+    assert lifetime_share_after([(0.0, 5.0)], 20.0) == 0.0
     assert lifetime_share_after([], 20.0) is None
+
+
+def test_staircase_drain_shares_from_the_field_or_the_requests():
+    def q(scheduled, sent, e2e_ms, warmup=False):
+        return {"scheduled_s": scheduled, "sent_s": sent, "e2e_ms": e2e_ms, "warmup": warmup}
+
+    runs = [{"requests": [q(0.0, 0.0, 5000.0)]},
+            {"requests": [q(9.0, 9.0, 4000.0), q(12.0, 12.0, 1000.0, warmup=True)]}]
+    doc = {"config": {"staircase_window_s": 10.0}, "runs": runs}
+    # Last arrival at 12 s: run 0 finished at 5 s (0 %), run 1 lived 9-13 s (1 of 4 s after).
+    assert staircase_drain_shares(doc) == [0.0, pytest.approx(0.25)]
+    with_field = {"config": {"staircase_window_s": 10.0},
+                  "runs": [{"lifetime_after_arrivals_end": 0.0}, {"lifetime_after_arrivals_end": 0.5}]}
+    assert staircase_drain_shares(with_field) == [0.0, 0.5]
+    assert staircase_drain_shares({"config": {}, "runs": runs}) is None  # one run per rate: no staircase
+    assert staircase_drain_shares({"config": {"staircase_window_s": 10.0}, "runs": [{"slo": {}}]}) is None
 
 
 def test_staircase_plan_windows():

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pdbenchlib import report  # noqa: E402
 from pdbenchlib.http_stream import Endpoint, PdbenchError, fetch_json  # noqa: E402
 from pdbenchlib.runner import ClientOptions, execute_run, rate_label  # noqa: E402
-from pdbenchlib.stats import Slo, goodput, lifetime_share_after, summarize_run  # noqa: E402
+from pdbenchlib.stats import Slo, goodput, lifetime_share_after, measured_spans, summarize_run  # noqa: E402
 from pdbenchlib.workload import PlannedRequest, WorkloadSpec, length_bounds, plan_requests  # noqa: E402
 
 JSON_FORMAT_VERSION = 1
@@ -400,7 +400,7 @@ async def _staircase(args: argparse.Namespace, rates: list[float], options: Clie
     for k, rate in enumerate(rates):
         results = [res for (tag, _), res in zip(plan, outcome.results) if tag == k]
         run = _run_entry(args, rate, results, slo, outcome.client_loop_lag_ms)
-        run["lifetime_after_arrivals_end"] = lifetime_share_after(results, last_arrival_s)
+        run["lifetime_after_arrivals_end"] = lifetime_share_after(measured_spans(results), last_arrival_s)
         if run["completed"] == 0:
             exit_code = EXIT_RUN_FAILED
         document["runs"].append(run)

@@ -12,6 +12,11 @@ import json
 from pathlib import Path
 
 from .http_stream import PdbenchError
+from .stats import staircase_drain_shares
+
+# A staircase window whose requests spent more than this share of their lifetime after the last
+# arrival (load only falling) is drawn hollow: its attainment is optimistic.
+OPTIMISTIC_DRAIN_SHARE = 0.10
 
 VARIANT_TITLES = {"mean_itl": "TTFT and mean ITL (TPOT) within SLO", "p99_itl": "TTFT and p99 of own ITL within SLO"}
 
@@ -45,6 +50,14 @@ def _measured_requests(run: dict, label: str) -> list[dict]:
     return [r for r in run["requests"] if r["ok"] and not r["warmup"]]
 
 
+def optimistic_rates(document: dict) -> set[float]:
+    """Request rates of the staircase windows whose requests spent more than
+    OPTIMISTIC_DRAIN_SHARE of their lifetime after the last arrival."""
+    shares = staircase_drain_shares(document) or []
+    return {r["request_rate"] for r, share in zip(document["runs"], shares)
+            if share is not None and share > OPTIMISTIC_DRAIN_SHARE and r.get("request_rate") is not None}
+
+
 def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
     ordered = sorted(values)
     count = len(ordered)
@@ -72,12 +85,20 @@ def plot_files(paths: list[Path], labels: list[str] | None, out_dir: Path, cdf_r
     written = []
 
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    any_hollow = False
     for axis, (variant, title) in zip(axes, VARIANT_TITLES.items()):
         for document in documents:
+            optimistic = optimistic_rates(document)
             runs = [r for r in _finite_runs(document) if "slo" in r]
             if runs:
-                axis.plot([r["request_rate"] for r in runs], [100.0 * r["slo"][variant]["attainment"] for r in runs],
-                          marker="o", label=document["_label"])
+                xs = [r["request_rate"] for r in runs]
+                ys = [100.0 * r["slo"][variant]["attainment"] for r in runs]
+                (line,) = axis.plot(xs, ys, label=document["_label"])
+                for x, y, r in zip(xs, ys, runs):
+                    hollow = r["request_rate"] in optimistic
+                    any_hollow = any_hollow or hollow
+                    axis.plot([x], [y], marker="o", color=line.get_color(),
+                              markerfacecolor="none" if hollow else line.get_color())
         target = documents[0]["config"].get("goodput_target", 0.9)
         axis.axhline(100.0 * target, color="grey", linestyle="--", linewidth=1)
         axis.set_title(title)
@@ -86,7 +107,9 @@ def plot_files(paths: list[Path], labels: list[str] | None, out_dir: Path, cdf_r
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("requests within SLO (%)")
     slo = documents[0]["config"].get("slo", {})
-    figure.suptitle(f"SLO attainment (TTFT <= {slo.get('ttft_ms')} ms, ITL <= {slo.get('itl_ms')} ms)")
+    note = (f"\nhollow: a staircase window whose requests spent > {100 * OPTIMISTIC_DRAIN_SHARE:.0f} % of their "
+            "lifetime after the last arrival (optimistic)") if any_hollow else ""
+    figure.suptitle(f"SLO attainment (TTFT <= {slo.get('ttft_ms')} ms, ITL <= {slo.get('itl_ms')} ms){note}")
     axes[0].legend()
     figure.tight_layout()
     written.append(out_dir / "attainment.png")

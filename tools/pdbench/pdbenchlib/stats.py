@@ -183,19 +183,37 @@ def summarize_run(results: list[RequestResult], slo: Slo) -> dict:
     return summary
 
 
-def lifetime_share_after(results: list[RequestResult], t_end_s: float) -> float | None:
-    """Share of the measured, finished requests' summed lifetime (send to last token) that came
-    after `t_end_s` (same clock as `sent_s`). In a staircase sweep, with `t_end_s` the last
-    arrival, it says how much of a window's life was spent in a draining server, where load
-    only falls: 0 for a window whose requests all finished while arrivals went on."""
+def lifetime_share_after(spans: list[tuple[float, float]], t_end_s: float) -> float | None:
+    """Share of the summed lifetime of `spans` (send, last token) of measured, finished requests
+    that came after `t_end_s` (same clock). In a staircase sweep, with `t_end_s` the last arrival,
+    it says how much of a window's life was spent in a draining server, where load only falls:
+    0 for a window whose requests all finished while arrivals went on."""
     total = after = 0.0
-    for r in results:
-        finished = r.finished_s
-        if r.warmup or finished is None:
-            continue
-        total += finished - r.sent_s
-        after += max(0.0, finished - max(r.sent_s, t_end_s))
+    for sent, finished in spans:
+        total += finished - sent
+        after += max(0.0, finished - max(sent, t_end_s))
     return after / total if total > 0 else None
+
+
+def measured_spans(results: list[RequestResult]) -> list[tuple[float, float]]:
+    """(send, last token) of the measured requests that finished."""
+    return [(r.sent_s, r.finished_s) for r in results if not r.warmup and r.finished_s is not None]
+
+
+def staircase_drain_shares(document: dict) -> list[float | None] | None:
+    """`lifetime_after_arrivals_end` of each run of a staircase sweep document, computed from
+    its per-request data when the document predates the field; None if it is no staircase or
+    has no per-request data."""
+    runs = document.get("runs") or []
+    if not (document.get("config") or {}).get("staircase_window_s"):
+        return None
+    if all("lifetime_after_arrivals_end" in r for r in runs):
+        return [r["lifetime_after_arrivals_end"] for r in runs]
+    if not all("requests" in r for r in runs):
+        return None
+    last_arrival = max((q["scheduled_s"] for r in runs for q in r["requests"]), default=0.0)
+    return [lifetime_share_after([(q["sent_s"], q["sent_s"] + q["e2e_ms"] / 1000.0) for q in r["requests"]
+                                  if not q["warmup"] and q["e2e_ms"] is not None], last_arrival) for r in runs]
 
 
 def goodput(points: list[tuple[float, float]], target: float = 0.9) -> dict:
