@@ -107,35 +107,19 @@ Status CudaModelRunner::prepare_decode_buckets() {
     if (decode_buckets_.empty() || decode_buckets_.back() != bucket) decode_buckets_.push_back(bucket);
     if (b >= options_.max_num_seqs) break;
   }
-  int32_t* tok = h_ints_ + off_tokens_;
-  int32_t* pos = h_ints_ + off_positions_;
-  int32_t* slot = h_ints_ + off_slots_;
-  int32_t* qstart = h_ints_ + off_qstart_;
-  int32_t* ctx = h_ints_ + off_ctx_;
   int32_t* sample_rows = h_ints_ + off_sample_rows_;
   for (int32_t bucket : decode_buckets_) {
     // Padding rows only (as execute() pads a graph): no context read, no KV written.
-    qstart[0] = 0;
-    for (int32_t i = 0; i < bucket; ++i) {
-      tok[i] = 0;
-      pos[i] = 0;
-      slot[i] = -1;
-      qstart[i + 1] = i + 1;
-      ctx[i] = 0;
-      sample_rows[i] = 0;
-    }
-    auto h2d = [&](size_t off, size_t count) {
-      return kc::cuda_status(
-          cudaMemcpyAsync(d_ints_ + off, h_ints_ + off, count * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
-          "bucket input copy");
-    };
+    h_ints_[off_qstart_] = 0;
+    append_padding_rows(0, bucket, 0);
+    std::fill_n(sample_rows, bucket, 0);
     const auto n = static_cast<size_t>(bucket);
-    PD_RETURN_IF_ERROR(h2d(off_tokens_, n));
-    PD_RETURN_IF_ERROR(h2d(off_positions_, n));
-    PD_RETURN_IF_ERROR(h2d(off_slots_, n));
-    PD_RETURN_IF_ERROR(h2d(off_qstart_, n + 1));
-    PD_RETURN_IF_ERROR(h2d(off_ctx_, n));
-    PD_RETURN_IF_ERROR(h2d(off_sample_rows_, n));
+    PD_RETURN_IF_ERROR(copy_step_inputs(off_tokens_, n));
+    PD_RETURN_IF_ERROR(copy_step_inputs(off_positions_, n));
+    PD_RETURN_IF_ERROR(copy_step_inputs(off_slots_, n));
+    PD_RETURN_IF_ERROR(copy_step_inputs(off_qstart_, n + 1));
+    PD_RETURN_IF_ERROR(copy_step_inputs(off_ctx_, n));
+    PD_RETURN_IF_ERROR(copy_step_inputs(off_sample_rows_, n));
     PassShape shape;
     shape.num_tokens = bucket;
     shape.num_decode = bucket;
@@ -151,6 +135,26 @@ Status CudaModelRunner::prepare_decode_buckets() {
   gemm_->set_tuning(false);
   bucket_preparation_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return Status::Ok();
+}
+
+int32_t CudaModelRunner::append_padding_rows(int32_t first_row, int32_t end_row, int32_t first_token) {
+  // Graph padding: one token per row, reading no context (length 0) and writing no KV (slot -1).
+  int32_t t = first_token;
+  for (int32_t i = first_row; i < end_row; ++i) {
+    h_ints_[off_tokens_ + t] = 0;
+    h_ints_[off_positions_ + t] = 0;
+    h_ints_[off_slots_ + t] = -1;
+    ++t;
+    h_ints_[off_qstart_ + i + 1] = t;
+    h_ints_[off_ctx_ + i] = 0;
+  }
+  return t;
+}
+
+Status CudaModelRunner::copy_step_inputs(size_t offset, size_t count) {
+  return kc::cuda_status(
+      cudaMemcpyAsync(d_ints_ + offset, h_ints_ + offset, count * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
+      "step input copy");
 }
 
 Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) {
@@ -619,15 +623,7 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
     shape.max_context = std::max(shape.max_context, ctx[i]);
     if (i >= num_decode) shape.max_prefill_q = std::max(shape.max_prefill_q, s.num_new_tokens);
   }
-  // Graph padding: rows that read no context and write no KV.
-  for (int32_t i = num_seqs; i < (use_graph ? bucket : num_seqs); ++i) {
-    tok[t] = 0;
-    pos[t] = 0;
-    slot[t] = -1;
-    ++t;
-    qstart[i + 1] = t;
-    ctx[i] = 0;
-  }
+  if (use_graph) t = append_padding_rows(num_seqs, bucket, t);
   shape.num_tokens = t;
   // Sampled rows, in StepInput order.
   std::vector<int32_t> sampled_seq;
@@ -660,19 +656,14 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
     shape.max_context = options_.max_model_len;  // the captured decode split covers any context
   }
   // Copy the used part of each input section.
-  auto h2d = [&](size_t off, size_t count) {
-    return kc::cuda_status(
-        cudaMemcpyAsync(d_ints_ + off, h_ints_ + off, count * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
-        "step input copy");
-  };
-  PD_RETURN_IF_ERROR(h2d(off_tokens_, static_cast<size_t>(t)));
-  PD_RETURN_IF_ERROR(h2d(off_positions_, static_cast<size_t>(t)));
-  PD_RETURN_IF_ERROR(h2d(off_slots_, static_cast<size_t>(t)));
-  PD_RETURN_IF_ERROR(h2d(off_qstart_, static_cast<size_t>(rows_written) + 1));
-  PD_RETURN_IF_ERROR(h2d(off_ctx_, static_cast<size_t>(rows_written)));
-  PD_RETURN_IF_ERROR(h2d(off_sample_rows_, static_cast<size_t>(std::max(shape.num_sample, 1))));
-  if (num_supp > 0) PD_RETURN_IF_ERROR(h2d(off_suppressed_, static_cast<size_t>(num_supp)));
-  PD_RETURN_IF_ERROR(h2d(off_tables_, static_cast<size_t>(num_seqs) * max_blocks_per_seq_));
+  PD_RETURN_IF_ERROR(copy_step_inputs(off_tokens_, static_cast<size_t>(t)));
+  PD_RETURN_IF_ERROR(copy_step_inputs(off_positions_, static_cast<size_t>(t)));
+  PD_RETURN_IF_ERROR(copy_step_inputs(off_slots_, static_cast<size_t>(t)));
+  PD_RETURN_IF_ERROR(copy_step_inputs(off_qstart_, static_cast<size_t>(rows_written) + 1));
+  PD_RETURN_IF_ERROR(copy_step_inputs(off_ctx_, static_cast<size_t>(rows_written)));
+  PD_RETURN_IF_ERROR(copy_step_inputs(off_sample_rows_, static_cast<size_t>(std::max(shape.num_sample, 1))));
+  if (num_supp > 0) PD_RETURN_IF_ERROR(copy_step_inputs(off_suppressed_, static_cast<size_t>(num_supp)));
+  PD_RETURN_IF_ERROR(copy_step_inputs(off_tables_, static_cast<size_t>(num_seqs) * max_blocks_per_seq_));
   if (num_sample > 0) {
     PD_RETURN_IF_ERROR(kc::cuda_status(cudaMemcpyAsync(d_sampling_, h_sampling_, num_sample * sizeof(kc::RowSampling),
                                                        cudaMemcpyHostToDevice, stream_),

@@ -135,6 +135,11 @@ class CudaModelRunner final : public ModelRunner {
   // serving step pays for tuning or capture (each costs tens of milliseconds on large
   // weights, and every running request would see it as one long inter-token gap).
   Status prepare_decode_buckets();
+  // Writes padding rows [first_row, end_row) into the host step inputs, their tokens from
+  // first_token on; returns the token count after them.
+  int32_t append_padding_rows(int32_t first_row, int32_t end_row, int32_t first_token);
+  // Copies `count` int32s of the step-input region at `offset` to the device (stream-ordered).
+  Status copy_step_inputs(size_t offset, size_t count);
   void* alloc(size_t bytes);
 
   model::ModelConfig config_;
