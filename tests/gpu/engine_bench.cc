@@ -11,7 +11,7 @@
 // decode rows then show that sum beside the graph replay and execute() times.
 // Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all|none] [--ctx 2048] [--decode-kernel tc|simt]
 //        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1] [--merge-in-attention 0|1]
-//        [--pdl-max-tokens N] [--tune-l2 cold|warm]
+//        [--pdl-max-tokens N]
 // --merge-in-attention 1: decode attention merges its partitions in its last CTA instead of the reduce
 // kernel (CudaRunnerOptions::decode_merge_in_attention; off by default).
 // --pdl-max-tokens N: programmatic dependent launch for passes of up to N tokens (default 4).
@@ -67,9 +67,6 @@ struct Row {
 std::map<int, double> g_kernel_sum_ms;
 // --pdl-max-tokens: CudaRunnerOptions::programmatic_launch_max_tokens (0 = the runner's default).
 int g_pdl_max_tokens = 0;
-// --tune-l2 cold: the GEMM tuner evicts L2 before each timed call (CudaRunnerOptions::gemm_cold_l2_tuning);
-// warm (default): back to back on the same weights, which may then stay in L2.
-bool g_tune_cold_l2 = false;
 
 const char* policy_name(kc::GemmPolicy p) {
   return p == kc::GemmPolicy::kAutotune ? "autotune" : p == kc::GemmPolicy::kHeuristic ? "heuristic" : "skinny";
@@ -347,7 +344,6 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   opt.programmatic_launch = pdl;
   opt.decode_merge_in_attention = merge_in_attention;
   if (g_pdl_max_tokens > 0) opt.programmatic_launch_max_tokens = g_pdl_max_tokens;
-  opt.gemm_cold_l2_tuning = g_tune_cold_l2;
   const auto t0 = std::chrono::steady_clock::now();
   auto created = engine::CudaModelRunner::create(cfg, nullptr, opt);
   PD_STATUS_CHECK(created.status());
@@ -372,7 +368,7 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
     Row row{std::string(name) + " decode b" + std::to_string(b) + " ctx" + std::to_string(ctx), floor_ms, ms,
             "HBM floor " + std::to_string(static_cast<int>(bytes / 1e6)) + " MB, gemm " + policy_name(gemm_policy) +
                 (pdl ? ", pdl <= " + std::to_string(opt.programmatic_launch_max_tokens) + " tokens" : ", no pdl") +
-                (merge_in_attention ? ", merge in attention" : "") + (g_tune_cold_l2 ? ", tuned with cold L2" : "")};
+                (merge_in_attention ? ", merge in attention" : "")};
     auto graph_ms = runner.time_decode_graph(b, 20);
     PD_STATUS_CHECK(graph_ms.status());
     row.graph_ms = *graph_ms;
@@ -430,7 +426,6 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--pdl") == 0) pdl = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--merge-in-attention") == 0) merge_in_attention = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--pdl-max-tokens") == 0) g_pdl_max_tokens = std::atoi(argv[i + 1]);
-    if (std::strcmp(argv[i], "--tune-l2") == 0) g_tune_cold_l2 = std::strcmp(argv[i + 1], "cold") == 0;
     if (std::strcmp(argv[i], "--model") == 0) which = argv[i + 1];
     if (std::strcmp(argv[i], "--ctx") == 0) ctx = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--decode-kernel") == 0 && std::strcmp(argv[i + 1], "simt") == 0) {

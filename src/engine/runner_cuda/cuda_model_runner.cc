@@ -90,7 +90,6 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
   PD_ASSIGN_OR_RETURN(gemm_, kc::Gemm::create(64ull << 20, options_.gemm_policy));
-  gemm_->set_cold_l2_timing(options_.gemm_cold_l2_tuning);
   PD_RETURN_IF_ERROR(upload_weights(host_weights));
   PD_RETURN_IF_ERROR(allocate_buffers());
   PD_RETURN_IF_ERROR(allocate_kv_pool());

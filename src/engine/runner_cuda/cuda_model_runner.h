@@ -37,9 +37,6 @@ struct CudaRunnerOptions {
   kernels::cuda::DecodeKernel decode_kernel = kernels::cuda::DecodeKernel::kTensorCore;
   kernels::cuda::PrefillKernel prefill_kernel = kernels::cuda::PrefillKernel::kGqaTiled;
   kernels::cuda::GemmPolicy gemm_policy = kernels::cuda::GemmPolicy::kAutotune;
-  // kAutotune: time candidates with L2 evicted before each call (Gemm::set_cold_l2_timing;
-  // off: measured no better on whole decode steps).
-  bool gemm_cold_l2_tuning = false;
   // Programmatic dependent launch for the decode-path kernels (kernels.h) in passes of
   // at most programmatic_launch_max_tokens tokens; set process-wide at each forward pass.
   // Measured on an H200, Qwen3-8B decode graph replay (docs/perf/engine.md, session 3):

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/launch.h"
@@ -12,7 +11,6 @@ namespace {
 
 constexpr int kTimingRounds = 3;
 constexpr int kCallsPerRound = 5;
-constexpr int kColdCalls = 9;
 
 Status lt_status(cublasStatus_t st, const char* what) {
   if (st == CUBLAS_STATUS_SUCCESS) return Status::Ok();
@@ -65,40 +63,7 @@ Gemm::~Gemm() {
     cublasLtMatmulDescDestroy(plan.desc);
   }
   if (workspace_ != nullptr) cudaFree(workspace_);
-  release_l2_eviction_buffer();
   if (handle_ != nullptr) cublasLtDestroy(handle_);
-}
-
-void Gemm::set_tuning(bool enabled) {
-  tuning_enabled_ = enabled;
-  if (!enabled) release_l2_eviction_buffer();
-}
-
-void Gemm::release_l2_eviction_buffer() {
-  if (l2_eviction_ != nullptr) cudaFree(l2_eviction_);
-  if (l2_eviction_sink_ != nullptr) cudaFree(l2_eviction_sink_);
-  l2_eviction_ = nullptr;
-  l2_eviction_sink_ = nullptr;
-  l2_eviction_bytes_ = 0;
-}
-
-bool Gemm::ensure_l2_eviction_buffer() {
-  if (l2_eviction_ != nullptr) return true;
-  int device = 0, l2_bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) != cudaSuccess || l2_bytes <= 0) {
-    cudaGetLastError();
-    return false;
-  }
-  const size_t bytes = 2 * static_cast<size_t>(l2_bytes) / 16 * 16;
-  if (cudaMalloc(&l2_eviction_, bytes) != cudaSuccess || cudaMalloc(&l2_eviction_sink_, sizeof(int)) != cudaSuccess ||
-      cudaMemset(l2_eviction_, 0, bytes) != cudaSuccess) {
-    cudaGetLastError();
-    release_l2_eviction_buffer();
-    return false;
-  }
-  l2_eviction_bytes_ = bytes;
-  return true;
 }
 
 Status Gemm::launch(const Plan& plan, const Call& c) {
@@ -116,24 +81,6 @@ Status Gemm::launch(const Plan& plan, const Call& c) {
 
 Result<float> Gemm::time_plan(const Plan& plan, const Call& call, cudaEvent_t start, cudaEvent_t stop) {
   PD_RETURN_IF_ERROR(launch(plan, call));  // warm-up (first-use costs of the algorithm)
-  if (cold_l2_timing_ && ensure_l2_eviction_buffer()) {
-    // The median of single calls, each after L2 was evicted.
-    std::vector<float> us;
-    us.reserve(kColdCalls);
-    for (int i = 0; i < kColdCalls; ++i) {
-      PD_RETURN_IF_ERROR(cuda_status(
-          detail::launch_l2_evict(l2_eviction_, l2_eviction_bytes_, l2_eviction_sink_, call.stream), "l2 evict"));
-      PD_RETURN_IF_ERROR(cuda_status(cudaEventRecord(start, call.stream), "gemm tuning event"));
-      PD_RETURN_IF_ERROR(launch(plan, call));
-      PD_RETURN_IF_ERROR(cuda_status(cudaEventRecord(stop, call.stream), "gemm tuning event"));
-      PD_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(stop), "gemm tuning sync"));
-      float ms = 0.0f;
-      PD_RETURN_IF_ERROR(cuda_status(cudaEventElapsedTime(&ms, start, stop), "gemm tuning elapsed"));
-      us.push_back(ms * 1000.0f);
-    }
-    std::nth_element(us.begin(), us.begin() + kColdCalls / 2, us.end());
-    return us[kColdCalls / 2];
-  }
   float best_ms = 0.0f;
   for (int round = 0; round < kTimingRounds; ++round) {
     PD_RETURN_IF_ERROR(cuda_status(cudaEventRecord(start, call.stream), "gemm tuning event"));

@@ -72,15 +72,7 @@ class Gemm {
 
   GemmPolicy policy() const { return policy_; }
   // Whether a new shape may still be tuned (kAutotune only; on after create()).
-  // Turning tuning off also frees the L2 eviction buffer the tuner timed with.
-  void set_tuning(bool enabled);
-  // How the tuner times a candidate: back to back on the same weights (default), which a
-  // weight matrix smaller than L2 (Qwen3-8B's o_proj, 32 MB) then serves from L2, or each
-  // call after evicting L2, as a serving step that streams every layer's weights sees it.
-  // Cold timing measured no better on whole decode steps (docs/perf/engine.md, session 4:
-  // Qwen3-8B b1 1.6 % slower, b16 1-3 % faster, inside the run-to-run spread), so it is an
-  // option for experiments.
-  void set_cold_l2_timing(bool cold) { cold_l2_timing_ = cold; }
+  void set_tuning(bool enabled) { tuning_enabled_ = enabled; }
   bool tuning() const { return tuning_enabled_; }
   // Shapes planned with tuning off: borrowed from a tuned M, or cuBLASLt's first choice.
   int32_t num_borrowed_plans() const { return num_borrowed_plans_; }
@@ -110,10 +102,6 @@ class Gemm {
   Status launch(const Plan& plan, const Call& call);
   // Time of one call in microseconds: the fastest of a few rounds of back-to-back calls.
   Result<float> time_plan(const Plan& plan, const Call& call, cudaEvent_t start, cudaEvent_t stop);
-  // The buffer read before each cold timed call (2x the L2 size), allocated at the first
-  // cold timing; false (and warm timing) if the device has no memory left for it.
-  bool ensure_l2_eviction_buffer();
-  void release_l2_eviction_buffer();
   Status tune(Plan& plan, const Call& call, const std::vector<cublasLtMatmulHeuristicResult_t>& candidates);
   // With tuning off: takes the choice of the smallest tuned M' >= call.m of the same
   // N, K and output into `plan` where it is valid for call.m. True if it did.
@@ -125,10 +113,6 @@ class Gemm {
   GemmPolicy policy_ = GemmPolicy::kAutotune;
   int32_t forced_skinny_variant_ = 0;  // kSkinny
   bool tuning_enabled_ = true;
-  bool cold_l2_timing_ = false;
-  void* l2_eviction_ = nullptr;
-  size_t l2_eviction_bytes_ = 0;
-  int* l2_eviction_sink_ = nullptr;
   int32_t num_borrowed_plans_ = 0;
   int32_t num_untuned_plans_ = 0;
   std::map<std::tuple<int32_t, int32_t, int32_t, GemmOut>, Plan> plans_;

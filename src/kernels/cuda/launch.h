@@ -38,10 +38,6 @@ inline constexpr int32_t kNumSkinnyGemmVariants = 5;
 int32_t skinny_gemm_max_m(int32_t variant);  // 0 for an unknown variant
 cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf16* w, int32_t m, int32_t n, int32_t k,
                                int32_t variant, cudaStream_t stream);
-// Reads `bytes` (a multiple of 16) from `buffer` once, so the lines it brings in evict what L2
-// held (GEMM tuning times candidates on weights that come from HBM, as in a serving step).
-// `sink` receives nothing in practice; it keeps the loads from being optimised away.
-cudaError_t launch_l2_evict(const void* buffer, size_t bytes, int* sink, cudaStream_t stream);
 // Whether the decode-path launchers use programmatic dependent launch (pdl.cuh);
 // set through kernels.h's set_programmatic_launch.
 bool programmatic_launch_enabled();

@@ -218,23 +218,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
   }
 }
 
-__global__ void l2_evict_kernel(const int4* buffer, size_t count, int* sink) {
-  int folded = 0;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const int4 v = __ldcg(buffer + i);  // through L2 (not L1): that is the cache to evict
-    folded ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (folded == 0x5eed1e55) *sink = folded;
-}
-
 }  // namespace
-
-cudaError_t launch_l2_evict(const void* buffer, size_t bytes, int* sink, cudaStream_t stream) {
-  if (buffer == nullptr || bytes % 16 != 0) return cudaErrorInvalidValue;
-  l2_evict_kernel<<<1024, 256, 0, stream>>>(static_cast<const int4*>(buffer), bytes / 16, sink);
-  return cudaGetLastError();
-}
 
 cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf16* w, int32_t m, int32_t n, int32_t k,
                                int32_t variant, cudaStream_t stream) {
