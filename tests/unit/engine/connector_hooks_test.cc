@@ -214,43 +214,45 @@ TEST(ConnectorHooks, LoadErrorRecomputesFromTheFirstFailedBlock) {
   EXPECT_EQ(h.outputs("pd"), reference_outputs(iota_tokens(50), 2));
 }
 
-ExternalMatch whole_prompt_match() {
-  ExternalMatch m{50, true, 60'000};
-  m.includes_last_prompt_token = true;
-  return m;
-}
+// A 50-token request whose connector promises the whole prompt's KV (the last token
+// included), after the step that allocated its blocks and started the load.
+struct WholePromptLoad {
+  ScriptedConnector conn;
+  SchedulerHarness h{config(), &conn};
+  Request* r = nullptr;
+  WholePromptLoad() {
+    conn.match = ExternalMatch{50, true, 60'000};
+    conn.match.includes_last_prompt_token = true;
+    r = h.add("pd", iota_tokens(50), 2, kParams);
+    h.step();
+  }
+  std::vector<Scheduler::HandedOver> finish_with_token(int32_t token_id) {
+    return h.scheduler.apply_connector_events(ConnectorEvents{{"pd"}, {}, {}, {}, {HandedOverToken{"pd", token_id}}});
+  }
+};
 
 TEST(ConnectorHooks, AWholePromptLoadWithAHandedOverTokenRunsAsIfPrefilledHere) {
-  ScriptedConnector conn;
-  conn.match = whole_prompt_match();
-  SchedulerHarness h(config(), &conn);
-  Request* r = h.add("pd", iota_tokens(50), 2, kParams);
-  h.step();
-  ASSERT_EQ(conn.alloc_block_ids.size(), 4u) << "blocks for all 50 tokens";
-  auto handed = h.scheduler.apply_connector_events(ConnectorEvents{{"pd"}, {}, {}, {}, {HandedOverToken{"pd", 7}}});
+  WholePromptLoad load;
+  ASSERT_EQ(load.conn.alloc_block_ids.size(), 4u) << "blocks for all 50 tokens";
+  auto handed = load.finish_with_token(7);
   ASSERT_EQ(handed.size(), 1u);
-  EXPECT_EQ(handed[0].request, r);
+  EXPECT_EQ(handed[0].request, load.r);
   EXPECT_EQ(handed[0].token_id, 7);
-  EXPECT_EQ(r->state(), RequestState::kRunning);
-  EXPECT_EQ(r->num_computed_tokens, 50);
+  EXPECT_EQ(load.r->state(), RequestState::kRunning);
+  EXPECT_EQ(load.r->num_computed_tokens, 50);
 }
 
 TEST(ConnectorHooks, AHandedOverTokenWhoseLoadFailedInPartIsNotTaken) {
   // A load error in the same poll voids block 1: the token is dropped and the
   // prompt is recomputed from block 1, so the output is the model's own.
-  ScriptedConnector conn;
-  conn.match = whole_prompt_match();
-  SchedulerHarness h(config(), &conn);
-  Request* r = h.add("pd", iota_tokens(50), 2, kParams);
-  h.step();
-  ASSERT_EQ(conn.alloc_block_ids.size(), 4u);
-  h.scheduler.apply_load_errors({LoadError{"pd", {conn.alloc_block_ids[1]}}});
-  auto handed = h.scheduler.apply_connector_events(ConnectorEvents{{"pd"}, {}, {}, {}, {HandedOverToken{"pd", 7}}});
-  EXPECT_TRUE(handed.empty());
-  EXPECT_EQ(r->num_computed_tokens, 16) << "only the first block arrived intact";
-  EXPECT_EQ(r->state(), RequestState::kWaiting);
-  h.run_until_idle();
-  EXPECT_EQ(h.outputs("pd"), reference_outputs(iota_tokens(50), 2));
+  WholePromptLoad load;
+  ASSERT_EQ(load.conn.alloc_block_ids.size(), 4u);
+  load.h.scheduler.apply_load_errors({LoadError{"pd", {load.conn.alloc_block_ids[1]}}});
+  EXPECT_TRUE(load.finish_with_token(7).empty());
+  EXPECT_EQ(load.r->num_computed_tokens, 16) << "only the first block arrived intact";
+  EXPECT_EQ(load.r->state(), RequestState::kWaiting);
+  load.h.run_until_idle();
+  EXPECT_EQ(load.h.outputs("pd"), reference_outputs(iota_tokens(50), 2));
 }
 
 TEST(ConnectorHooks, SynchronousLoadFailureVoidsTheStepAndRecomputes) {
