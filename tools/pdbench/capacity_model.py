@@ -139,10 +139,9 @@ def saturation_rate(point_at, strict: bool = False, itl_slo_ms: float = 50.0, hi
         p = point_at(rate)
         return p.limit == "" and (not strict or p.worst_gap_ms <= itl_slo_ms)
 
-    lo = 0.0
-    if not ok(1e-6):
-        return 0.0
     lo = 1e-6
+    if not ok(lo):
+        return 0.0
     for _ in range(100):
         mid = (lo + hi) / 2.0
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
