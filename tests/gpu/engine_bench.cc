@@ -11,7 +11,9 @@
 // decode rows then show that sum beside the graph replay and execute() times.
 // Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all|none] [--ctx 2048] [--decode-kernel tc|simt]
 //        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1] [--merge-in-attention 0|1]
-//        [--pdl-max-tokens N]
+//        [--pdl-max-tokens N] [--decode-partition N] [--kv-evict-first 0|1] [--l2-prefetch-mb N]
+//        [--l2-prefetch-max-tokens N]
+// --ops attn: only the decode attention sweep (partition sizes, reduce / merged / evict-first).
 // --merge-in-attention 1: decode attention merges its partitions in its last CTA instead of the reduce
 // kernel (CudaRunnerOptions::decode_merge_in_attention; off by default).
 // --pdl-max-tokens N: programmatic dependent launch for passes of up to N tokens (default 4).
@@ -67,6 +69,12 @@ struct Row {
 std::map<int, double> g_kernel_sum_ms;
 // --pdl-max-tokens: CudaRunnerOptions::programmatic_launch_max_tokens (0 = the runner's default).
 int g_pdl_max_tokens = 0;
+// --decode-partition, --kv-evict-first, --l2-prefetch-mb, --l2-prefetch-max-tokens: the
+// CudaRunnerOptions of the same names (-1 = the runner's default).
+int g_decode_partition = -1;
+int g_kv_evict_first = -1;
+int g_l2_prefetch_mb = -1;
+int g_l2_prefetch_max_tokens = -1;
 
 const char* policy_name(kc::GemmPolicy p) {
   return p == kc::GemmPolicy::kAutotune ? "autotune" : p == kc::GemmPolicy::kHeuristic ? "heuristic" : "skinny";
@@ -95,7 +103,8 @@ struct WeightPool {
   const bf16* take() { return copies[next++ % copies.size()].get(); }
 };
 
-void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::vector<int>& batches) {
+void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::vector<int>& batches,
+               bool attention_only) {
   const int h = cfg.hidden_size, inter = cfg.intermediate_size, hq = cfg.num_heads, hkv = cfg.num_kv_heads,
             d = cfg.head_dim;
   struct Shape {
@@ -122,6 +131,7 @@ void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::v
   // gemm_ms[m][shape] = the autotuned time (what the runner runs).
   std::map<int, std::vector<double>> gemm_ms;
   for (const Shape& sh : shapes) {
+    if (attention_only) break;
     WeightPool pool(static_cast<size_t>(sh.n) * sh.k, kMinPoolBytes);
     for (int m : batches) {
       const double out_bytes = sh.out == kc::GemmOut::kFloat32 ? 4.0 : 2.0;
@@ -247,12 +257,15 @@ void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::v
     double attn_ms = 0.0;
     DeviceBuffer<uint32_t> merge_counters(static_cast<size_t>(m) * hkv);
     PD_CUDA_CHECK(cudaMemset(merge_counters.get(), 0, merge_counters.count() * sizeof(uint32_t)));
-    for (int part : {32, 64, 128, 256}) {
+    for (int part : {32, 64, 128, 256, 512, 1024, 2048}) {
+      if (part > 256 && static_cast<int64_t>(m) * hkv < 64) continue;  // fewer CTAs than SMs
       a.decode_partition_tokens = part;
       const size_t ws_bytes = kc::decode_attention_workspace_bytes(m, hq, d, oc.ctx, part);
       DeviceBuffer<uint8_t> ws(ws_bytes);
-      // Merged by a reduce kernel, then (what the runner runs) in the attention kernel's last CTA per row.
-      for (uint32_t* counters : {static_cast<uint32_t*>(nullptr), merge_counters.get()}) {
+      // Merged by a reduce kernel (what the runner runs), then in the attention kernel's last CTA
+      // per row, then by the reduce kernel with K/V loaded evict-first.
+      for (int variant = 0; variant < 3; ++variant) {
+        uint32_t* counters = variant == 1 ? merge_counters.get() : nullptr;
         int call = 0;
         const double ms = time_in_graph_ms(
             [&](cudaStream_t st) {
@@ -261,16 +274,21 @@ void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::v
               kc::AttentionArgs args = a;
               args.block_tables = d_table.get() + static_cast<size_t>(first_seq) * blocks_per_seq;
               args.decode_merge_counters = counters;
+              args.decode_kv_evict_first = variant == 2;
               PD_STATUS_CHECK(kc::decode_attention(args, ws.get(), ws_bytes, st));
             },
             kOpsCallsPerGraph);
-        const bool runs = part == runner_part && counters != nullptr;
-        row("decode attn part " + std::to_string(part) + (counters != nullptr ? " merged" : " +reduce") +
+        const bool runs = part == runner_part && variant == 0;
+        row("decode attn part " + std::to_string(part) +
+                (variant == 1   ? " merged"
+                 : variant == 2 ? " +reduce evict-first"
+                                : " +reduce") +
                 (runs ? " (runner)" : ""),
             kv_bytes, ms);
         if (runs) attn_ms = ms;
       }
     }
+    if (attention_only) continue;
     const auto& g = gemm_ms[m];
     const double layer_ms = 2 * rms_ms + g[0] + rope_ms + attn_ms + g[1] + g[2] + silu_ms + g[3];
     const double step_ms = cfg.num_layers * layer_ms + g[4] + rms_ms;
@@ -344,6 +362,10 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   opt.programmatic_launch = pdl;
   opt.decode_merge_in_attention = merge_in_attention;
   if (g_pdl_max_tokens > 0) opt.programmatic_launch_max_tokens = g_pdl_max_tokens;
+  if (g_decode_partition >= 0) opt.decode_partition_tokens = g_decode_partition;
+  if (g_kv_evict_first >= 0) opt.decode_kv_evict_first = g_kv_evict_first != 0;
+  if (g_l2_prefetch_mb >= 0) opt.l2_prefetch_bytes = static_cast<size_t>(g_l2_prefetch_mb) << 20;
+  if (g_l2_prefetch_max_tokens >= 0) opt.l2_prefetch_max_tokens = g_l2_prefetch_max_tokens;
   const auto t0 = std::chrono::steady_clock::now();
   auto created = engine::CudaModelRunner::create(cfg, nullptr, opt);
   PD_STATUS_CHECK(created.status());
@@ -368,7 +390,12 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
     Row row{std::string(name) + " decode b" + std::to_string(b) + " ctx" + std::to_string(ctx), floor_ms, ms,
             "HBM floor " + std::to_string(static_cast<int>(bytes / 1e6)) + " MB, gemm " + policy_name(gemm_policy) +
                 (pdl ? ", pdl <= " + std::to_string(opt.programmatic_launch_max_tokens) + " tokens" : ", no pdl") +
-                (merge_in_attention ? ", merge in attention" : "")};
+                (merge_in_attention ? ", merge in attention" : "") +
+                (opt.decode_partition_tokens > 0 ? ", partition " + std::to_string(opt.decode_partition_tokens) : "") +
+                (opt.decode_kv_evict_first ? ", kv evict-first" : "") +
+                (opt.l2_prefetch_bytes > 0 && b <= opt.l2_prefetch_max_tokens
+                     ? ", L2 prefetch " + std::to_string(opt.l2_prefetch_bytes >> 20) + " MB"
+                     : "")};
     auto graph_ms = runner.time_decode_graph(b, 20);
     PD_STATUS_CHECK(graph_ms.status());
     row.graph_ms = *graph_ms;
@@ -413,7 +440,7 @@ int main(int argc, char** argv) {
   int ctx = 2048;
   auto decode_kernel = pd::kernels::cuda::DecodeKernel::kTensorCore;
   auto gemm_policy = kc::GemmPolicy::kAutotune;
-  bool decode_only = false, ops = false, pdl = true, merge_in_attention = false;
+  bool decode_only = false, ops = false, ops_attention_only = false, pdl = true, merge_in_attention = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--gemm") == 0) {
       const std::string v = argv[i + 1];
@@ -422,7 +449,14 @@ int main(int argc, char** argv) {
                                      : kc::GemmPolicy::kAutotune;
     }
     if (std::strcmp(argv[i], "--decode-only") == 0) decode_only = std::atoi(argv[i + 1]) != 0;
-    if (std::strcmp(argv[i], "--ops") == 0) ops = std::atoi(argv[i + 1]) != 0;
+    if (std::strcmp(argv[i], "--ops") == 0) {
+      ops_attention_only = std::strcmp(argv[i + 1], "attn") == 0;
+      ops = ops_attention_only || std::atoi(argv[i + 1]) != 0;
+    }
+    if (std::strcmp(argv[i], "--decode-partition") == 0) g_decode_partition = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--kv-evict-first") == 0) g_kv_evict_first = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--l2-prefetch-mb") == 0) g_l2_prefetch_mb = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--l2-prefetch-max-tokens") == 0) g_l2_prefetch_max_tokens = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--pdl") == 0) pdl = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--merge-in-attention") == 0) merge_in_attention = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--pdl-max-tokens") == 0) g_pdl_max_tokens = std::atoi(argv[i + 1]);
@@ -440,7 +474,7 @@ int main(int argc, char** argv) {
   std::printf("device %s: d2d copy %.1f GB/s, bf16 GEMM 8192^3 %.1f TFLOP/s, decode attention on %s cores\n", prop.name,
               copy_gbs, gemm_tflops, decode_kernel == pd::kernels::cuda::DecodeKernel::kTensorCore ? "tensor" : "CUDA");
   kc::set_programmatic_launch(pdl);
-  if (ops) bench_ops(qwen3_config(false), OpsContext{copy_gbs, ctx}, {1, 16, 64, 128});
+  if (ops) bench_ops(qwen3_config(false), OpsContext{copy_gbs, ctx}, {1, 16, 64, 128}, ops_attention_only);
   std::vector<Row> rows;
   if (which == "all" || which == "qwen3-8b") {
     bench_model(false, ctx, copy_gbs, gemm_tflops, decode_kernel, gemm_policy, decode_only, pdl, merge_in_attention,

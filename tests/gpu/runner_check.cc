@@ -44,9 +44,15 @@ struct Seq {
   std::vector<int32_t> blocks;
 };
 
-// merge_in_attention: CudaRunnerOptions::decode_merge_in_attention (the split-K merge of
-// decode attention in its last CTA instead of the reduce kernel).
-int run_check(model::ModelFamily family, int head_dim, bool graphs, bool merge_in_attention = false) {
+// Options other than the defaults a variant of the check runs with.
+struct Variant {
+  bool merge_in_attention = false;  // split-K merge in decode attention's last CTA
+  int32_t decode_partition_tokens = 0;
+  bool kv_evict_first = false;
+  size_t l2_prefetch_bytes = 0;  // L2 prefetch on a side stream, forked and joined in every pass
+};
+
+int run_check(model::ModelFamily family, int head_dim, bool graphs, Variant variant = {}) {
   const auto cfg = small_config(family, head_dim);
   // Both runners get the same bf16-representable weights, so the check sees
   // the kernels' error, not the weight rounding.
@@ -67,7 +73,11 @@ int run_check(model::ModelFamily family, int head_dim, bool graphs, bool merge_i
   opt.max_num_batched_tokens = 512;
   opt.num_kv_blocks = num_blocks;
   opt.enable_cuda_graphs = graphs;
-  opt.decode_merge_in_attention = merge_in_attention;
+  opt.decode_merge_in_attention = variant.merge_in_attention;
+  opt.decode_partition_tokens = variant.decode_partition_tokens;
+  opt.decode_kv_evict_first = variant.kv_evict_first;
+  opt.l2_prefetch_bytes = variant.l2_prefetch_bytes;
+  opt.l2_prefetch_max_tokens = opt.max_num_batched_tokens;  // the eager mixed steps too
   auto gpu_r = engine::CudaModelRunner::create(cfg, &weights, opt);
   PD_STATUS_CHECK(gpu_r.status());
 
@@ -91,6 +101,9 @@ int run_check(model::ModelFamily family, int head_dim, bool graphs, bool merge_i
   };
   for (int i = 0; i < 10; ++i) plan.push_back({{0, 1}, {1, 1}, {2, 1}, {3, 1}});
   plan.push_back({{2, 1}});
+  std::printf("variant: merge in attention %d, partition %d, kv evict-first %d, L2 prefetch %zu bytes\n",
+              variant.merge_in_attention ? 1 : 0, variant.decode_partition_tokens, variant.kv_evict_first ? 1 : 0,
+              variant.l2_prefetch_bytes);
   std::printf("%-8s %-5s %-6s %-34s %10s %8s\n", "family", "D", "graphs", "step", "rel_l2", "tokens");
   for (size_t step = 0; step < plan.size(); ++step) {
     engine::StepInput in;
@@ -158,7 +171,13 @@ int main() {
   failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true);
   failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 64, false);
   failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 128, true);
-  failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, /*merge_in_attention=*/true);
+  failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, {.merge_in_attention = true});
+  // Large partitions (contexts here reach ~200 tokens: one partition), K/V evict-first, and
+  // the L2 prefetch side stream (o_proj + part of gate_up), with graphs and eagerly.
+  const pd::gpu_test::Variant prefetching{
+      .decode_partition_tokens = 1024, .kv_evict_first = true, .l2_prefetch_bytes = 1u << 20};
+  failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, prefetching);
+  failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 64, false, prefetching);
   std::printf("runner check: %d failing steps\n", failures);
   return failures == 0 ? 0 : 1;
 }

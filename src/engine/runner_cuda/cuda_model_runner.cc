@@ -55,6 +55,9 @@ CudaModelRunner::~CudaModelRunner() {
   if (h_sampling_ != nullptr) cudaFreeHost(h_sampling_);
   if (h_logprobs_ != nullptr) cudaFreeHost(h_logprobs_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  if (prefetch_stream_ != nullptr) cudaStreamDestroy(prefetch_stream_);
+  if (prefetch_fork_ != nullptr) cudaEventDestroy(prefetch_fork_);
+  if (prefetch_join_ != nullptr) cudaEventDestroy(prefetch_join_);
 }
 
 void* CudaModelRunner::alloc(size_t bytes) {
@@ -89,6 +92,20 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
   }
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
+  if (options_.decode_partition_tokens != 0 &&
+      (options_.decode_partition_tokens % kc::kKvBlockSize != 0 || options_.decode_partition_tokens < 0 ||
+       options_.decode_partition_tokens > kc::kDecodeMaxPartitionTokens)) {
+    return invalid_argument("cuda runner: decode partition of {} tokens (need a multiple of {} up to {})",
+                            options_.decode_partition_tokens, kc::kKvBlockSize, kc::kDecodeMaxPartitionTokens);
+  }
+  if (options_.l2_prefetch_bytes > 0) {
+    PD_RETURN_IF_ERROR(
+        kc::cuda_status(cudaStreamCreateWithFlags(&prefetch_stream_, cudaStreamNonBlocking), "prefetch stream"));
+    PD_RETURN_IF_ERROR(
+        kc::cuda_status(cudaEventCreateWithFlags(&prefetch_fork_, cudaEventDisableTiming), "prefetch event"));
+    PD_RETURN_IF_ERROR(
+        kc::cuda_status(cudaEventCreateWithFlags(&prefetch_join_, cudaEventDisableTiming), "prefetch event"));
+  }
   PD_ASSIGN_OR_RETURN(gemm_, kc::Gemm::create(64ull << 20, options_.gemm_policy));
   PD_RETURN_IF_ERROR(upload_weights(host_weights));
   PD_RETURN_IF_ERROR(allocate_buffers());
@@ -291,14 +308,12 @@ Status CudaModelRunner::allocate_buffers() {
   act_buf_ = bf(t * inter);
   sample_hidden_ = bf(s * h);
   logits_ = static_cast<float*>(alloc(s * c.vocab_size * sizeof(float)));
-  // Largest workspace over the partition-size regimes (each regime's largest batch).
+  // Largest workspace over every decode batch size (the partition depends on it).
   decode_ws_bytes_ = 0;
-  for (int32_t rows_limit : {64, INT32_MAX}) {
-    const int32_t seqs = static_cast<int32_t>(
-        std::min<int64_t>(options_.max_num_seqs, std::max<int64_t>(1, rows_limit / c.num_kv_heads)));
+  for (int32_t seqs = 1; seqs <= options_.max_num_seqs; ++seqs) {
     decode_ws_bytes_ = std::max(
         decode_ws_bytes_, kc::decode_attention_workspace_bytes(seqs, c.num_heads, c.head_dim, options_.max_model_len,
-                                                               decode_partition_tokens_for(seqs, c.num_kv_heads)));
+                                                               decode_partition_tokens(seqs)));
   }
   decode_ws_ = alloc(decode_ws_bytes_);
   const size_t num_merge_counters = s * static_cast<size_t>(c.num_kv_heads);
@@ -431,6 +446,25 @@ Status CudaModelRunner::validate(const StepInput& input) const {
   return Status::Ok();
 }
 
+int32_t CudaModelRunner::decode_partition_tokens(int32_t num_decode) const {
+  if (options_.decode_partition_tokens > 0) return options_.decode_partition_tokens;
+  return decode_partition_tokens_for(num_decode, config_.num_kv_heads);
+}
+
+Status CudaModelRunner::prefetch_layer_weights(const LayerWeights& w) {
+  const auto& c = config_;
+  const size_t o_proj_bytes = static_cast<size_t>(c.hidden_size) * c.num_heads * c.head_dim * sizeof(bf16);
+  const size_t gate_up_bytes = static_cast<size_t>(2) * c.intermediate_size * c.hidden_size * sizeof(bf16);
+  const size_t budget = options_.l2_prefetch_bytes / 16 * 16;
+  const size_t first = std::min(o_proj_bytes, budget);
+  const size_t second = std::min(gate_up_bytes, budget - first) / 16 * 16;
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaEventRecord(prefetch_fork_, stream_), "prefetch fork"));
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamWaitEvent(prefetch_stream_, prefetch_fork_, 0), "prefetch fork"));
+  PD_RETURN_IF_ERROR(kc::prefetch_l2(w.o_proj, first, prefetch_stream_));
+  if (second > 0) PD_RETURN_IF_ERROR(kc::prefetch_l2(w.gate_up, second, prefetch_stream_));
+  return Status::Ok();
+}
+
 Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   const auto& c = config_;
   const int32_t t = shape.num_tokens;
@@ -457,7 +491,8 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   dec.num_seqs = shape.num_decode;
   dec.max_query_len = 1;
   dec.max_context_len = shape.max_context;
-  dec.decode_partition_tokens = decode_partition_tokens_for(shape.num_decode, hkv);
+  dec.decode_partition_tokens = decode_partition_tokens(shape.num_decode);
+  dec.decode_kv_evict_first = options_.decode_kv_evict_first;
   dec.decode_kernel = options_.decode_kernel;
   if (options_.decode_merge_in_attention) dec.decode_merge_counters = decode_merge_counters_;
   kc::AttentionArgs pre = base;
@@ -469,6 +504,7 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   pre.max_query_len = shape.max_prefill_q;
   pre.max_context_len = shape.max_context;
 
+  const bool prefetch = prefetch_stream_ != nullptr && t <= options_.l2_prefetch_max_tokens;
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = layers_[static_cast<size_t>(l)];
     bf16* kv = static_cast<bf16*>(kv_layer_base(l));
@@ -479,6 +515,7 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
     }
     PD_RETURN_IF_ERROR(gemm_->run(qkv_buf_, kc::GemmOut::kBFloat16, x_, w.qkv, t, qkv_width, h, stream_));
     if (w.qkv_bias != nullptr) PD_RETURN_IF_ERROR(kc::add_bias(qkv_buf_, w.qkv_bias, t, qkv_width, stream_));
+    if (prefetch) PD_RETURN_IF_ERROR(prefetch_layer_weights(w));
     kc::RopeKvArgs rope;
     rope.qkv = qkv_buf_;
     rope.q_out = q_buf_;
@@ -512,6 +549,10 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
         gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, x_, w.gate_up, t, 2 * c.intermediate_size, h, stream_));
     PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
     PD_RETURN_IF_ERROR(gemm_->run(x_, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size, stream_));
+  }
+  if (prefetch) {  // join the side stream (a capture must end with every forked stream joined)
+    PD_RETURN_IF_ERROR(kc::cuda_status(cudaEventRecord(prefetch_join_, prefetch_stream_), "prefetch join"));
+    PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamWaitEvent(stream_, prefetch_join_, 0), "prefetch join"));
   }
   if (shape.num_sample == 0) return Status::Ok();
   // Final residual add + norm only for the rows that are sampled.

@@ -50,6 +50,17 @@ struct CudaRunnerOptions {
   // take the same time, but whole decode steps measured 0.1-0.4 ms slower at b1 with it in
   // three runs out of three (docs/perf/engine.md, session 4).
   bool decode_merge_in_attention = false;
+  // Decode attention split-K partition in tokens (a multiple of 16 up to 2,048); 0 = the
+  // rule of decode_partition_tokens_for.
+  int32_t decode_partition_tokens = 0;
+  // Decode attention loads K/V with an L2 evict-first hint (AttentionArgs).
+  bool decode_kv_evict_first = false;
+  // L2 prefetch of weights on a side stream: in each layer of a pass of at most
+  // l2_prefetch_max_tokens tokens, once the qkv GEMM is done, the o_proj weights (then the
+  // start of gate_up's, up to l2_prefetch_bytes in all) are brought into L2 while RoPE and
+  // decode attention run, so o_proj reads L2 instead of HBM. 0 = off.
+  size_t l2_prefetch_bytes = 0;
+  int32_t l2_prefetch_max_tokens = 128;
   uint64_t dummy_seed = 0;
 };
 
@@ -126,6 +137,10 @@ class CudaModelRunner final : public ModelRunner {
   Status validate(const StepInput& input) const;
   // Launches the forward pass (through the lm_head) on stream_ for the inputs already in device buffers.
   Status forward(const PassShape& shape, LayerKvHooks* hooks);
+  // Decode attention partition for a pass with num_decode decode rows (options, else the rule).
+  int32_t decode_partition_tokens(int32_t num_decode) const;
+  // Forks the side stream and prefetches layer l's o_proj (then gate_up) weights into L2.
+  Status prefetch_layer_weights(const LayerWeights& w);
   Status run_decode_graph(int32_t bucket, const PassShape& shape);
   // At load: tunes the GEMM plans of every decode bucket (and captures its graph when
   // graphs are on) with a pass of padding rows, then turns GEMM tuning off, so that no
@@ -143,6 +158,11 @@ class CudaModelRunner final : public ModelRunner {
   CudaRunnerOptions options_;
   KvCacheSpec spec_;
   cudaStream_t stream_ = nullptr;
+  // L2 prefetch (CudaRunnerOptions::l2_prefetch_bytes): a side stream forked from stream_
+  // after each layer's qkv GEMM and joined at the end of the pass.
+  cudaStream_t prefetch_stream_ = nullptr;
+  cudaEvent_t prefetch_fork_ = nullptr;
+  cudaEvent_t prefetch_join_ = nullptr;
   std::unique_ptr<kernels::cuda::Gemm> gemm_;
   std::vector<void*> allocations_;
   size_t weight_bytes_ = 0;

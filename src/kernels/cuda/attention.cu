@@ -69,6 +69,19 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
 }
+// Same with an L2 cache policy (createpolicy), e.g. evict-first for data read once.
+__device__ __forceinline__ void cp_async_16_hint(void* smem, const void* gmem, bool valid, uint64_t policy) {
+  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(gmem),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+}
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -988,7 +1001,7 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kBlockTileElems = kKvBlockSize * kStride;  // one K or V block in shared memory
   constexpr int kCopiesPerLane = kKvBlockSize * kChunksPerRow / 32;
-  constexpr int kMaxBlocksPerWarp = kDecodePartitionTokens / kKvBlockSize / kMmaDecodeWarps;
+  constexpr int kMaxBlocksPerWarp = kDecodeMaxPartitionTokens / kKvBlockSize / kMmaDecodeWarps;
   static_assert(kKvBlockSize * kChunksPerRow % 32 == 0, "a block splits evenly over a warp");
   static_assert(kMaxBlocksPerWarp <= 32, "one lane per block id of a warp");
   static_assert(decode_ring_smem_bytes<kHeadDim>() >=
@@ -1034,6 +1047,8 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   const int lane_chunk = lane % kChunksPerRow;
   const int lane_slot = lane / kChunksPerRow;
   constexpr int kSlotsPerCopy = 32 / kChunksPerRow;
+  const bool evict_first = a.decode_kv_evict_first;
+  const uint64_t kv_policy = evict_first ? l2_evict_first_policy() : 0;
   // Issues the copies of this warp's t-th block into ring stage `stage` (warp-uniform t).
   auto copy_block = [&](int t, int stage) {
     const int32_t block = __shfl_sync(0xffffffffu, my_block, t);
@@ -1045,9 +1060,14 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
     for (int c = 0; c < kCopiesPerLane; ++c) {
       const int slot = c * kSlotsPerCopy;  // added to lane_slot
       const bool valid = key0 + lane_slot + slot < part_end;
-      cp_async_16(dst + slot * kStride, src + slot * a.num_kv_heads * kHeadDim, valid);
-      cp_async_16(dst + kBlockTileElems + slot * kStride, src + block_elems / 2 + slot * a.num_kv_heads * kHeadDim,
-                  valid);
+      const bf16* k_src = src + slot * a.num_kv_heads * kHeadDim;
+      if (evict_first) {
+        cp_async_16_hint(dst + slot * kStride, k_src, valid, kv_policy);
+        cp_async_16_hint(dst + kBlockTileElems + slot * kStride, k_src + block_elems / 2, valid, kv_policy);
+      } else {
+        cp_async_16(dst + slot * kStride, k_src, valid);
+        cp_async_16(dst + kBlockTileElems + slot * kStride, k_src + block_elems / 2, valid);
+      }
     }
   };
 #pragma unroll

@@ -1,8 +1,10 @@
 // Memory-bound kernels: embedding/gather, fused residual + RMSNorm, bias,
 // SwiGLU, q/k-norm + RoPE + paged KV write, dummy fill. 16-byte accesses
 // where the row width allows (hidden sizes are multiples of 8 for every
-// supported model; dispatch.cc checks).
+// supported model; dispatch.cc checks). And the L2 prefetch of weights.
 #include <cuda_bf16.h>
+
+#include <algorithm>
 
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
@@ -248,7 +250,28 @@ __global__ void fill_uniform_kernel(bf16* out, size_t n, uint64_t seed, float sc
   }
 }
 
+// Asks the TMA unit to bring [p, p + bytes) into L2 (cp.async.bulk.prefetch, sm_90):
+// one instruction per chunk, nothing waited for, no registers or shared memory held,
+// so the kernel ends at once and its CTAs fit beside whatever else is running.
+__global__ void prefetch_l2_kernel(const char* p, size_t bytes, uint32_t chunk) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x * chunk;
+  for (size_t off = (blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x) * chunk; off < bytes; off += stride) {
+    const uint32_t n = static_cast<uint32_t>(bytes - off < chunk ? bytes - off : chunk);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + off), "r"(n) : "memory");
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_prefetch_l2(const void* p, size_t bytes, cudaStream_t stream) {
+  constexpr uint32_t kChunk = 32u << 10;
+  constexpr int kThreads = 128;
+  const size_t chunks = (bytes + kChunk - 1) / kChunk;
+  if (chunks == 0) return cudaSuccess;
+  const int grid = static_cast<int>(std::min<size_t>(16, (chunks + kThreads - 1) / kThreads));
+  prefetch_l2_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const char*>(p), bytes, kChunk);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_embedding(bf16* out, const bf16* table, const int32_t* ids, int32_t num_rows, int32_t num_table_rows,
                              int32_t hidden, cudaStream_t stream) {

@@ -14,8 +14,11 @@ using bf16 = __nv_bfloat16;
 inline constexpr int32_t kKvBlockSize = 16;
 inline constexpr int32_t kDecodeTokensPerBlock = kKvBlockSize;
 // Decode attention splits each context into partitions of this many tokens
-// by default (AttentionArgs::decode_partition_tokens picks 16..256).
+// by default (AttentionArgs::decode_partition_tokens picks 16..kDecodeMaxPartitionTokens).
 inline constexpr int32_t kDecodePartitionTokens = 256;
+// Largest partition: the ring kernel keeps one block id per lane, so a warp may own at most
+// 32 blocks (4 warps x 32 x 16 tokens).
+inline constexpr int32_t kDecodeMaxPartitionTokens = 2048;
 
 // Per token t of qkv [num_tokens][(num_q_heads + 2*num_kv_heads) * head_dim]:
 // optional per-head RMSNorm of q and k (Qwen3; weights [head_dim], null = off),
@@ -73,9 +76,14 @@ struct AttentionArgs {
   int32_t head_dim = 0;
   int32_t block_size = kKvBlockSize;
   float scale = 0.0f;  // softmax scale, usually 1/sqrt(head_dim)
-  // Decode only: tokens per split-K partition, a multiple of 16 up to 256
-  // (0 = kDecodePartitionTokens). Smaller partitions give small batches more CTAs.
+  // Decode only: tokens per split-K partition, a multiple of 16 up to kDecodeMaxPartitionTokens
+  // (0 = kDecodePartitionTokens). Smaller partitions give small batches more CTAs; larger ones
+  // give each CTA more to stream per fixed start-up and merge cost.
   int32_t decode_partition_tokens = 0;
+  // Decode, kTensorCore only: load K/V with an L2 evict-first hint. Each layer's KV is read
+  // once per step, so it need not displace what is worth keeping in L2 (weights prefetched
+  // by prefetch_l2 for the next GEMM).
+  bool decode_kv_evict_first = false;
   DecodeKernel decode_kernel = DecodeKernel::kTensorCore;
   // Decode, kTensorCore only: when set, the last CTA to finish of each (sequence, kv head)
   // merges the partitions itself, so no reduce kernel runs. At least num_seqs * num_kv_heads

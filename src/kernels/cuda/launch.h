@@ -41,6 +41,8 @@ cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf
 // Whether the decode-path launchers use programmatic dependent launch (pdl.cuh);
 // set through kernels.h's set_programmatic_launch.
 bool programmatic_launch_enabled();
+// p and bytes multiples of 16 (prefetch_l2 checks).
+cudaError_t launch_prefetch_l2(const void* p, size_t bytes, cudaStream_t stream);
 cudaError_t launch_fill_uniform(bf16* out, size_t n, uint64_t seed, float scale, cudaStream_t stream);
 
 }  // namespace pd::kernels::cuda::detail
