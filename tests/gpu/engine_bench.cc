@@ -11,12 +11,11 @@
 // decode rows then show that sum beside the graph replay and execute() times.
 // Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all|none] [--ctx 2048] [--decode-kernel tc|simt]
 //        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1] [--merge-in-attention 0|1]
-//        [--pdl-max-tokens N] [--decode-partition N] [--kv-evict-first 0|1] [--l2-prefetch-mb N]
-//        [--l2-prefetch-max-tokens N]
-// --ops attn: only the decode attention sweep (partition sizes, reduce / merged / evict-first).
+//        [--pdl-max-tokens N] [--decode-partition N] [--kv-evict-first 0|1] [--kv-stages 2|3]
+// --ops attn: only the decode attention sweep (partition sizes; merged, no evict-first, 3 stages).
 // --merge-in-attention 1: decode attention merges its partitions in its last CTA instead of the reduce
 // kernel (CudaRunnerOptions::decode_merge_in_attention; off by default).
-// --pdl-max-tokens N: programmatic dependent launch for passes of up to N tokens (default 4).
+// --pdl-max-tokens N: programmatic dependent launch for passes of up to N tokens (default 256).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -69,12 +68,11 @@ struct Row {
 std::map<int, double> g_kernel_sum_ms;
 // --pdl-max-tokens: CudaRunnerOptions::programmatic_launch_max_tokens (0 = the runner's default).
 int g_pdl_max_tokens = 0;
-// --decode-partition, --kv-evict-first, --l2-prefetch-mb, --l2-prefetch-max-tokens: the
-// CudaRunnerOptions of the same names (-1 = the runner's default).
+// --decode-partition, --kv-evict-first: the CudaRunnerOptions of the same names (-1 = the
+// runner's default).
 int g_decode_partition = -1;
 int g_kv_evict_first = -1;
-int g_l2_prefetch_mb = -1;
-int g_l2_prefetch_max_tokens = -1;
+int g_kv_stages = -1;  // --kv-stages: CudaRunnerOptions::decode_kv_stages
 
 const char* policy_name(kc::GemmPolicy p) {
   return p == kc::GemmPolicy::kAutotune ? "autotune" : p == kc::GemmPolicy::kHeuristic ? "heuristic" : "skinny";
@@ -262,9 +260,9 @@ void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::v
       a.decode_partition_tokens = part;
       const size_t ws_bytes = kc::decode_attention_workspace_bytes(m, hq, d, oc.ctx, part);
       DeviceBuffer<uint8_t> ws(ws_bytes);
-      // Merged by a reduce kernel (what the runner runs), then in the attention kernel's last CTA
-      // per row, then by the reduce kernel with K/V loaded evict-first.
-      for (int variant = 0; variant < 3; ++variant) {
+      // Reduce kernel, K/V evict-first, 2 ring stages; then with the merge in the attention
+      // kernel's last CTA per row, without evict-first, and with 3 ring stages.
+      for (int variant = 0; variant < 4; ++variant) {
         uint32_t* counters = variant == 1 ? merge_counters.get() : nullptr;
         int call = 0;
         const double ms = time_in_graph_ms(
@@ -274,15 +272,18 @@ void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::v
               kc::AttentionArgs args = a;
               args.block_tables = d_table.get() + static_cast<size_t>(first_seq) * blocks_per_seq;
               args.decode_merge_counters = counters;
-              args.decode_kv_evict_first = variant == 2;
+              args.decode_kv_evict_first = variant != 2;
+              args.decode_kv_stages = variant == 3 ? 3 : 2;
               PD_STATUS_CHECK(kc::decode_attention(args, ws.get(), ws_bytes, st));
             },
             kOpsCallsPerGraph);
-        const bool runs = part == runner_part && variant == 0;
+        const bool runs =
+            part == runner_part && variant == (engine::CudaModelRunner::decode_kv_stages_for(m, hkv) == 3 ? 3 : 0);
         row("decode attn part " + std::to_string(part) +
                 (variant == 1   ? " merged"
-                 : variant == 2 ? " +reduce evict-first"
-                                : " +reduce") +
+                 : variant == 2 ? " no evict-first"
+                 : variant == 3 ? " 3 stages"
+                                : "") +
                 (runs ? " (runner)" : ""),
             kv_bytes, ms);
         if (runs) attn_ms = ms;
@@ -364,8 +365,7 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   if (g_pdl_max_tokens > 0) opt.programmatic_launch_max_tokens = g_pdl_max_tokens;
   if (g_decode_partition >= 0) opt.decode_partition_tokens = g_decode_partition;
   if (g_kv_evict_first >= 0) opt.decode_kv_evict_first = g_kv_evict_first != 0;
-  if (g_l2_prefetch_mb >= 0) opt.l2_prefetch_bytes = static_cast<size_t>(g_l2_prefetch_mb) << 20;
-  if (g_l2_prefetch_max_tokens >= 0) opt.l2_prefetch_max_tokens = g_l2_prefetch_max_tokens;
+  if (g_kv_stages > 0) opt.decode_kv_stages = g_kv_stages;
   const auto t0 = std::chrono::steady_clock::now();
   auto created = engine::CudaModelRunner::create(cfg, nullptr, opt);
   PD_STATUS_CHECK(created.status());
@@ -392,10 +392,8 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
                 (pdl ? ", pdl <= " + std::to_string(opt.programmatic_launch_max_tokens) + " tokens" : ", no pdl") +
                 (merge_in_attention ? ", merge in attention" : "") +
                 (opt.decode_partition_tokens > 0 ? ", partition " + std::to_string(opt.decode_partition_tokens) : "") +
-                (opt.decode_kv_evict_first ? ", kv evict-first" : "") +
-                (opt.l2_prefetch_bytes > 0 && b <= opt.l2_prefetch_max_tokens
-                     ? ", L2 prefetch " + std::to_string(opt.l2_prefetch_bytes >> 20) + " MB"
-                     : "")};
+                (opt.decode_kv_evict_first ? "" : ", kv without evict-first") +
+                (opt.decode_kv_stages != 0 ? ", kv stages " + std::to_string(opt.decode_kv_stages) : "")};
     auto graph_ms = runner.time_decode_graph(b, 20);
     PD_STATUS_CHECK(graph_ms.status());
     row.graph_ms = *graph_ms;
@@ -455,8 +453,7 @@ int main(int argc, char** argv) {
     }
     if (std::strcmp(argv[i], "--decode-partition") == 0) g_decode_partition = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--kv-evict-first") == 0) g_kv_evict_first = std::atoi(argv[i + 1]);
-    if (std::strcmp(argv[i], "--l2-prefetch-mb") == 0) g_l2_prefetch_mb = std::atoi(argv[i + 1]);
-    if (std::strcmp(argv[i], "--l2-prefetch-max-tokens") == 0) g_l2_prefetch_max_tokens = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--kv-stages") == 0) g_kv_stages = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--pdl") == 0) pdl = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--merge-in-attention") == 0) merge_in_attention = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--pdl-max-tokens") == 0) g_pdl_max_tokens = std::atoi(argv[i + 1]);

@@ -292,7 +292,7 @@ const char* prefill_kernel_name(kc::PrefillKernel variant) {
 // and compares with cpu::paged_attention.
 void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_heads, const std::vector<SeqSpec>& seqs,
                      int partition_tokens = 0, kc::DecodeKernel variant = kc::DecodeKernel::kTensorCore,
-                     bool kv_evict_first = false) {
+                     bool kv_evict_first = false, int kv_stages = 2) {
   int max_ctx = 1, max_q = 0, total_q = 0, total_blocks = 0;
   for (const auto& s : seqs) {
     max_ctx = std::max(max_ctx, s.ctx);
@@ -339,6 +339,7 @@ void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_head
   a.decode_partition_tokens = partition_tokens;
   a.decode_kernel = variant;
   a.decode_kv_evict_first = kv_evict_first;
+  a.decode_kv_stages = kv_stages;
   std::vector<float> ref(q.size(), 0.0f), scratch(static_cast<size_t>(max_ctx) + 1);
   const size_t row = static_cast<size_t>(num_q_heads) * head_dim;
   for (size_t s = 0; s < seqs.size(); ++s) {
@@ -360,6 +361,7 @@ void check_attention(bool decode, int head_dim, int num_q_heads, int num_kv_head
     shape += ' ';
     shape += decode_kernel_name(variant);
     if (kv_evict_first) shape += " evict-first";
+    if (kv_stages != 2) shape += " " + std::to_string(kv_stages) + " stages";
     const size_t ws = kc::decode_attention_workspace_bytes(a.num_seqs, num_q_heads, head_dim, max_ctx,
                                                            partition_tokens > 0 ? partition_tokens : 256);
     DeviceBuffer<uint8_t> d_ws(ws);
@@ -484,30 +486,6 @@ void check_dispatch_rejects() {
   g_rows.push_back({"dispatch.rejects", "D96 / block 32", e,
                     s.code() == ErrorCode::kUnimplemented && s2.code() == ErrorCode::kUnimplemented,
                     s.ok() ? "accepted!" : s.message()});
-}
-
-// prefetch_l2 only reads: the buffer is unchanged after it (a size that is not a multiple
-// of its 32 KiB chunks, on a stream), and a misaligned address or size is refused.
-void check_prefetch_l2() {
-  const size_t n = (3u << 20) + 40;  // bf16 elements: 6 MiB + 80 bytes
-  std::vector<float> host_f;
-  const auto host = random_bf16(n, 1.0f, rng(), &host_f);
-  DeviceBuffer<bf16> d(n);
-  d.upload(host);
-  cudaStream_t st = nullptr;
-  PD_CUDA_CHECK(cudaStreamCreate(&st));
-  PD_STATUS_CHECK(kc::prefetch_l2(d.get(), n * sizeof(bf16), st));
-  PD_CUDA_CHECK(cudaStreamSynchronize(st));
-  PD_CUDA_CHECK(cudaStreamDestroy(st));
-  const ErrorStats after = compare(to_float(d.download()), host_f);
-  g_rows.push_back({"prefetch_l2", "6 MiB + 80 B, data unchanged", after, after.max_abs == 0.0 && after.num_nan == 0,
-                    "bit for bit"});
-  const Status misaligned = kc::prefetch_l2(d.get() + 1, 1024, nullptr);
-  const Status odd_size = kc::prefetch_l2(d.get(), 1000, nullptr);
-  ErrorStats e;
-  g_rows.push_back({"prefetch_l2.rejects", "address +2 B / size 1000 B", e,
-                    misaligned.code() == ErrorCode::kInvalidArgument && odd_size.code() == ErrorCode::kInvalidArgument,
-                    misaligned.ok() ? "accepted!" : misaligned.message()});
 }
 
 // ---------------------------------------------------------------- timing
@@ -746,7 +724,8 @@ int main(int argc, char** argv) {
   }
   check_attention(true, 128, 32, 8, decode_seqs, 0, pd::kernels::cuda::DecodeKernel::kTensorCore, true);
   check_attention(true, 128, 32, 8, decode_seqs, 1024, pd::kernels::cuda::DecodeKernel::kTensorCore, true);
-  check_prefetch_l2();
+  check_attention(true, 128, 32, 8, decode_seqs, 1024, pd::kernels::cuda::DecodeKernel::kTensorCore, true, 3);
+  check_attention(true, 64, 14, 2, decode_seqs, 128, pd::kernels::cuda::DecodeKernel::kTensorCore, false, 3);
   check_sampling();
 
   int failures = 0;

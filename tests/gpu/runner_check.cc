@@ -48,8 +48,8 @@ struct Seq {
 struct Variant {
   bool merge_in_attention = false;  // split-K merge in decode attention's last CTA
   int32_t decode_partition_tokens = 0;
-  bool kv_evict_first = false;
-  size_t l2_prefetch_bytes = 0;  // L2 prefetch on a side stream, forked and joined in every pass
+  bool kv_evict_first = true;
+  int32_t kv_stages = 0;  // 0 = the runner's rule by batch
 };
 
 int run_check(model::ModelFamily family, int head_dim, bool graphs, Variant variant = {}) {
@@ -76,8 +76,7 @@ int run_check(model::ModelFamily family, int head_dim, bool graphs, Variant vari
   opt.decode_merge_in_attention = variant.merge_in_attention;
   opt.decode_partition_tokens = variant.decode_partition_tokens;
   opt.decode_kv_evict_first = variant.kv_evict_first;
-  opt.l2_prefetch_bytes = variant.l2_prefetch_bytes;
-  opt.l2_prefetch_max_tokens = opt.max_num_batched_tokens;  // the eager mixed steps too
+  opt.decode_kv_stages = variant.kv_stages;
   auto gpu_r = engine::CudaModelRunner::create(cfg, &weights, opt);
   PD_STATUS_CHECK(gpu_r.status());
 
@@ -101,9 +100,9 @@ int run_check(model::ModelFamily family, int head_dim, bool graphs, Variant vari
   };
   for (int i = 0; i < 10; ++i) plan.push_back({{0, 1}, {1, 1}, {2, 1}, {3, 1}});
   plan.push_back({{2, 1}});
-  std::printf("variant: merge in attention %d, partition %d, kv evict-first %d, L2 prefetch %zu bytes\n",
+  std::printf("variant: merge in attention %d, partition %d, kv evict-first %d, kv stages %d\n",
               variant.merge_in_attention ? 1 : 0, variant.decode_partition_tokens, variant.kv_evict_first ? 1 : 0,
-              variant.l2_prefetch_bytes);
+              variant.kv_stages);
   std::printf("%-8s %-5s %-6s %-34s %10s %8s\n", "family", "D", "graphs", "step", "rel_l2", "tokens");
   for (size_t step = 0; step < plan.size(); ++step) {
     engine::StepInput in;
@@ -172,12 +171,11 @@ int main() {
   failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 64, false);
   failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 128, true);
   failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, {.merge_in_attention = true});
-  // Large partitions (contexts here reach ~200 tokens: one partition), K/V evict-first, and
-  // the L2 prefetch side stream (o_proj + part of gate_up), with graphs and eagerly.
-  const pd::gpu_test::Variant prefetching{
-      .decode_partition_tokens = 1024, .kv_evict_first = true, .l2_prefetch_bytes = 1u << 20};
-  failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, prefetching);
-  failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 64, false, prefetching);
+  // The largest partition (one per sequence here), K/V loads without the evict-first hint
+  // (the default has it) and a 3-stage K/V ring, with graphs and eagerly.
+  const pd::gpu_test::Variant one_partition{.decode_partition_tokens = 2048, .kv_evict_first = false, .kv_stages = 3};
+  failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, one_partition);
+  failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 64, false, one_partition);
   std::printf("runner check: %d failing steps\n", failures);
   return failures == 0 ? 0 : 1;
 }

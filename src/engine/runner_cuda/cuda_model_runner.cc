@@ -29,14 +29,28 @@ bool needs_host_sampling(const SeqStep& s) {
 }  // namespace
 
 // Split-K partition of decode attention. Measured on an H200 inside CUDA graphs
-// (docs/perf/engine.md, 2,048-token contexts, 8 kv heads): up to 64 (seq, kv head)
-// rows 128 tokens (b1: 11.3 us vs 12.8 at 64 tokens, 11.1 at 256: fewer partials to
-// merge, two blocks per warp to overlap); above, 256 (b16: 44.0 vs 48.7 us at 128;
-// b64 145 vs 155 us; b128 282 vs 299 us).
+// (docs/perf/engine.md sessions 3 and 5, 2,048-token contexts, 8 kv heads, K/V
+// evict-first): up to 64 (seq, kv head) rows 128 tokens (b1: 8.6 us vs 9.7 at 64
+// tokens, 8.9 at 256: fewer partials to merge, two blocks per warp to overlap); up to
+// 128 rows 1,024 (b16: 39.4 us vs 42.1 at 256, 41.3 at 512: each CTA's fixed start-up
+// and merge amortised over 4x the tokens; 256 CTAs still keep ~16 MB in flight);
+// above, 512 (b64 140.3 us vs 141.4 at 256 and 141.1 at 1,024; b128 273.3 vs 274.0 and
+// 272.7: flat from 256 to 1,024).
 int32_t CudaModelRunner::decode_partition_tokens_for(int32_t num_seqs, int32_t num_kv_heads) {
   const int64_t rows = static_cast<int64_t>(num_seqs) * num_kv_heads;
   if (rows <= 64) return 128;
-  return kc::kDecodePartitionTokens;
+  if (rows <= 128) return 1024;
+  return 512;
+}
+
+// K/V ring depth of decode attention: 3 blocks per warp up to 128 (seq, kv head) rows,
+// where each SM holds only ~2 CTAs (1,024-token partitions) and deeper rings keep more
+// in flight; measured on an H200 (docs/perf/engine.md, session 5), whole Qwen3-8B steps
+// at b16 6.10-6.17 ms with 3 against 6.20-6.30 with 2 in three pairs of runs; b64/b128
+// equal within the spread, so they keep the 70 KiB CTA (3 per SM).
+int32_t CudaModelRunner::decode_kv_stages_for(int32_t num_seqs, int32_t num_kv_heads) {
+  const int64_t rows = static_cast<int64_t>(num_seqs) * num_kv_heads;
+  return rows > 64 && rows <= 128 ? 3 : 2;
 }
 
 Result<std::unique_ptr<CudaModelRunner>> CudaModelRunner::create(model::ModelConfig config,
@@ -55,9 +69,6 @@ CudaModelRunner::~CudaModelRunner() {
   if (h_sampling_ != nullptr) cudaFreeHost(h_sampling_);
   if (h_logprobs_ != nullptr) cudaFreeHost(h_logprobs_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  if (prefetch_stream_ != nullptr) cudaStreamDestroy(prefetch_stream_);
-  if (prefetch_fork_ != nullptr) cudaEventDestroy(prefetch_fork_);
-  if (prefetch_join_ != nullptr) cudaEventDestroy(prefetch_join_);
 }
 
 void* CudaModelRunner::alloc(size_t bytes) {
@@ -92,19 +103,14 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
   }
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
+  if (options_.decode_kv_stages != 0 && options_.decode_kv_stages != 2 && options_.decode_kv_stages != 3) {
+    return invalid_argument("cuda runner: {} decode K/V stages (need 0 = by batch, 2 or 3)", options_.decode_kv_stages);
+  }
   if (options_.decode_partition_tokens != 0 &&
       (options_.decode_partition_tokens % kc::kKvBlockSize != 0 || options_.decode_partition_tokens < 0 ||
        options_.decode_partition_tokens > kc::kDecodeMaxPartitionTokens)) {
     return invalid_argument("cuda runner: decode partition of {} tokens (need a multiple of {} up to {})",
                             options_.decode_partition_tokens, kc::kKvBlockSize, kc::kDecodeMaxPartitionTokens);
-  }
-  if (options_.l2_prefetch_bytes > 0) {
-    PD_RETURN_IF_ERROR(
-        kc::cuda_status(cudaStreamCreateWithFlags(&prefetch_stream_, cudaStreamNonBlocking), "prefetch stream"));
-    PD_RETURN_IF_ERROR(
-        kc::cuda_status(cudaEventCreateWithFlags(&prefetch_fork_, cudaEventDisableTiming), "prefetch event"));
-    PD_RETURN_IF_ERROR(
-        kc::cuda_status(cudaEventCreateWithFlags(&prefetch_join_, cudaEventDisableTiming), "prefetch event"));
   }
   PD_ASSIGN_OR_RETURN(gemm_, kc::Gemm::create(64ull << 20, options_.gemm_policy));
   PD_RETURN_IF_ERROR(upload_weights(host_weights));
@@ -451,20 +457,6 @@ int32_t CudaModelRunner::decode_partition_tokens(int32_t num_decode) const {
   return decode_partition_tokens_for(num_decode, config_.num_kv_heads);
 }
 
-Status CudaModelRunner::prefetch_layer_weights(const LayerWeights& w) {
-  const auto& c = config_;
-  const size_t o_proj_bytes = static_cast<size_t>(c.hidden_size) * c.num_heads * c.head_dim * sizeof(bf16);
-  const size_t gate_up_bytes = static_cast<size_t>(2) * c.intermediate_size * c.hidden_size * sizeof(bf16);
-  const size_t budget = options_.l2_prefetch_bytes / 16 * 16;
-  const size_t first = std::min(o_proj_bytes, budget);
-  const size_t second = std::min(gate_up_bytes, budget - first) / 16 * 16;
-  PD_RETURN_IF_ERROR(kc::cuda_status(cudaEventRecord(prefetch_fork_, stream_), "prefetch fork"));
-  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamWaitEvent(prefetch_stream_, prefetch_fork_, 0), "prefetch fork"));
-  PD_RETURN_IF_ERROR(kc::prefetch_l2(w.o_proj, first, prefetch_stream_));
-  if (second > 0) PD_RETURN_IF_ERROR(kc::prefetch_l2(w.gate_up, second, prefetch_stream_));
-  return Status::Ok();
-}
-
 Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   const auto& c = config_;
   const int32_t t = shape.num_tokens;
@@ -493,6 +485,8 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   dec.max_context_len = shape.max_context;
   dec.decode_partition_tokens = decode_partition_tokens(shape.num_decode);
   dec.decode_kv_evict_first = options_.decode_kv_evict_first;
+  dec.decode_kv_stages =
+      options_.decode_kv_stages > 0 ? options_.decode_kv_stages : decode_kv_stages_for(shape.num_decode, hkv);
   dec.decode_kernel = options_.decode_kernel;
   if (options_.decode_merge_in_attention) dec.decode_merge_counters = decode_merge_counters_;
   kc::AttentionArgs pre = base;
@@ -504,7 +498,6 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   pre.max_query_len = shape.max_prefill_q;
   pre.max_context_len = shape.max_context;
 
-  const bool prefetch = prefetch_stream_ != nullptr && t <= options_.l2_prefetch_max_tokens;
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = layers_[static_cast<size_t>(l)];
     bf16* kv = static_cast<bf16*>(kv_layer_base(l));
@@ -515,7 +508,6 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
     }
     PD_RETURN_IF_ERROR(gemm_->run(qkv_buf_, kc::GemmOut::kBFloat16, x_, w.qkv, t, qkv_width, h, stream_));
     if (w.qkv_bias != nullptr) PD_RETURN_IF_ERROR(kc::add_bias(qkv_buf_, w.qkv_bias, t, qkv_width, stream_));
-    if (prefetch) PD_RETURN_IF_ERROR(prefetch_layer_weights(w));
     kc::RopeKvArgs rope;
     rope.qkv = qkv_buf_;
     rope.q_out = q_buf_;
@@ -549,10 +541,6 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
         gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, x_, w.gate_up, t, 2 * c.intermediate_size, h, stream_));
     PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
     PD_RETURN_IF_ERROR(gemm_->run(x_, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size, stream_));
-  }
-  if (prefetch) {  // join the side stream (a capture must end with every forked stream joined)
-    PD_RETURN_IF_ERROR(kc::cuda_status(cudaEventRecord(prefetch_join_, prefetch_stream_), "prefetch join"));
-    PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamWaitEvent(stream_, prefetch_join_, 0), "prefetch join"));
   }
   if (shape.num_sample == 0) return Status::Ok();
   // Final residual add + norm only for the rows that are sampled.

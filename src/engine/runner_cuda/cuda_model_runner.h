@@ -39,12 +39,12 @@ struct CudaRunnerOptions {
   kernels::cuda::GemmPolicy gemm_policy = kernels::cuda::GemmPolicy::kAutotune;
   // Programmatic dependent launch for the decode-path kernels (kernels.h) in passes of
   // at most programmatic_launch_max_tokens tokens; set process-wide at each forward pass.
-  // Measured on an H200, Qwen3-8B decode graph replay (docs/perf/engine.md, session 3):
-  // b1 4.63 ms with vs 4.91 without; b16 6.67 vs 6.34 ms (worse), b64 equal, b128 worse.
-  // b2..b4 are not measured; they are included because, like b1, their GEMMs are mostly
-  // the skinny kernels (pdl.cuh waits).
+  // Measured on an H200, Qwen3-8B decode (docs/perf/engine.md): session 3, b1 4.63 ms with
+  // vs 4.91 without, but b16 6.67 vs 6.34 (worse). Session 5, after the skinny GEMMs,
+  // norms and RoPE began loading weights before their wait and the M = 16 ring GEMM:
+  // b16 6.14 with vs 6.28-6.34 without, b64 9.76 vs 9.80, b128 14.69 vs 14.75-14.78.
   bool programmatic_launch = true;
-  int32_t programmatic_launch_max_tokens = 4;
+  int32_t programmatic_launch_max_tokens = 256;
   // Decode attention merges its split-K partitions in its last CTA per (sequence, kv head)
   // instead of a second (reduce) kernel; kTensorCore only. Off by default: alone the two
   // take the same time, but whole decode steps measured 0.1-0.4 ms slower at b1 with it in
@@ -53,14 +53,13 @@ struct CudaRunnerOptions {
   // Decode attention split-K partition in tokens (a multiple of 16 up to 2,048); 0 = the
   // rule of decode_partition_tokens_for.
   int32_t decode_partition_tokens = 0;
-  // Decode attention loads K/V with an L2 evict-first hint (AttentionArgs).
-  bool decode_kv_evict_first = false;
-  // L2 prefetch of weights on a side stream: in each layer of a pass of at most
-  // l2_prefetch_max_tokens tokens, once the qkv GEMM is done, the o_proj weights (then the
-  // start of gate_up's, up to l2_prefetch_bytes in all) are brought into L2 while RoPE and
-  // decode attention run, so o_proj reads L2 instead of HBM. 0 = off.
-  size_t l2_prefetch_bytes = 0;
-  int32_t l2_prefetch_max_tokens = 128;
+  // Decode attention loads K/V with an L2 evict-first hint (AttentionArgs). Measured on an
+  // H200 (docs/perf/engine.md, session 5): attention 1-4 % faster at b16-b128, whole
+  // steps b64/b128 1.5-2 % faster, b1/b16 equal.
+  bool decode_kv_evict_first = true;
+  // Decode attention: 16-token K/V blocks each warp keeps in flight (AttentionArgs, 2 or
+  // 3); 0 = the rule of decode_kv_stages_for.
+  int32_t decode_kv_stages = 0;
   uint64_t dummy_seed = 0;
 };
 
@@ -104,6 +103,7 @@ class CudaModelRunner final : public ModelRunner {
   Result<float> time_decode_graph(int32_t num_seqs, int reps);
   // Tokens per split-K partition of decode attention for a batch (public so benchmarks time what the runner runs).
   static int32_t decode_partition_tokens_for(int32_t num_seqs, int32_t num_kv_heads);
+  static int32_t decode_kv_stages_for(int32_t num_seqs, int32_t num_kv_heads);
 
  private:
   struct LayerWeights {
@@ -139,8 +139,6 @@ class CudaModelRunner final : public ModelRunner {
   Status forward(const PassShape& shape, LayerKvHooks* hooks);
   // Decode attention partition for a pass with num_decode decode rows (options, else the rule).
   int32_t decode_partition_tokens(int32_t num_decode) const;
-  // Forks the side stream and prefetches layer l's o_proj (then gate_up) weights into L2.
-  Status prefetch_layer_weights(const LayerWeights& w);
   Status run_decode_graph(int32_t bucket, const PassShape& shape);
   // At load: tunes the GEMM plans of every decode bucket (and captures its graph when
   // graphs are on) with a pass of padding rows, then turns GEMM tuning off, so that no
@@ -158,11 +156,6 @@ class CudaModelRunner final : public ModelRunner {
   CudaRunnerOptions options_;
   KvCacheSpec spec_;
   cudaStream_t stream_ = nullptr;
-  // L2 prefetch (CudaRunnerOptions::l2_prefetch_bytes): a side stream forked from stream_
-  // after each layer's qkv GEMM and joined at the end of the pass.
-  cudaStream_t prefetch_stream_ = nullptr;
-  cudaEvent_t prefetch_fork_ = nullptr;
-  cudaEvent_t prefetch_join_ = nullptr;
   std::unique_ptr<kernels::cuda::Gemm> gemm_;
   std::vector<void*> allocations_;
   size_t weight_bytes_ = 0;

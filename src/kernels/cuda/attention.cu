@@ -19,10 +19,10 @@
 // without counters, and for the older variants, a second kernel does).
 #include <cuda_bf16.h>
 
-#include <atomic>
 #include <cfloat>
 #include <cstdint>
 
+#include "kernels/cuda/async_copy.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -62,60 +62,11 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "memory");
 }
 
-// cp.async: 16 bytes global -> shared without passing through registers;
-// src_bytes 0 zero-fills the destination (keys past the context).
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
-}
-// Same with an L2 cache policy (createpolicy), e.g. evict-first for data read once.
-__device__ __forceinline__ void cp_async_16_hint(void* smem, const void* gmem, bool valid, uint64_t policy) {
-  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(gmem),
-               "r"(src_bytes), "l"(policy)
-               : "memory");
-}
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Waits until at most kPending of this thread's committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  cp_async_commit();
-  cp_async_wait<0>();
-}
-
 // 2^x on the SFU; exp2(-inf) = +0, which the masked scores rely on.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-// Opts kKernel into `bytes` (> 48 KiB) of dynamic shared memory, once per
-// device (the setting lives in the device's context); later launches, such as
-// those recorded while a decode graph is captured, skip the call.
-template <auto kKernel>
-cudaError_t opt_in_dynamic_smem(int bytes) {
-  static std::atomic<uint64_t> configured_devices{0};  // bit d: done on device d
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit != 0 && (configured_devices.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess) configured_devices.fetch_or(bit, std::memory_order_release);
-  return err;
 }
 
 constexpr int kPrefillRows = 64;  // query rows per CTA
@@ -788,7 +739,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 constexpr int kMmaDecodeKeys = 64;
 constexpr int kMmaDecodeWarps = 4;
 constexpr int kMmaDecodeMaxRows = 8;  // group bucket: only A rows 0..7 carry heads
-constexpr int kDecodeRingStages = 2;
 
 // Q fragment of the GQA group: A row g < group is q head kv_head * group + g.
 template <int kHeadDim>
@@ -986,13 +936,13 @@ __device__ __forceinline__ void decode_write_zero_rows(const AttentionArgs& a, i
   for (int idx = threadIdx.x; idx < group * kHeadDim; idx += blockDim.x) out[idx] = __float2bfloat16(0.0f);
 }
 
-template <int kHeadDim>
+template <int kHeadDim, int kDecodeRingStages>
 constexpr int decode_ring_smem_bytes() {
   return kMmaDecodeWarps * kDecodeRingStages * 2 * kKvBlockSize * (kHeadDim + kSmemPad) *
          static_cast<int>(sizeof(bf16));
 }
 
-template <int kHeadDim>
+template <int kHeadDim, int kDecodeRingStages>
 __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
     decode_attention_mma_ring_kernel(AttentionArgs a, float* __restrict__ part_lse, float* __restrict__ part_out,
                                      int32_t num_partitions) {
@@ -1004,7 +954,7 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   constexpr int kMaxBlocksPerWarp = kDecodeMaxPartitionTokens / kKvBlockSize / kMmaDecodeWarps;
   static_assert(kKvBlockSize * kChunksPerRow % 32 == 0, "a block splits evenly over a warp");
   static_assert(kMaxBlocksPerWarp <= 32, "one lane per block id of a warp");
-  static_assert(decode_ring_smem_bytes<kHeadDim>() >=
+  static_assert(decode_ring_smem_bytes<kHeadDim, kDecodeRingStages>() >=
                     static_cast<int>(sizeof(float)) * kMmaDecodeWarps * kMmaDecodeMaxRows * kHeadDim,
                 "o_s must fit in the rings");
   extern __shared__ __align__(16) unsigned char decode_ring_smem[];
@@ -1216,6 +1166,16 @@ cudaError_t launch_decode_t(const AttentionArgs& args, float* workspace, int32_t
   return cudaGetLastError();
 }
 
+template <int kHeadDim, int kStages>
+cudaError_t launch_decode_ring(const AttentionArgs& args, dim3 grid, float* lse, float* out, int32_t num_partitions,
+                               cudaStream_t stream) {
+  constexpr int kSmemBytes = decode_ring_smem_bytes<kHeadDim, kStages>();  // > 48 KiB for D128: needs the opt-in
+  const cudaError_t attr = opt_in_dynamic_smem<decode_attention_mma_ring_kernel<kHeadDim, kStages>>(kSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  return launch_dependent(decode_attention_mma_ring_kernel<kHeadDim, kStages>, grid, dim3(kMmaDecodeWarps * 32),
+                          static_cast<size_t>(kSmemBytes), stream, args, lse, out, num_partitions);
+}
+
 template <int kHeadDim>
 cudaError_t launch_decode_mma(const AttentionArgs& args, float* workspace, int32_t num_partitions,
                               cudaStream_t stream) {
@@ -1223,11 +1183,9 @@ cudaError_t launch_decode_mma(const AttentionArgs& args, float* workspace, int32
   float* out = decode_partial_outputs(workspace, args, num_partitions);
   const dim3 grid(num_partitions, args.num_kv_heads, args.num_seqs);
   if (args.decode_kernel == DecodeKernel::kTensorCore) {
-    constexpr int kSmemBytes = decode_ring_smem_bytes<kHeadDim>();  // > 48 KiB for D128: needs the opt-in
-    cudaError_t attr = opt_in_dynamic_smem<decode_attention_mma_ring_kernel<kHeadDim>>(kSmemBytes);
-    if (attr != cudaSuccess) return attr;
-    attr = launch_dependent(decode_attention_mma_ring_kernel<kHeadDim>, grid, dim3(kMmaDecodeWarps * 32),
-                            static_cast<size_t>(kSmemBytes), stream, args, lse, out, num_partitions);
+    const cudaError_t attr = args.decode_kv_stages == 3
+                                 ? launch_decode_ring<kHeadDim, 3>(args, grid, lse, out, num_partitions, stream)
+                                 : launch_decode_ring<kHeadDim, 2>(args, grid, lse, out, num_partitions, stream);
     if (attr != cudaSuccess || args.decode_merge_counters != nullptr) return attr;  // merged in place
   } else {
     decode_attention_mma_kernel<kHeadDim><<<grid, kMmaDecodeWarps * 32, 0, stream>>>(args, lse, out, num_partitions);

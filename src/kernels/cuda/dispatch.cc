@@ -145,6 +145,9 @@ Status decode_attention(const AttentionArgs& args_in, void* workspace, size_t wo
     return unimplemented("decode_attention: partition of {} tokens (need a multiple of {} up to {})",
                          args.decode_partition_tokens, kKvBlockSize, kDecodeMaxPartitionTokens);
   }
+  if (args.decode_kv_stages != 2 && args.decode_kv_stages != 3) {
+    return unimplemented("decode_attention: {} K/V ring stages (supported: 2, 3)", args.decode_kv_stages);
+  }
   const size_t need = decode_attention_workspace_bytes(args.num_seqs, args.num_q_heads, args.head_dim,
                                                        args.max_context_len, args.decode_partition_tokens);
   if (workspace_bytes < need) {
@@ -162,14 +165,6 @@ Status sample_rows(float* logits, int32_t num_rows, int32_t vocab, const RowSamp
   return cuda_status(
       detail::launch_sample_rows(logits, num_rows, vocab, params, suppressed_ids, tokens, logprobs, stream),
       "sample_rows launch");
-}
-
-Status prefetch_l2(const void* p, size_t bytes, cudaStream_t stream) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0 || bytes % 16 != 0) {
-    return invalid_argument("prefetch_l2: address {:#x} and size {} must be multiples of 16",
-                            reinterpret_cast<uintptr_t>(p), bytes);
-  }
-  return cuda_status(detail::launch_prefetch_l2(p, bytes, stream), "prefetch_l2 launch");
 }
 
 Status fill_uniform(bf16* out, size_t n, uint64_t seed, float scale, cudaStream_t stream) {

@@ -1,10 +1,8 @@
 // Memory-bound kernels: embedding/gather, fused residual + RMSNorm, bias,
 // SwiGLU, q/k-norm + RoPE + paged KV write, dummy fill. 16-byte accesses
 // where the row width allows (hidden sizes are multiples of 8 for every
-// supported model; dispatch.cc checks). And the L2 prefetch of weights.
+// supported model; dispatch.cc checks).
 #include <cuda_bf16.h>
-
-#include <algorithm>
 
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
@@ -67,21 +65,27 @@ constexpr int kNormMaxVecPerThread = 8;  // 256 * 8 * 8 = 16384 elements
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_kernel(bf16* out, const bf16* x, bf16* residual, const bf16* __restrict__ weight, int32_t hidden,
                    float eps) {
-  wait_for_prior_grids();  // pdl.cuh: before any global access
-  allow_dependents();
   const int64_t row = blockIdx.x;
   const int num_vec = hidden / kVec;
   const auto* xv = reinterpret_cast<const Bf16x8*>(x + row * hidden);
   auto* rv = residual ? reinterpret_cast<Bf16x8*>(residual + row * hidden) : nullptr;
   const auto* wv = reinterpret_cast<const Bf16x8*>(weight);
+  // The weight row is loaded before the PDL wait (pdl.cuh: weights are not written
+  // during a step), not after the reduction: its latency overlaps the previous kernel.
+  Bf16x8 weights[kNormMaxVecPerThread];
+#pragma unroll
+  for (int k = 0; k < kNormMaxVecPerThread; ++k) {
+    const int i = threadIdx.x + k * kNormThreads;
+    if (i < num_vec) weights[k] = wv[i];
+  }
+  wait_for_prior_grids();  // pdl.cuh: before reading x and the residual
+  allow_dependents();
   float vals[kNormMaxVecPerThread][kVec];
-  Bf16x8 weights[kNormMaxVecPerThread];  // loaded with the row, not after the reduction: one memory latency less
   float sum_sq = 0.0f;
 #pragma unroll
   for (int k = 0; k < kNormMaxVecPerThread; ++k) {
     const int i = threadIdx.x + k * kNormThreads;
     if (i < num_vec) {
-      weights[k] = wv[i];
       to_float8(xv[i], vals[k]);
       if (rv) {
         float r[kVec];
@@ -162,8 +166,6 @@ constexpr int kRopeWarps = 8;
 
 template <int kHeadDim>
 __global__ void __launch_bounds__(kRopeWarps * 32) rope_kv_kernel(RopeKvArgs a) {
-  wait_for_prior_grids();  // pdl.cuh: before any global access
-  allow_dependents();
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kPairs = kHalf / 32;  // pairs per lane: 1 (D=64) or 2 (D=128)
   const int t = blockIdx.x;
@@ -176,20 +178,28 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_kv_kernel(RopeKvArgs a) 
   const bool is_q = head < a.num_q_heads;
   const bool is_k = !is_q && head < a.num_q_heads + a.num_kv_heads;
   const bf16* norm_w = is_q ? a.q_norm_weight : is_k ? a.k_norm_weight : nullptr;
-  // Every load that does not depend on another is issued here, together, so the kernel
-  // waits for memory once rather than once per step (it is latency-bound at decode).
+  // Every load that does not depend on another is issued together, so the kernel waits
+  // for memory once rather than once per step (it is latency-bound at decode). What no
+  // kernel of the step writes (weights, inv_freq, the step's positions and slots) is
+  // read before the PDL wait (pdl.cuh), so its latency overlaps the qkv GEMM's tail.
   float lo[kPairs], hi[kPairs], norm_lo[kPairs], norm_hi[kPairs], freq[kPairs];
 #pragma unroll
   for (int p = 0; p < kPairs; ++p) {
     const int i = lane * kPairs + p;
-    lo[p] = __bfloat162float(src[i]);
-    hi[p] = __bfloat162float(src[i + kHalf]);
     norm_lo[p] = norm_w != nullptr ? __bfloat162float(norm_w[i]) : 1.0f;
     norm_hi[p] = norm_w != nullptr ? __bfloat162float(norm_w[i + kHalf]) : 1.0f;
     freq[p] = a.inv_freq[i];
   }
   const float pos = static_cast<float>(a.positions[t]);
   const int slot = is_q ? 0 : a.slot_mapping[t];
+  wait_for_prior_grids();  // pdl.cuh: before reading qkv
+  allow_dependents();
+#pragma unroll
+  for (int p = 0; p < kPairs; ++p) {
+    const int i = lane * kPairs + p;
+    lo[p] = __bfloat162float(src[i]);
+    hi[p] = __bfloat162float(src[i + kHalf]);
+  }
   if (is_q || is_k) {
     if (norm_w != nullptr) {
       float ss = 0.0f;
@@ -250,28 +260,7 @@ __global__ void fill_uniform_kernel(bf16* out, size_t n, uint64_t seed, float sc
   }
 }
 
-// Asks the TMA unit to bring [p, p + bytes) into L2 (cp.async.bulk.prefetch, sm_90):
-// one instruction per chunk, nothing waited for, no registers or shared memory held,
-// so the kernel ends at once and its CTAs fit beside whatever else is running.
-__global__ void prefetch_l2_kernel(const char* p, size_t bytes, uint32_t chunk) {
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x * chunk;
-  for (size_t off = (blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x) * chunk; off < bytes; off += stride) {
-    const uint32_t n = static_cast<uint32_t>(bytes - off < chunk ? bytes - off : chunk);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + off), "r"(n) : "memory");
-  }
-}
-
 }  // namespace
-
-cudaError_t launch_prefetch_l2(const void* p, size_t bytes, cudaStream_t stream) {
-  constexpr uint32_t kChunk = 32u << 10;
-  constexpr int kThreads = 128;
-  const size_t chunks = (bytes + kChunk - 1) / kChunk;
-  if (chunks == 0) return cudaSuccess;
-  const int grid = static_cast<int>(std::min<size_t>(16, (chunks + kThreads - 1) / kThreads));
-  prefetch_l2_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const char*>(p), bytes, kChunk);
-  return cudaGetLastError();
-}
 
 cudaError_t launch_embedding(bf16* out, const bf16* table, const int32_t* ids, int32_t num_rows, int32_t num_table_rows,
                              int32_t hidden, cudaStream_t stream) {

@@ -81,9 +81,12 @@ struct AttentionArgs {
   // give each CTA more to stream per fixed start-up and merge cost.
   int32_t decode_partition_tokens = 0;
   // Decode, kTensorCore only: load K/V with an L2 evict-first hint. Each layer's KV is read
-  // once per step, so it need not displace what is worth keeping in L2 (weights prefetched
-  // by prefetch_l2 for the next GEMM).
+  // once per step, so it should not displace what is read again soon (the split-K partials
+  // the reduce kernel reads next).
   bool decode_kv_evict_first = false;
+  // Decode, kTensorCore only: 16-token blocks each warp keeps in its cp.async ring (2 or 3;
+  // 3 takes 104 KiB of shared memory per CTA instead of 70 for head_dim 128).
+  int32_t decode_kv_stages = 2;
   DecodeKernel decode_kernel = DecodeKernel::kTensorCore;
   // Decode, kTensorCore only: when set, the last CTA to finish of each (sequence, kv head)
   // merges the partitions itself, so no reduce kernel runs. At least num_seqs * num_kv_heads

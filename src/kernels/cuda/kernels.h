@@ -73,12 +73,6 @@ Status sample_rows(float* logits, int32_t num_rows, int32_t vocab, const RowSamp
 // touching memory. Process-wide (one runner per process); off by default.
 void set_programmatic_launch(bool enabled);
 
-// Starts bringing [p, p + bytes) into L2 and returns (a hint: nothing waits for it, and
-// nothing is written). For weights the next GEMM will read, issued on a side stream while
-// a kernel that leaves HBM idle runs (decode attention at small batch). p and bytes must
-// be multiples of 16.
-Status prefetch_l2(const void* p, size_t bytes, cudaStream_t stream);
-
 // Fills n bf16 values with a counter-based hash of (seed, index), uniform in
 // [-scale, scale): dummy weights and random test data without host traffic.
 Status fill_uniform(bf16* out, size_t n, uint64_t seed, float scale, cudaStream_t stream);

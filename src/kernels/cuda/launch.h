@@ -32,17 +32,16 @@ cudaError_t launch_sample_rows(float* logits, int32_t num_rows, int32_t vocab, c
 // Skinny GEMM (skinny_gemm.cu): out[m][n] = a[m][k] * w[n][k]^T for 1 <= m <= skinny_gemm_max_m(variant),
 // n % 8 == 0, k % 8 == 0, a and w 16-byte aligned (Gemm checks), fp32 accumulate, bf16 or fp32 out.
 // Variants 0..3 (tensor cores): bit 0 interleaves the warps' K chunks; 2, 3 keep 8 chunks in
-// flight (m <= 8). Variant 4: CUDA-core GEMV, one row per warp load (m <= 4).
+// flight (m <= 8). Variant 4: CUDA-core GEMV, one row per warp load (m <= 4). Variants 5
+// (m <= 16) and 6 (m <= 8): tensor cores fed by a cp.async ring in shared memory.
 inline constexpr int32_t kSkinnyGemmMaxM = 16;
-inline constexpr int32_t kNumSkinnyGemmVariants = 5;
+inline constexpr int32_t kNumSkinnyGemmVariants = 7;
 int32_t skinny_gemm_max_m(int32_t variant);  // 0 for an unknown variant
 cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf16* w, int32_t m, int32_t n, int32_t k,
                                int32_t variant, cudaStream_t stream);
 // Whether the decode-path launchers use programmatic dependent launch (pdl.cuh);
 // set through kernels.h's set_programmatic_launch.
 bool programmatic_launch_enabled();
-// p and bytes multiples of 16 (prefetch_l2 checks).
-cudaError_t launch_prefetch_l2(const void* p, size_t bytes, cudaStream_t stream);
 cudaError_t launch_fill_uniform(bf16* out, size_t n, uint64_t seed, float scale, cudaStream_t stream);
 
 }  // namespace pd::kernels::cuda::detail

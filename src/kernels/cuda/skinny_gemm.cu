@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/async_copy.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -53,6 +54,42 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Sums the 8 warps' partial C tiles (two n8 tiles of columns n0..n0 + 15) of a skinny
+// CTA and stores rows < m, columns < n. Every thread of the CTA calls it.
+template <bool kOutFp32>
+__device__ __forceinline__ void skinny_reduce_and_store(const float (&acc0)[4], const float (&acc1)[4], void* out,
+                                                        int m, int n, int n0) {
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  // [warp][tile][fragment element][lane].
+  __shared__ float partial[kSkinnyWarps][2][4][32];
+  __syncthreads();  // a previous call's readers are done with `partial`
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    partial[warp][0][i][lane] = acc0[i];
+    partial[warp][1][i][lane] = acc1[i];
+  }
+  __syncthreads();
+  // One thread per (tile, fragment element, lane): 2 x 4 x 32 = kSkinnyThreads.
+  const int tile = threadIdx.x >> 7;
+  const int elem = (threadIdx.x >> 5) & 3;
+  const int src_lane = threadIdx.x & 31;
+  float sum = 0.0f;
+#pragma unroll
+  for (int wp = 0; wp < kSkinnyWarps; ++wp) sum += partial[wp][tile][elem][src_lane];
+  // mma C fragment: elements 0,1 are row g, 2,3 row g + 8; column 2 t4 + (elem & 1).
+  const int row = (src_lane >> 2) + (elem >= 2 ? 8 : 0);
+  const int col = n0 + tile * 8 + (src_lane & 3) * 2 + (elem & 1);
+  if (row < m && col < n) {
+    const int64_t idx = static_cast<int64_t>(row) * n + col;
+    if constexpr (kOutFp32) {
+      static_cast<float*>(out)[idx] = sum;
+    } else {
+      static_cast<bf16*>(out)[idx] = __float2bfloat16(sum);
+    }
+  }
+}
+
 // Precondition (checked by the caller): 1 <= m <= (kHighRows ? 16 : 8), n % 8 == 0, k % 8 == 0.
 // The minimum of CTAs per SM caps registers at what keeping every load of an
 // iteration in flight needs (ptxas otherwise trades loads in flight for occupancy).
@@ -60,8 +97,6 @@ template <bool kOutFp32, int kUnroll, bool kHighRows>
 __global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
     skinny_gemm_kernel(void* __restrict__ out, const bf16* __restrict__ a, const bf16* __restrict__ w, int m, int n,
                        int k, bool interleave_k) {
-  wait_for_prior_grids();  // pdl.cuh: before any global access
-  allow_dependents();
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;  // w row within an n8 tile; activation row (and row + 8)
@@ -93,14 +128,29 @@ __global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
   float acc0[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   float acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int c = chunk_first; c < chunk_end; c += chunk_step) {
-    uint4 wv0[kUnroll], wv1[kUnroll], av_lo[kUnroll], av_hi[kUnroll];
+  uint4 wv0[kUnroll], wv1[kUnroll];
+  auto load_weight_chunks = [&](int c) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int k_off = (c + u) * kSkinnyKChunk;
       const bool valid = c + u < chunk_end && k_off + t4 * 8 < k;
       wv0[u] = valid ? load_weights_16(w0 + k_off) : zero;
       wv1[u] = valid && has_tile1 ? load_weights_16(w1 + k_off) : zero;
+    }
+  };
+  // The first iteration's weight loads go out before the PDL wait (pdl.cuh: nothing in a
+  // step writes weights), so they overlap the previous kernel's tail instead of starting
+  // the HBM pipeline from empty once it has finished.
+  if (chunk_first < chunk_end) load_weight_chunks(chunk_first);
+  wait_for_prior_grids();  // pdl.cuh: before reading the activations
+  allow_dependents();
+  for (int c = chunk_first; c < chunk_end; c += chunk_step) {
+    uint4 av_lo[kUnroll], av_hi[kUnroll];
+    if (c != chunk_first) load_weight_chunks(c);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k_off = (c + u) * kSkinnyKChunk;
+      const bool valid = c + u < chunk_end && k_off + t4 * 8 < k;
       av_lo[u] = valid && row_lo ? __ldg(reinterpret_cast<const uint4*>(a_lo + k_off)) : zero;
       av_hi[u] = kHighRows && valid && row_hi ? __ldg(reinterpret_cast<const uint4*>(a_hi + k_off)) : zero;
     }
@@ -113,32 +163,139 @@ __global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
     }
   }
 
-  // Sum the warps' partial tiles: [warp][tile][fragment element][lane].
-  __shared__ float partial[kSkinnyWarps][2][4][32];
+  skinny_reduce_and_store<kOutFp32>(acc0, acc1, out, m, n, n0);
+}
+
+// Variants 5 and 6: the same CTA shape and k permutation as skinny_gemm_kernel, but
+// each lane streams its chunks through a ring of shared memory with cp.async
+// instead of registers, so several chunks per lane stay in flight at any M
+// without register pressure (the register variants keep 4 in flight at M = 16
+// and drain to zero between iterations). Lane l copies exactly the 16-byte
+// pieces it later reads (w rows g, g + 8, ..., activation rows g and g + 8, k
+// piece t4 of the chunk), so a lane only waits for its own copies: no barrier
+// inside the loop. The first stages' weight copies are issued before the PDL
+// wait (pdl.cuh: weights are not written during a step). Variant 5: m <= 16;
+// variant 6: m <= 8 (no activation rows 8..15: more stages in the same memory).
+// Measured (docs/perf/engine.md, session 5): at M = 16 it wins o_proj (10.8 us vs
+// 13.4 for cuBLASLt, weights rotated through HBM) but not the wide or long shapes
+// (gate_up 60.7 vs 49.3, down 35.0 vs 28.5). A 32-column version (half the activation
+// reads per weight byte, activations through L1) was slower everywhere and was removed.
+constexpr int kRingColTiles = 2;  // 16 columns per CTA, as skinny_gemm_kernel
+
+template <bool kHighRows>
+struct RingShape {
+  static constexpr int kPieces = kRingColTiles + (kHighRows ? 2 : 1);  // per lane per stage
+  // As many stages as keep a CTA at <= 100 KiB of ring (two CTAs per SM).
+  static constexpr int kStages = 100 * 1024 / (kSkinnyWarps * kPieces * 32 * 16);
+  static constexpr int kSmemBytes = kSkinnyWarps * kStages * kPieces * 32 * 16;
+  static constexpr int kCols = kRingColTiles * 8;
+};
+
+template <bool kOutFp32, bool kHighRows>
+__global__ void __launch_bounds__(kSkinnyThreads, 2)
+    skinny_ring_gemm_kernel(void* __restrict__ out, const bf16* __restrict__ a, const bf16* __restrict__ w, int m,
+                            int n, int k) {
+  using Shape = RingShape<kHighRows>;
+  constexpr int kStages = Shape::kStages;
+  constexpr int kPieces = Shape::kPieces;
+  extern __shared__ uint4 ring_smem[];  // [warp][stage][piece][lane]
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t4 = lane & 3;
+  const int n0 = blockIdx.x * Shape::kCols;
+
+  // Each warp owns one contiguous slice of the k chunks.
+  const int num_chunks = (k + kSkinnyKChunk - 1) / kSkinnyKChunk;
+  const int chunks_per_warp = (num_chunks + kSkinnyWarps - 1) / kSkinnyWarps;
+  const int chunk_first = warp * chunks_per_warp;
+  const int my_chunks = max(0, min(num_chunks, chunk_first + chunks_per_warp) - chunk_first);
+
+  const bf16* w_rows[kRingColTiles];
+  bool has_tile[kRingColTiles];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    partial[warp][0][i][lane] = acc0[i];
-    partial[warp][1][i][lane] = acc1[i];
+  for (int t = 0; t < kRingColTiles; ++t) {
+    has_tile[t] = n0 + 8 * t < n;  // n % 8 == 0: a tile is all in or all out
+    w_rows[t] = w + static_cast<int64_t>(has_tile[t] ? n0 + 8 * t + g : n0 + g) * k + t4 * 8;
   }
-  __syncthreads();
-  // One thread per (tile, fragment element, lane): 2 x 4 x 32 = kSkinnyThreads.
-  const int tile = threadIdx.x >> 7;
-  const int elem = (threadIdx.x >> 5) & 3;
-  const int src_lane = threadIdx.x & 31;
-  float sum = 0.0f;
+  const bool row_lo = g < m;
+  const bool row_hi = kHighRows && g + 8 < m;
+  const bf16* a_lo = a + static_cast<int64_t>(row_lo ? g : 0) * k + t4 * 8;
+  const bf16* a_hi = a + static_cast<int64_t>(row_hi ? g + 8 : 0) * k + t4 * 8;
+  uint4* const ring = ring_smem + warp * kStages * kPieces * 32 + lane;
+  auto piece = [&](int stage, int p) { return ring + (stage * kPieces + p) * 32; };
+
+  // i: this warp's i-th chunk; an i past the slice (or k past the end) copies zeros.
+  auto chunk_offset = [&](int i, bool& valid) {
+    const int k_off = (chunk_first + i) * kSkinnyKChunk;
+    valid = i < my_chunks && k_off + t4 * 8 < k;
+    return valid ? k_off : 0;
+  };
+  auto copy_weights = [&](int i) {
+    bool valid;
+    const int k_off = chunk_offset(i, valid);
+    const int stage = i % kStages;
 #pragma unroll
-  for (int wp = 0; wp < kSkinnyWarps; ++wp) sum += partial[wp][tile][elem][src_lane];
-  // mma C fragment: elements 0,1 are row g, 2,3 row g + 8; column 2 t4 + (elem & 1).
-  const int row = (src_lane >> 2) + (elem >= 2 ? 8 : 0);
-  const int col = n0 + tile * 8 + (src_lane & 3) * 2 + (elem & 1);
-  if (row < m && col < n) {
-    const int64_t idx = static_cast<int64_t>(row) * n + col;
-    if constexpr (kOutFp32) {
-      static_cast<float*>(out)[idx] = sum;
-    } else {
-      static_cast<bf16*>(out)[idx] = __float2bfloat16(sum);
+    for (int t = 0; t < kRingColTiles; ++t) cp_async_16(piece(stage, t), w_rows[t] + k_off, valid && has_tile[t]);
+  };
+  auto copy_activations = [&](int i) {
+    bool valid;
+    const int k_off = chunk_offset(i, valid);
+    const int stage = i % kStages;
+    cp_async_16(piece(stage, kRingColTiles), a_lo + k_off, valid && row_lo);
+    if constexpr (kHighRows) cp_async_16(piece(stage, kRingColTiles + 1), a_hi + k_off, valid && row_hi);
+  };
+
+#pragma unroll
+  for (int i = 0; i < kStages; ++i) copy_weights(i);
+  wait_for_prior_grids();  // pdl.cuh: before reading the activations
+  allow_dependents();
+#pragma unroll
+  for (int i = 0; i < kStages; ++i) {
+    copy_activations(i);
+    cp_async_commit();  // group i: stage i (group 0 also holds every early weight copy)
+  }
+
+  float acc[kRingColTiles][4] = {};
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int i = 0; i < my_chunks; ++i) {
+    cp_async_wait<kStages - 1>();  // group i (this lane's copies of chunk i) has landed
+    const int stage = i % kStages;
+    const uint4 av_lo = *piece(stage, kRingColTiles);
+    uint4 av_hi = zero;
+    if constexpr (kHighRows) av_hi = *piece(stage, kRingColTiles + 1);
+#pragma unroll
+    for (int t = 0; t < kRingColTiles; ++t) {
+      const uint4 wv = *piece(stage, t);
+      mma_16816(acc[t], av_lo.x, av_hi.x, av_lo.y, av_hi.y, wv.x, wv.y);
+      mma_16816(acc[t], av_lo.z, av_hi.z, av_lo.w, av_hi.w, wv.z, wv.w);
     }
+    // Refill the stage just read with chunk i + kStages (the reads above completed:
+    // the mma consumed their registers before this copy is issued).
+    copy_weights(i + kStages);
+    copy_activations(i + kStages);
+    cp_async_commit();
   }
+  cp_async_wait<0>();  // the trailing zero-fill copies land before the CTA's shared memory is released
+
+#pragma unroll
+  for (int t = 0; t < kRingColTiles; t += 2) {
+    skinny_reduce_and_store<kOutFp32>(acc[t], acc[t + 1], out, m, n, n0 + 8 * t);
+  }
+}
+
+template <bool kHighRows>
+cudaError_t launch_skinny_ring(void* out, bool out_fp32, const bf16* a, const bf16* w, int32_t m, int32_t n, int32_t k,
+                               cudaStream_t stream) {
+  using Shape = RingShape<kHighRows>;
+  constexpr auto kernel_bf16 = skinny_ring_gemm_kernel<false, kHighRows>;
+  constexpr auto kernel_fp32 = skinny_ring_gemm_kernel<true, kHighRows>;
+  const cudaError_t err = out_fp32 ? opt_in_dynamic_smem<kernel_fp32>(Shape::kSmemBytes)
+                                   : opt_in_dynamic_smem<kernel_bf16>(Shape::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((n + Shape::kCols - 1) / Shape::kCols);
+  return launch_dependent(out_fp32 ? kernel_fp32 : kernel_bf16, grid, dim3(kSkinnyThreads), Shape::kSmemBytes, stream,
+                          out, a, w, m, n, k);
 }
 
 // Variant 4, m <= 4: plain CUDA-core GEMV. Each warp owns kGemvRowsPerWarp w rows
@@ -162,16 +319,14 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
 template <bool kOutFp32>
 __global__ void __launch_bounds__(kSkinnyThreads, 2)
     gemv_kernel(void* __restrict__ out, const bf16* __restrict__ a, const bf16* __restrict__ w, int m, int n, int k) {
-  wait_for_prior_grids();  // pdl.cuh: before any global access
-  allow_dependents();
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * kGemvRowsPerCta + warp * kGemvRowsPerWarp;
   float acc[kGemvRowsPerWarp][kGemvMaxM] = {};
   const uint4 zero = make_uint4(0, 0, 0, 0);
   constexpr int kStep = 32 * 8;  // k per warp load instruction
-  for (int k0 = lane * 8; k0 < k; k0 += kGemvUnroll * kStep) {
-    uint4 wv[kGemvUnroll][kGemvRowsPerWarp];
+  uint4 wv[kGemvUnroll][kGemvRowsPerWarp];
+  auto load_weight_steps = [&](int k0) {
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
 #pragma unroll
@@ -180,6 +335,13 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
         wv[u][r] = valid ? load_weights_16(w + static_cast<int64_t>(row0 + r) * k + k0 + u * kStep) : zero;
       }
     }
+  };
+  // As in skinny_gemm_kernel: the first weight loads precede the PDL wait.
+  if (lane * 8 < k) load_weight_steps(lane * 8);
+  wait_for_prior_grids();  // pdl.cuh: before reading the activations
+  allow_dependents();
+  for (int k0 = lane * 8; k0 < k; k0 += kGemvUnroll * kStep) {
+    if (k0 != lane * 8) load_weight_steps(k0);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       if (k0 + u * kStep >= k) break;
@@ -229,6 +391,14 @@ cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf
     const dim3 grid((n + kGemvRowsPerCta - 1) / kGemvRowsPerCta);
     return launch_dependent(kernel, grid, dim3(kSkinnyThreads), 0, stream, out, a, w, m, n, k);
   }
+  switch (variant) {
+    case 5:
+      return launch_skinny_ring<true>(out, out_fp32, a, w, m, n, k, stream);
+    case 6:
+      return launch_skinny_ring<false>(out, out_fp32, a, w, m, n, k, stream);
+    default:
+      break;
+  }
   using Kernel = void (*)(void*, const bf16*, const bf16*, int, int, int, bool);
   const bool deep = variant >= 2;  // 8 chunks in flight, rows 0..7 only
   const Kernel kernel = out_fp32 ? (deep ? skinny_gemm_kernel<true, 8, false> : skinny_gemm_kernel<true, 4, true>)
@@ -241,6 +411,8 @@ cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf
 int32_t skinny_gemm_max_m(int32_t variant) {
   if (variant < 0 || variant >= kNumSkinnyGemmVariants) return 0;
   if (variant == 4) return kGemvMaxM;
+  if (variant == 5) return kSkinnyMaxM;
+  if (variant == 6) return 8;
   return variant >= 2 ? 8 : kSkinnyMaxM;
 }
 
