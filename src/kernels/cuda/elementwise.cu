@@ -65,27 +65,21 @@ constexpr int kNormMaxVecPerThread = 8;  // 256 * 8 * 8 = 16384 elements
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_kernel(bf16* out, const bf16* x, bf16* residual, const bf16* __restrict__ weight, int32_t hidden,
                    float eps) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
   const int64_t row = blockIdx.x;
   const int num_vec = hidden / kVec;
   const auto* xv = reinterpret_cast<const Bf16x8*>(x + row * hidden);
   auto* rv = residual ? reinterpret_cast<Bf16x8*>(residual + row * hidden) : nullptr;
   const auto* wv = reinterpret_cast<const Bf16x8*>(weight);
-  // The weight row is loaded before the PDL wait (pdl.cuh: weights are not written
-  // during a step), not after the reduction: its latency overlaps the previous kernel.
-  Bf16x8 weights[kNormMaxVecPerThread];
-#pragma unroll
-  for (int k = 0; k < kNormMaxVecPerThread; ++k) {
-    const int i = threadIdx.x + k * kNormThreads;
-    if (i < num_vec) weights[k] = wv[i];
-  }
-  wait_for_prior_grids();  // pdl.cuh: before reading x and the residual
-  allow_dependents();
   float vals[kNormMaxVecPerThread][kVec];
+  Bf16x8 weights[kNormMaxVecPerThread];  // loaded with the row, not after the reduction: one memory latency less
   float sum_sq = 0.0f;
 #pragma unroll
   for (int k = 0; k < kNormMaxVecPerThread; ++k) {
     const int i = threadIdx.x + k * kNormThreads;
     if (i < num_vec) {
+      weights[k] = wv[i];
       to_float8(xv[i], vals[k]);
       if (rv) {
         float r[kVec];
@@ -166,6 +160,8 @@ constexpr int kRopeWarps = 8;
 
 template <int kHeadDim>
 __global__ void __launch_bounds__(kRopeWarps * 32) rope_kv_kernel(RopeKvArgs a) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kPairs = kHalf / 32;  // pairs per lane: 1 (D=64) or 2 (D=128)
   const int t = blockIdx.x;
@@ -178,28 +174,20 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_kv_kernel(RopeKvArgs a) 
   const bool is_q = head < a.num_q_heads;
   const bool is_k = !is_q && head < a.num_q_heads + a.num_kv_heads;
   const bf16* norm_w = is_q ? a.q_norm_weight : is_k ? a.k_norm_weight : nullptr;
-  // Every load that does not depend on another is issued together, so the kernel waits
-  // for memory once rather than once per step (it is latency-bound at decode). What no
-  // kernel of the step writes (weights, inv_freq, the step's positions and slots) is
-  // read before the PDL wait (pdl.cuh), so its latency overlaps the qkv GEMM's tail.
+  // Every load that does not depend on another is issued here, together, so the kernel
+  // waits for memory once rather than once per step (it is latency-bound at decode).
   float lo[kPairs], hi[kPairs], norm_lo[kPairs], norm_hi[kPairs], freq[kPairs];
 #pragma unroll
   for (int p = 0; p < kPairs; ++p) {
     const int i = lane * kPairs + p;
+    lo[p] = __bfloat162float(src[i]);
+    hi[p] = __bfloat162float(src[i + kHalf]);
     norm_lo[p] = norm_w != nullptr ? __bfloat162float(norm_w[i]) : 1.0f;
     norm_hi[p] = norm_w != nullptr ? __bfloat162float(norm_w[i + kHalf]) : 1.0f;
     freq[p] = a.inv_freq[i];
   }
   const float pos = static_cast<float>(a.positions[t]);
   const int slot = is_q ? 0 : a.slot_mapping[t];
-  wait_for_prior_grids();  // pdl.cuh: before reading qkv
-  allow_dependents();
-#pragma unroll
-  for (int p = 0; p < kPairs; ++p) {
-    const int i = lane * kPairs + p;
-    lo[p] = __bfloat162float(src[i]);
-    hi[p] = __bfloat162float(src[i + kHalf]);
-  }
   if (is_q || is_k) {
     if (norm_w != nullptr) {
       float ss = 0.0f;
