@@ -13,7 +13,8 @@
 // 4 or 8 chunks in flight per lane (8 only for M <= 8, which needs no registers
 // for activation rows 8..15), and each warp's K either as one contiguous slice
 // or interleaved with the other warps' (the CTA then sweeps each row front to back).
-// Variant 4 (m <= 4) is a CUDA-core GEMV with whole-row loads, below.
+// Variant 4 (m <= 4) is a CUDA-core GEMV with whole-row loads, and variants 5 and 6
+// feed the same tensor-core CTA from a cp.async ring in shared memory, below.
 //
 // k permutation: a lane of quad t4 loads 8 consecutive k (16 bytes) of its w
 // row and of the activation rows; those 8 values feed the mma's k slots
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
 // instead of registers, so several chunks per lane stay in flight at any M
 // without register pressure (the register variants keep 4 in flight at M = 16
 // and drain to zero between iterations). Lane l copies exactly the 16-byte
-// pieces it later reads (w rows g, g + 8, ..., activation rows g and g + 8, k
+// pieces it later reads (w rows g and g + 8, activation rows g and g + 8, k
 // piece t4 of the chunk), so a lane only waits for its own copies: no barrier
 // inside the loop. The first stages' weight copies are issued before the PDL
 // wait (pdl.cuh: weights are not written during a step). Variant 5: m <= 16;
