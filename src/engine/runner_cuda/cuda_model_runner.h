@@ -40,9 +40,9 @@ struct CudaRunnerOptions {
   // Programmatic dependent launch for the decode-path kernels (kernels.h) in passes of
   // at most programmatic_launch_max_tokens tokens; set process-wide at each forward pass.
   // Measured on an H200, Qwen3-8B decode (docs/perf/engine.md): session 3, b1 4.63 ms with
-  // vs 4.91 without, but b16 6.67 vs 6.34 (worse). Session 5, after the skinny GEMMs,
-  // norms and RoPE began loading weights before their wait and the M = 16 ring GEMM:
-  // b16 6.14 with vs 6.28-6.34 without, b64 9.76 vs 9.80, b128 14.69 vs 14.75-14.78.
+  // vs 4.91 without, but b16 6.67 vs 6.34 (worse). Session 5, after the skinny GEMMs began
+  // loading weights before their wait (and o_proj at M = 16 became one): b16 6.14 with vs
+  // 6.28-6.34 without, b64 9.76 vs 9.80, b128 14.69 vs 14.75-14.78.
   bool programmatic_launch = true;
   int32_t programmatic_launch_max_tokens = 256;
   // Decode attention merges its split-K partitions in its last CTA per (sequence, kv head)
