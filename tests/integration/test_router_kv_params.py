@@ -117,6 +117,9 @@ def test_transfer_ids_are_fresh_per_request(procs, backends):
     client = client_for(router)
     for _ in range(20):
         client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2)
+    # WRITE runs the producer leg concurrently with the decode leg, so the client's answer can
+    # come back before the producer has received the last request.
+    wait_for(lambda: len(producer.bodies) >= 20, 10, "every producer leg recorded")
     ids = [b["kv_transfer_params"]["transfer_id"] for b in producer.bodies]
     assert len(ids) == 20 and len(set(ids)) == 20
     assert all(HEX32.match(i) for i in ids)
