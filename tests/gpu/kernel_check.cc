@@ -486,6 +486,21 @@ void check_dispatch_rejects() {
   g_rows.push_back({"dispatch.rejects", "D96 / block 32", e,
                     s.code() == ErrorCode::kUnimplemented && s2.code() == ErrorCode::kUnimplemented,
                     s.ok() ? "accepted!" : s.message()});
+  // Decode attention outside its table: a partition past kDecodeMaxPartitionTokens, and a K/V
+  // ring depth other than 2 or 3. Refused before any launch (no workspace needed).
+  kc::AttentionArgs d;
+  d.head_dim = 128;
+  d.num_q_heads = 32;
+  d.num_kv_heads = 8;
+  d.scale = 1.0f;
+  d.decode_partition_tokens = kc::kDecodeMaxPartitionTokens + kc::kKvBlockSize;
+  const Status too_long = kc::decode_attention(d, nullptr, 0, nullptr);
+  d.decode_partition_tokens = 0;
+  d.decode_kv_stages = 4;
+  const Status four_stages = kc::decode_attention(d, nullptr, 0, nullptr);
+  g_rows.push_back({"dispatch.rejects", "decode partition 2064 / 4 stages", e,
+                    too_long.code() == ErrorCode::kUnimplemented && four_stages.code() == ErrorCode::kUnimplemented,
+                    too_long.ok() ? "accepted!" : too_long.message()});
 }
 
 // ---------------------------------------------------------------- timing

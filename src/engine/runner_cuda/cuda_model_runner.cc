@@ -101,8 +101,6 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
     return invalid_argument("cuda runner: max_num_seqs {} / max_num_batched_tokens {} / max_model_len {}",
                             options_.max_num_seqs, options_.max_num_batched_tokens, options_.max_model_len);
   }
-  PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
-  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
   if (options_.decode_kv_stages != 0 && options_.decode_kv_stages != 2 && options_.decode_kv_stages != 3) {
     return invalid_argument("cuda runner: {} decode K/V stages (need 0 = by batch, 2 or 3)", options_.decode_kv_stages);
   }
@@ -112,6 +110,8 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
     return invalid_argument("cuda runner: decode partition of {} tokens (need a multiple of {} up to {})",
                             options_.decode_partition_tokens, kc::kKvBlockSize, kc::kDecodeMaxPartitionTokens);
   }
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
   PD_ASSIGN_OR_RETURN(gemm_, kc::Gemm::create(64ull << 20, options_.gemm_policy));
   PD_RETURN_IF_ERROR(upload_weights(host_weights));
   PD_RETURN_IF_ERROR(allocate_buffers());

@@ -19,6 +19,9 @@
 // output (the skinny kernel fits any M <= M'; a cuBLASLt algorithm only if
 // cuBLASLt confirms it for the new shape); anything else takes cuBLASLt's first
 // heuristic choice.
+// With programmatic launch on (kernels.h), the skinny kernels read their first weight chunks
+// before waiting for the kernel launched just before them on the stream (pdl.cuh), so that
+// kernel must not write `w`; a model's weights are written only at load.
 // Not thread-safe: one Gemm per stream owner.
 #pragma once
 

@@ -14,10 +14,11 @@
 // programmatic_launch_enabled() is false.
 // The one exception: reads of what no kernel of the step writes (the step
 // inputs copied in before its first kernel: context lengths, block tables; and
-// the weights, written only at load) may precede the wait. Because every kernel lets its successor start only after
-// its own wait, when a kernel starts, all kernels before its predecessor have
-// completed, and the copies before them too. Decode attention reads its block
-// table this way, and the skinny GEMMs issue their first weight loads.
+// the weights, written only at load) may precede the wait. Because every kernel
+// lets its successor start only after its own wait, when a kernel starts, all
+// kernels before its predecessor have completed, and the copies before them too.
+// Decode attention reads its block table this way, and the skinny GEMMs issue
+// their first weight loads.
 #pragma once
 
 #include <cuda_runtime.h>
