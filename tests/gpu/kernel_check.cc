@@ -161,6 +161,69 @@ void check_gemm(int m, int n, int k, kc::GemmOut out_type, kc::GemmPolicy policy
   }
 }
 
+// GemmFusion: normed (a = un-normalized rows, GEMM of rmsnorm(a) * norm weight) or
+// accumulating (out starts as a residual, ends as residual + a * w^T), against the CPU
+// reference of the unfused pair. kSkinny runs the variant's in-kernel form, kHeuristic the
+// norm kernel + cuBLASLt (beta = 1 in place), kAutotune the tuner's choice (its timing
+// calls must leave an accumulating call's out as it was).
+void check_gemm_fused(int m, int n, int k, bool normed, kc::GemmPolicy policy, int skinny_variant = 0) {
+  std::vector<float> a_f, w_f, g_f, r_f;
+  auto a = random_bf16(static_cast<size_t>(m) * k, normed ? 3.0f : 1.0f, rng(), &a_f);
+  auto w = random_bf16(static_cast<size_t>(n) * k, 1.0f, rng(), &w_f);
+  auto g = random_bf16(static_cast<size_t>(k), 1.5f, rng(), &g_f);
+  auto r = random_bf16(static_cast<size_t>(m) * n, 8.0f, rng(), &r_f);
+  DeviceBuffer<bf16> d_a(a.size()), d_w(w.size()), d_g(g.size()), d_scratch(a.size()), d_out(r.size());
+  d_a.upload(a);
+  d_w.upload(w);
+  d_g.upload(g);
+  d_scratch.poison();
+  auto gemm = kc::Gemm::create(64ull << 20, policy, skinny_variant);
+  PD_STATUS_CHECK(gemm.status());
+  const float eps = 1e-6f;
+  kc::GemmFusion fusion;
+  std::vector<float> ref(static_cast<size_t>(m) * n);
+  if (normed) {
+    fusion.norm_weight = d_g.get();
+    fusion.norm_eps = eps;
+    fusion.norm_scratch = d_scratch.get();
+    std::vector<float> x(a_f.size());
+    cpu::rms_norm(a_f.data(), g_f.data(), m, k, eps, x.data());
+    cpu::matmul(x.data(), w_f.data(), nullptr, m, n, k, ref.data());
+    d_out.poison();
+  } else {
+    fusion.accumulate = true;
+    cpu::matmul(a_f.data(), w_f.data(), nullptr, m, n, k, ref.data());
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] += r_f[i];
+    d_out.upload(r);
+  }
+  PD_STATUS_CHECK((*gemm)->run(d_out.get(), kc::GemmOut::kBFloat16, d_a.get(), d_w.get(), m, n, k, nullptr, fusion));
+  const std::string prefix = policy == kc::GemmPolicy::kSkinny     ? "skinny_gemm_v" + std::to_string(skinny_variant)
+                             : policy == kc::GemmPolicy::kAutotune ? "gemm_tuned"
+                                                                   : "gemm";
+  std::string note = tuned_note(**gemm);
+  if (!(*gemm)->tunings().empty() && normed) {
+    const kc::GemmTuning& t = (*gemm)->tunings().back();
+    note += " norm in-kernel: " + std::string(t.chose_norm_in_kernel ? "chosen" : "not chosen") + " (v" +
+            std::to_string(t.skinny_norm_in_kernel_variant) + " " + std::to_string(t.skinny_norm_in_kernel_us) + " us)";
+  }
+  const std::string shape = std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k);
+  const std::vector<float> fused_out = to_float(d_out.download());
+  record(prefix + (normed ? "_norm_fused" : "_accumulate"), shape, compare(fused_out, ref), note);
+  // The in-kernel norm repeats the norm kernel's arithmetic: the same variant fed by the norm
+  // kernel must give the same bits.
+  if (normed && policy == kc::GemmPolicy::kSkinny && kc::Gemm::skinny_norm_in_kernel(skinny_variant, m, k)) {
+    PD_STATUS_CHECK(kc::rmsnorm(d_scratch.get(), d_a.get(), nullptr, d_g.get(), m, k, eps, nullptr));
+    d_out.poison();
+    PD_STATUS_CHECK((*gemm)->run(d_out.get(), kc::GemmOut::kBFloat16, d_scratch.get(), d_w.get(), m, n, k, nullptr));
+    const std::vector<float> unfused_out = to_float(d_out.download());
+    ErrorStats e = compare(fused_out, unfused_out);
+    size_t differing = 0;
+    for (size_t i = 0; i < fused_out.size(); ++i) differing += fused_out[i] != unfused_out[i] ? 1 : 0;
+    g_rows.push_back({prefix + "_norm_fused_bits", shape, e, differing == 0 && e.num_nan == 0,
+                      std::to_string(differing) + " elements differ from norm kernel + the same variant"});
+  }
+}
+
 // A random paged cache: num_blocks blocks, filled with random bf16.
 struct PagedCache {
   int num_blocks, num_kv_heads, head_dim;
@@ -700,6 +763,22 @@ int main(int argc, char** argv) {
       if (m > pd::kernels::cuda::Gemm::skinny_variant_max_m(variant)) continue;
       check_gemm(m, n, k, out, pd::kernels::cuda::GemmPolicy::kSkinny, variant);
     }
+  }
+  // Fused norm / accumulating store: every variant (in-kernel norm), cuBLASLt, the tuner.
+  for (auto [m, n, k] : std::vector<std::tuple<int, int, int>>{
+           {1, 4096, 4096}, {3, 1000, 520}, {8, 6144, 4096}, {9, 4104, 12288}, {16, 24, 8}, {4, 1000, 264}}) {
+    for (bool normed : {true, false}) {
+      for (int variant = 0; variant < pd::kernels::cuda::Gemm::num_skinny_variants(); ++variant) {
+        if (m > pd::kernels::cuda::Gemm::skinny_variant_max_m(variant)) continue;
+        check_gemm_fused(m, n, k, normed, pd::kernels::cuda::GemmPolicy::kSkinny, variant);
+      }
+    }
+  }
+  for (bool normed : {true, false}) {
+    check_gemm_fused(77, 4096, 4096, normed, pd::kernels::cuda::GemmPolicy::kHeuristic);
+    check_gemm_fused(1, 6144, 4096, normed, pd::kernels::cuda::GemmPolicy::kAutotune);
+    check_gemm_fused(16, 24576, 4096, normed, pd::kernels::cuda::GemmPolicy::kAutotune);
+    check_gemm_fused(64, 4096, 12288, normed, pd::kernels::cuda::GemmPolicy::kAutotune);
   }
   check_gemm(1, 32000, 4096, pd::kernels::cuda::GemmOut::kFloat32, pd::kernels::cuda::GemmPolicy::kAutotune);
   check_gemm(16, 4096, 4096, pd::kernels::cuda::GemmOut::kBFloat16, pd::kernels::cuda::GemmPolicy::kAutotune);

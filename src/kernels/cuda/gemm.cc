@@ -31,7 +31,8 @@ bool aligned_16(const void* a, const void* w) {
 }  // namespace
 
 bool Gemm::skinny_aligned(const Call& call) {
-  return aligned_16(call.a, call.w);
+  return aligned_16(call.a, call.w) &&
+         (call.fusion.norm_weight == nullptr || aligned_16(call.fusion.norm_weight, call.fusion.norm_scratch));
 }
 
 int32_t Gemm::num_skinny_variants() {
@@ -40,6 +41,10 @@ int32_t Gemm::num_skinny_variants() {
 
 int32_t Gemm::skinny_variant_max_m(int32_t variant) {
   return detail::skinny_gemm_max_m(variant);
+}
+
+bool Gemm::skinny_norm_in_kernel(int32_t variant, int32_t m, int32_t k) {
+  return detail::skinny_gemm_norm_fusable(variant, m, k);
 }
 
 Result<std::unique_ptr<Gemm>> Gemm::create(size_t workspace_bytes, GemmPolicy policy, int32_t skinny_variant) {
@@ -68,13 +73,30 @@ Gemm::~Gemm() {
 
 Status Gemm::launch(const Plan& plan, const Call& c) {
   // The plan is per shape, the pointers per call: a misaligned call takes the plan's cuBLASLt algorithm.
-  if (plan.skinny_variant >= 0 && skinny_aligned(c)) {
-    return cuda_status(detail::launch_skinny_gemm(c.out, c.out_type == GemmOut::kFloat32, c.a, c.w, c.m, c.n, c.k,
-                                                  plan.skinny_variant, c.stream),
+  const bool skinny = plan.skinny_variant >= 0 && skinny_aligned(c);
+  const bool normed = c.fusion.norm_weight != nullptr;
+  const bool norm_in_kernel =
+      normed && skinny && plan.norm_in_kernel && detail::skinny_gemm_norm_fusable(plan.skinny_variant, c.m, c.k);
+  const __nv_bfloat16* a = c.a;
+  if (normed && !norm_in_kernel) {
+    PD_RETURN_IF_ERROR(
+        rmsnorm(c.fusion.norm_scratch, c.a, nullptr, c.fusion.norm_weight, c.m, c.k, c.fusion.norm_eps, c.stream));
+    a = c.fusion.norm_scratch;
+  }
+  if (skinny) {
+    detail::SkinnyFusion fusion;
+    fusion.accumulate = c.fusion.accumulate;
+    if (norm_in_kernel) {
+      fusion.norm_weight = c.fusion.norm_weight;
+      fusion.norm_eps = c.fusion.norm_eps;
+    }
+    return cuda_status(detail::launch_skinny_gemm(c.out, c.out_type == GemmOut::kFloat32, a, c.w, c.m, c.n, c.k,
+                                                  plan.skinny_variant, c.stream, fusion),
                        "skinny gemm launch");
   }
-  const float alpha = 1.0f, beta = 0.0f;
-  return lt_status(cublasLtMatmul(handle_, plan.desc, &alpha, c.w, plan.a, c.a, plan.b, &beta, c.out, plan.c, c.out,
+  // Accumulating: D = A * B + C with C = D, in place (same layout, which cuBLASLt allows).
+  const float alpha = 1.0f, beta = c.fusion.accumulate ? 1.0f : 0.0f;
+  return lt_status(cublasLtMatmul(handle_, plan.desc, &alpha, c.w, plan.a, a, plan.b, &beta, c.out, plan.c, c.out,
                                   plan.c, &plan.algo, workspace_, workspace_bytes_, c.stream),
                    "cublasLtMatmul");
 }
@@ -107,6 +129,24 @@ Status Gemm::tune(Plan& plan, const Call& call, const std::vector<cublasLtMatmul
   t.n = call.n;
   t.k = call.k;
   t.out_type = call.out_type;
+  t.normed = call.fusion.norm_weight != nullptr;
+  t.accumulate = call.fusion.accumulate;
+  // Timing an accumulating call adds into `out` dozens of times: keep its contents and put them back.
+  void* saved_out = nullptr;
+  const size_t out_bytes = static_cast<size_t>(call.m) * call.n * (call.out_type == GemmOut::kFloat32 ? 4 : 2);
+  if (call.fusion.accumulate) {
+    Status saved = cuda_status(cudaMalloc(&saved_out, out_bytes), "cudaMalloc(gemm tuning backup)");
+    if (saved.ok()) {
+      saved = cuda_status(cudaMemcpyAsync(saved_out, call.out, out_bytes, cudaMemcpyDeviceToDevice, call.stream),
+                          "gemm tuning backup");
+    }
+    if (!saved.ok()) {
+      cudaFree(saved_out);
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+      return saved;
+    }
+  }
   Status st = Status::Ok();
   cublasLtMatmulAlgo_t best_algo = plan.algo;
   for (size_t i = 0; i < candidates.size(); ++i) {
@@ -128,22 +168,46 @@ Status Gemm::tune(Plan& plan, const Call& call, const std::vector<cublasLtMatmul
   }
   plan.algo = best_algo;
   plan.skinny_variant = -1;
-  for (int32_t v = 0; v < detail::kNumSkinnyGemmVariants && st.ok() && skinny_aligned(call); ++v) {
-    if (call.m > detail::skinny_gemm_max_m(v)) continue;
-    Plan trial = plan;
-    trial.skinny_variant = v;
-    Result<float> us = time_plan(trial, call, start, stop);
-    st = us.status();
-    if (!st.ok()) break;
-    if (t.skinny_us < 0.0f || *us < t.skinny_us) {
-      t.skinny_us = *us;
-      t.skinny_variant = v;
+  plan.norm_in_kernel = false;
+  // Skinny variants; for a normed call each both with the norm kernel before it and with the norm in-kernel.
+  for (int in_kernel = 0; in_kernel <= (t.normed ? 1 : 0) && st.ok(); ++in_kernel) {
+    for (int32_t v = 0; v < detail::kNumSkinnyGemmVariants && st.ok() && skinny_aligned(call); ++v) {
+      if (call.m > detail::skinny_gemm_max_m(v)) continue;
+      if (in_kernel != 0 && !detail::skinny_gemm_norm_fusable(v, call.m, call.k)) continue;
+      Plan trial = plan;
+      trial.skinny_variant = v;
+      trial.norm_in_kernel = in_kernel != 0;
+      Result<float> us = time_plan(trial, call, start, stop);
+      st = us.status();
+      if (!st.ok()) break;
+      float& best = in_kernel != 0 ? t.skinny_norm_in_kernel_us : t.skinny_us;
+      int32_t& best_variant = in_kernel != 0 ? t.skinny_norm_in_kernel_variant : t.skinny_variant;
+      if (best < 0.0f || *us < best) {
+        best = *us;
+        best_variant = v;
+      }
     }
   }
-  if (st.ok() && t.skinny_variant >= 0 && (t.best_cublas_us < 0.0f || t.skinny_us < t.best_cublas_us)) {
-    plan.skinny_variant = t.skinny_variant;
+  if (st.ok()) {
+    float best_us = t.best_cublas_us;
+    if (t.skinny_variant >= 0 && (best_us < 0.0f || t.skinny_us < best_us)) {
+      plan.skinny_variant = t.skinny_variant;
+      best_us = t.skinny_us;
+    }
+    if (t.skinny_norm_in_kernel_variant >= 0 && (best_us < 0.0f || t.skinny_norm_in_kernel_us < best_us)) {
+      plan.skinny_variant = t.skinny_norm_in_kernel_variant;
+      plan.norm_in_kernel = true;
+    }
   }
   t.chose_skinny = plan.skinny_variant >= 0;
+  t.chose_norm_in_kernel = plan.norm_in_kernel;
+  if (saved_out != nullptr) {
+    const Status restored = cuda_status(
+        cudaMemcpyAsync(call.out, saved_out, out_bytes, cudaMemcpyDeviceToDevice, call.stream), "gemm tuning restore");
+    if (st.ok()) st = restored;
+    if (st.ok()) st = cuda_status(cudaStreamSynchronize(call.stream), "gemm tuning restore sync");
+    cudaFree(saved_out);
+  }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   PD_RETURN_IF_ERROR(st);
@@ -158,8 +222,11 @@ bool Gemm::borrow_tuned_choice(Plan& plan, const Call& call) const {
   const Plan* donor = nullptr;
   int32_t donor_m = 0;
   for (const auto& [key, candidate] : plans_) {
-    const auto& [m, n, k, out_type] = key;
-    if (!candidate.tuned || n != call.n || k != call.k || out_type != call.out_type || m < call.m) continue;
+    const auto& [m, n, k, out_type, fusion] = key;
+    if (!candidate.tuned || n != call.n || k != call.k || out_type != call.out_type || m < call.m ||
+        fusion != fusion_kind(call.fusion)) {
+      continue;
+    }
     if (donor == nullptr || m < donor_m) {
       donor = &candidate;
       donor_m = m;
@@ -169,6 +236,7 @@ bool Gemm::borrow_tuned_choice(Plan& plan, const Call& call) const {
   if (donor->skinny_variant >= 0) {
     if (call.m > detail::skinny_gemm_max_m(donor->skinny_variant)) return false;
     plan.skinny_variant = donor->skinny_variant;
+    plan.norm_in_kernel = donor->norm_in_kernel;
     return true;
   }
   // An algorithm (tile, split-K, ...) tuned for M' is usually right for a slightly smaller M,
@@ -183,7 +251,7 @@ bool Gemm::borrow_tuned_choice(Plan& plan, const Call& call) const {
 
 // Column-major view: out^T [N x M] = w [N x K] (stored K x N, transposed) * a^T (K x M).
 Result<Gemm::Plan*> Gemm::plan_for(const Call& call) {
-  const auto key = std::make_tuple(call.m, call.n, call.k, call.out_type);
+  const auto key = std::make_tuple(call.m, call.n, call.k, call.out_type, fusion_kind(call.fusion));
   auto it = plans_.find(key);
   if (it != plans_.end()) return &it->second;
   const int32_t m = call.m, n = call.n, k = call.k;
@@ -217,6 +285,7 @@ Result<Gemm::Plan*> Gemm::plan_for(const Call& call) {
   plan.algo = results[0].algo;
   if (policy_ == GemmPolicy::kSkinny && m <= detail::skinny_gemm_max_m(forced_skinny_variant_)) {
     plan.skinny_variant = forced_skinny_variant_;
+    plan.norm_in_kernel = true;  // checks and benchmarks of a variant run its fused form
   }
   if (tuned) {
     PD_RETURN_IF_ERROR(tune(plan, call, results));
@@ -233,12 +302,26 @@ Result<Gemm::Plan*> Gemm::plan_for(const Call& call) {
 }
 
 Status Gemm::run(void* out, GemmOut out_type, const __nv_bfloat16* a, const __nv_bfloat16* w, int32_t m, int32_t n,
-                 int32_t k, cudaStream_t stream) {
+                 int32_t k, cudaStream_t stream, const GemmFusion& fusion) {
   if (m == 0) return Status::Ok();
   if (m < 0 || n <= 0 || k <= 0 || k % 8 != 0 || n % 8 != 0) {
     return invalid_argument("gemm shape m={} n={} k={}: need m >= 0, n, k > 0 and multiples of 8", m, n, k);
   }
-  const Call call{out, out_type, a, w, m, n, k, stream};
+  const bool normed = fusion.norm_weight != nullptr;
+  if ((normed || fusion.accumulate) && out_type != GemmOut::kBFloat16) {
+    return invalid_argument("gemm m={} n={} k={}: norm and accumulate fusions need bf16 output", m, n, k);
+  }
+  if (normed && fusion.accumulate) {
+    return invalid_argument("gemm m={} n={} k={}: norm and accumulate fusions exclude each other", m, n, k);
+  }
+  if (normed && (fusion.norm_scratch == nullptr || fusion.norm_scratch == a || !(fusion.norm_eps > 0.0f))) {
+    return invalid_argument("gemm m={} n={} k={}: a norm fusion needs a scratch buffer apart from a and eps > 0", m, n,
+                            k);
+  }
+  if (fusion.accumulate && out == static_cast<const void*>(a)) {
+    return invalid_argument("gemm m={} n={} k={}: an accumulating call's out must not alias a", m, n, k);
+  }
+  const Call call{out, out_type, a, w, m, n, k, stream, fusion};
   PD_ASSIGN_OR_RETURN(Plan * plan, plan_for(call));
   return launch(*plan, call);
 }

@@ -19,10 +19,16 @@
 // output (the skinny kernel fits any M <= M'; a cuBLASLt algorithm only if
 // cuBLASLt confirms it for the new shape); anything else takes cuBLASLt's first
 // heuristic choice.
-// With programmatic launch on (kernels.h), the skinny kernels read their first weight chunks
-// before waiting for the kernel launched just before them on the stream (pdl.cuh), so that
-// kernel must not write `w`; a model's weights are written only at load.
-// Not thread-safe: one Gemm per stream owner.
+// Fusions (GemmFusion, per call): the residual add as an accumulating store (out += a * w^T;
+// cuBLASLt with beta = 1 in place, the skinny kernels read-add-write), and an RMSNorm of the
+// input rows (a holds the residual stream; the GEMM multiplies rmsnorm(a) * norm_weight). A
+// skinny plan may compute the norm in-kernel (skinny_gemm.cu: variants 0..4, M <= 4, with the
+// same arithmetic as the norm kernel); any other plan runs the norm kernel into norm_scratch first. The tuner times the
+// in-kernel and the separate-kernel forms and keeps the fastest, so the norm kernel leaves the decode chain only where
+// that measures faster. A tuned accumulating call restores `out` after timing. With programmatic launch on (kernels.h),
+// the skinny kernels read their first weight chunks before waiting for the kernel launched just before them on the
+// stream (pdl.cuh), so that kernel must not write `w`; a model's weights are written only at load. Not thread-safe: one
+// Gemm per stream owner.
 #pragma once
 
 #include <cublasLt.h>
@@ -45,6 +51,14 @@ enum class GemmOut : uint8_t { kBFloat16, kFloat32 };
 // whenever M fits it (checks and benchmarks).
 enum class GemmPolicy : uint8_t { kAutotune, kHeuristic, kSkinny };
 
+// See the header comment. norm_weight and accumulate exclude each other; both need bf16 out.
+struct GemmFusion {
+  const __nv_bfloat16* norm_weight = nullptr;  // [k]: multiply rmsnorm(a) * norm_weight
+  float norm_eps = 1e-6f;
+  __nv_bfloat16* norm_scratch = nullptr;  // [m][k]: where a separate norm kernel writes (required with norm_weight)
+  bool accumulate = false;                // out += a * w^T
+};
+
 // What the tuner measured for one shape (times of one call, microseconds; < 0 = not run).
 struct GemmTuning {
   int32_t m = 0, n = 0, k = 0;
@@ -55,6 +69,11 @@ struct GemmTuning {
   int32_t skinny_variant = -1;   // which one
   int32_t num_candidates = 0;
   bool chose_skinny = false;
+  bool normed = false;                     // a norm-fused call: every time includes the norm
+  bool accumulate = false;                 // an accumulating call
+  float skinny_norm_in_kernel_us = -1.0f;  // normed: fastest skinny variant with the norm in-kernel
+  int32_t skinny_norm_in_kernel_variant = -1;
+  bool chose_norm_in_kernel = false;
 };
 
 class Gemm {
@@ -66,12 +85,14 @@ class Gemm {
                                               GemmPolicy policy = GemmPolicy::kAutotune, int32_t skinny_variant = 0);
   static int32_t num_skinny_variants();
   static int32_t skinny_variant_max_m(int32_t variant);
+  // Whether a skinny variant can compute a fused norm in-kernel at this M and K.
+  static bool skinny_norm_in_kernel(int32_t variant, int32_t m, int32_t k);
   ~Gemm();
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
   Status run(void* out, GemmOut out_type, const __nv_bfloat16* a, const __nv_bfloat16* w, int32_t m, int32_t n,
-             int32_t k, cudaStream_t stream);
+             int32_t k, cudaStream_t stream, const GemmFusion& fusion = {});
 
   GemmPolicy policy() const { return policy_; }
   // Whether a new shape may still be tuned (kAutotune only; on after create()).
@@ -90,6 +111,7 @@ class Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
     int32_t skinny_variant = -1;  // >= 0: the skinny kernel runs instead of algo
+    bool norm_in_kernel = false;  // normed calls with a skinny variant: the kernel computes the norm
     bool tuned = false;           // chosen by timing (a plan other shapes may borrow)
   };
   struct Call {
@@ -99,7 +121,10 @@ class Gemm {
     const __nv_bfloat16* w;
     int32_t m, n, k;
     cudaStream_t stream;
+    GemmFusion fusion;
   };
+  // Plans differ by fusion: 0 none, 1 norm, 2 accumulate.
+  static int32_t fusion_kind(const GemmFusion& f) { return f.norm_weight != nullptr ? 1 : f.accumulate ? 2 : 0; }
   static bool skinny_aligned(const Call& call);
   Result<Plan*> plan_for(const Call& call);
   Status launch(const Plan& plan, const Call& call);
@@ -118,7 +143,7 @@ class Gemm {
   bool tuning_enabled_ = true;
   int32_t num_borrowed_plans_ = 0;
   int32_t num_untuned_plans_ = 0;
-  std::map<std::tuple<int32_t, int32_t, int32_t, GemmOut>, Plan> plans_;
+  std::map<std::tuple<int32_t, int32_t, int32_t, GemmOut, int32_t>, Plan> plans_;
   std::vector<GemmTuning> tunings_;
 };
 

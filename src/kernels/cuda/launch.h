@@ -34,11 +34,23 @@ cudaError_t launch_sample_rows(float* logits, int32_t num_rows, int32_t vocab, c
 // Variants 0..3 (tensor cores): bit 0 interleaves the warps' K chunks; 2, 3 keep 8 chunks in
 // flight (m <= 8). Variant 4: CUDA-core GEMV, one row per warp load (m <= 4). Variants 5
 // (m <= 16) and 6 (m <= 8): tensor cores fed by a cp.async ring in shared memory.
+// Fusions (bf16 out only, one at a time): with norm_weight set, `a` holds un-normalized rows
+// and the kernel multiplies rmsnorm(a) * norm_weight instead, computed by each CTA into shared
+// memory (variants 0..4 and m * k * 2 <= kSkinnyNormSmemBytes: skinny_gemm_norm_fusable);
+// with accumulate set, out += a * w^T (each output element is read and written by one thread).
 inline constexpr int32_t kSkinnyGemmMaxM = 16;
 inline constexpr int32_t kNumSkinnyGemmVariants = 7;
+inline constexpr int32_t kSkinnyNormMaxM = 4;
+inline constexpr int64_t kSkinnyNormSmemBytes = 32 * 1024;
+bool skinny_gemm_norm_fusable(int32_t variant, int32_t m, int32_t k);
+struct SkinnyFusion {
+  const bf16* norm_weight = nullptr;  // [k]
+  float norm_eps = 0.0f;
+  bool accumulate = false;
+};
 int32_t skinny_gemm_max_m(int32_t variant);  // 0 for an unknown variant
 cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf16* w, int32_t m, int32_t n, int32_t k,
-                               int32_t variant, cudaStream_t stream);
+                               int32_t variant, cudaStream_t stream, const SkinnyFusion& fusion = {});
 // Whether the decode-path launchers use programmatic dependent launch (pdl.cuh);
 // set through kernels.h's set_programmatic_launch.
 bool programmatic_launch_enabled();

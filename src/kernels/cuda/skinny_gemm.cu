@@ -16,6 +16,17 @@
 // Variant 4 (m <= 4) is a CUDA-core GEMV with whole-row loads, and variants 5 and 6
 // feed the same tensor-core CTA from a cp.async ring in shared memory, below.
 //
+// Fusions (launch.h, SkinnyFusion). Accumulate: the store adds the value already in `out`
+// (the residual add of o_proj and the down projection). Norm (variants 0..4, m <= 4 and
+// m * k * 2 <= kSkinnyNormSmemBytes): `a` is the un-normalized residual stream; each CTA first normalizes its m
+// rows into shared memory exactly as rmsnorm_kernel does (fp32 sum of squares, HF's rounding
+// order), while the weight loads issued before the PDL wait are in flight, and the main loop
+// then reads the activations from there. Every CTA repeats the norm of the same m rows (8 KB
+// each at hidden 4,096, from L2): cheaper than a kernel launch and its wait at these sizes.
+// Normalizing inside the loop instead (each activation piece times its weight piece, the
+// row scale on the sums) needed 16-30 more registers, dropped a CTA per SM or spilled, and
+// measured about 25 % slower (docs/perf/engine.md, session 6).
+//
 // k permutation: a lane of quad t4 loads 8 consecutive k (16 bytes) of its w
 // row and of the activation rows; those 8 values feed the mma's k slots
 // {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9} of two consecutive k16 steps. A and B use
@@ -55,11 +66,70 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(words[i] << 16);
+    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Norm fusion prologue: act[r][0..k) = rmsnorm(a[r]) * weight for rows r < m, in shared
+// memory, with rmsnorm_kernel's arithmetic (fp32 sum of squares of the bf16 inputs;
+// normalize, round to bf16, multiply by the weight, round). Every thread of the CTA calls
+// it after the PDL wait; it ends with a barrier. k % 8 == 0, m <= kSkinnyNormMaxM.
+__device__ __forceinline__ void normalize_rows_to_smem(bf16* act, const bf16* __restrict__ a,
+                                                       const bf16* __restrict__ weight, int m, int k, float eps) {
+  __shared__ float partial[kSkinnyWarps][kSkinnyNormMaxM];
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int vecs = k / 8;
+  auto* act_v = reinterpret_cast<uint4*>(act);
+  for (int r = 0; r < m; ++r) {
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; i < vecs; i += kSkinnyThreads) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(a + static_cast<int64_t>(r) * k) + i);
+      float f[8];
+      bf16x8_to_float(v, f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum_sq = fmaf(f[j], f[j], sum_sq);
+      act_v[r * vecs + i] = v;  // raw for now; this thread normalizes it below
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, off);
+    if (lane == 0) partial[warp][r] = sum_sq;
+  }
+  __syncthreads();
+  for (int r = 0; r < m; ++r) {
+    float total = 0.0f;
+#pragma unroll
+    for (int wp = 0; wp < kSkinnyWarps; ++wp) total += partial[wp][r];
+    const float inv_rms = rsqrtf(total / static_cast<float>(k) + eps);
+    for (int i = threadIdx.x; i < vecs; i += kSkinnyThreads) {
+      float f[8], wf[8];
+      bf16x8_to_float(act_v[r * vecs + i], f);
+      bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(weight) + i), wf);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(__float2bfloat16(f[j] * inv_rms)) * wf[j];
+      act_v[r * vecs + i] = make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                                       pack_bf16x2(f[6], f[7]));
+    }
+  }
+  __syncthreads();
+}
+
 // Sums the 8 warps' partial C tiles (two n8 tiles of columns n0..n0 + 15) of a skinny
-// CTA and stores rows < m, columns < n. Every thread of the CTA calls it.
+// CTA and stores rows < m, columns < n, plus the value already stored when accumulating
+// (bf16 out only). Every thread of the CTA calls it.
 template <bool kOutFp32>
 __device__ __forceinline__ void skinny_reduce_and_store(const float (&acc0)[4], const float (&acc1)[4], void* out,
-                                                        int m, int n, int n0) {
+                                                        int m, int n, int n0, bool accumulate) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   // [warp][tile][fragment element][lane].
@@ -86,7 +156,9 @@ __device__ __forceinline__ void skinny_reduce_and_store(const float (&acc0)[4], 
     if constexpr (kOutFp32) {
       static_cast<float*>(out)[idx] = sum;
     } else {
-      static_cast<bf16*>(out)[idx] = __float2bfloat16(sum);
+      bf16* o = static_cast<bf16*>(out);
+      if (accumulate) sum += __bfloat162float(o[idx]);
+      o[idx] = __float2bfloat16(sum);
     }
   }
 }
@@ -94,10 +166,13 @@ __device__ __forceinline__ void skinny_reduce_and_store(const float (&acc0)[4], 
 // Precondition (checked by the caller): 1 <= m <= (kHighRows ? 16 : 8), n % 8 == 0, k % 8 == 0.
 // The minimum of CTAs per SM caps registers at what keeping every load of an
 // iteration in flight needs (ptxas otherwise trades loads in flight for occupancy).
-template <bool kOutFp32, int kUnroll, bool kHighRows>
+// kNormed: the norm fusion (m <= kSkinnyNormMaxM; dynamic shared memory of m * k bf16).
+template <bool kOutFp32, int kUnroll, bool kHighRows, bool kNormed>
 __global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
     skinny_gemm_kernel(void* __restrict__ out, const bf16* __restrict__ a, const bf16* __restrict__ w, int m, int n,
-                       int k, bool interleave_k) {
+                       int k, bool interleave_k, const bf16* __restrict__ norm_weight, float norm_eps,
+                       bool accumulate) {
+  extern __shared__ uint4 normed_rows[];  // kNormed: [m][k] bf16
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;  // w row within an n8 tile; activation row (and row + 8)
@@ -123,8 +198,17 @@ __global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
   const bf16* w1 = w + static_cast<int64_t>(has_tile1 ? n0 + 8 + g : n0 + g) * k + t4 * 8;
   const bool row_lo = g < m;
   const bool row_hi = kHighRows && g + 8 < m;
-  const bf16* a_lo = a + static_cast<int64_t>(row_lo ? g : 0) * k + t4 * 8;
-  const bf16* a_hi = a + static_cast<int64_t>(row_hi ? g + 8 : 0) * k + t4 * 8;
+  const bf16* a_rows = kNormed ? reinterpret_cast<const bf16*>(normed_rows) : a;
+  const bf16* a_lo = a_rows + static_cast<int64_t>(row_lo ? g : 0) * k + t4 * 8;
+  const bf16* a_hi = a_rows + static_cast<int64_t>(row_hi ? g + 8 : 0) * k + t4 * 8;
+  // Activation pieces: from shared memory after the norm prologue, else read-only global loads.
+  auto load_activations_16 = [](const bf16* p) {
+    if constexpr (kNormed) {
+      return *reinterpret_cast<const uint4*>(p);
+    } else {
+      return __ldg(reinterpret_cast<const uint4*>(p));
+    }
+  };
 
   float acc0[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   float acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -145,6 +229,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
   if (chunk_first < chunk_end) load_weight_chunks(chunk_first);
   wait_for_prior_grids();  // pdl.cuh: before reading the activations
   allow_dependents();
+  if constexpr (kNormed) normalize_rows_to_smem(reinterpret_cast<bf16*>(normed_rows), a, norm_weight, m, k, norm_eps);
   for (int c = chunk_first; c < chunk_end; c += chunk_step) {
     uint4 av_lo[kUnroll], av_hi[kUnroll];
     if (c != chunk_first) load_weight_chunks(c);
@@ -152,8 +237,8 @@ __global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
     for (int u = 0; u < kUnroll; ++u) {
       const int k_off = (c + u) * kSkinnyKChunk;
       const bool valid = c + u < chunk_end && k_off + t4 * 8 < k;
-      av_lo[u] = valid && row_lo ? __ldg(reinterpret_cast<const uint4*>(a_lo + k_off)) : zero;
-      av_hi[u] = kHighRows && valid && row_hi ? __ldg(reinterpret_cast<const uint4*>(a_hi + k_off)) : zero;
+      av_lo[u] = valid && row_lo ? load_activations_16(a_lo + k_off) : zero;
+      av_hi[u] = kHighRows && valid && row_hi ? load_activations_16(a_hi + k_off) : zero;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -164,7 +249,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
     }
   }
 
-  skinny_reduce_and_store<kOutFp32>(acc0, acc1, out, m, n, n0);
+  skinny_reduce_and_store<kOutFp32>(acc0, acc1, out, m, n, n0, accumulate);
 }
 
 // Variants 5 and 6: the same CTA shape and k permutation as skinny_gemm_kernel, but
@@ -195,7 +280,7 @@ struct RingShape {
 template <bool kOutFp32, bool kHighRows>
 __global__ void __launch_bounds__(kSkinnyThreads, 2)
     skinny_ring_gemm_kernel(void* __restrict__ out, const bf16* __restrict__ a, const bf16* __restrict__ w, int m,
-                            int n, int k) {
+                            int n, int k, bool accumulate) {
   using Shape = RingShape<kHighRows>;
   constexpr int kStages = Shape::kStages;
   constexpr int kPieces = Shape::kPieces;
@@ -281,13 +366,13 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
 
 #pragma unroll
   for (int t = 0; t < kRingColTiles; t += 2) {
-    skinny_reduce_and_store<kOutFp32>(acc[t], acc[t + 1], out, m, n, n0 + 8 * t);
+    skinny_reduce_and_store<kOutFp32>(acc[t], acc[t + 1], out, m, n, n0 + 8 * t, accumulate);
   }
 }
 
 template <bool kHighRows>
 cudaError_t launch_skinny_ring(void* out, bool out_fp32, const bf16* a, const bf16* w, int32_t m, int32_t n, int32_t k,
-                               cudaStream_t stream) {
+                               bool accumulate, cudaStream_t stream) {
   using Shape = RingShape<kHighRows>;
   constexpr auto kernel_bf16 = skinny_ring_gemm_kernel<false, kHighRows>;
   constexpr auto kernel_fp32 = skinny_ring_gemm_kernel<true, kHighRows>;
@@ -296,7 +381,7 @@ cudaError_t launch_skinny_ring(void* out, bool out_fp32, const bf16* a, const bf
   if (err != cudaSuccess) return err;
   const dim3 grid((n + Shape::kCols - 1) / Shape::kCols);
   return launch_dependent(out_fp32 ? kernel_fp32 : kernel_bf16, grid, dim3(kSkinnyThreads), Shape::kSmemBytes, stream,
-                          out, a, w, m, n, k);
+                          out, a, w, m, n, k, accumulate);
 }
 
 // Variant 4, m <= 4: plain CUDA-core GEMV. Each warp owns kGemvRowsPerWarp w rows
@@ -308,18 +393,11 @@ constexpr int kGemvRowsPerWarp = 2;
 constexpr int kGemvUnroll = 4;  // 256-wide k steps in flight per lane
 constexpr int kGemvRowsPerCta = kSkinnyWarps * kGemvRowsPerWarp;
 
-__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(words[i] << 16);
-    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-  }
-}
-
-template <bool kOutFp32>
+template <bool kOutFp32, bool kNormed>
 __global__ void __launch_bounds__(kSkinnyThreads, 2)
-    gemv_kernel(void* __restrict__ out, const bf16* __restrict__ a, const bf16* __restrict__ w, int m, int n, int k) {
+    gemv_kernel(void* __restrict__ out, const bf16* __restrict__ a, const bf16* __restrict__ w, int m, int n, int k,
+                const bf16* __restrict__ norm_weight, float norm_eps, bool accumulate) {
+  extern __shared__ uint4 normed_rows[];  // kNormed: [m][k] bf16
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * kGemvRowsPerCta + warp * kGemvRowsPerWarp;
@@ -341,6 +419,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
   if (lane * 8 < k) load_weight_steps(lane * 8);
   wait_for_prior_grids();  // pdl.cuh: before reading the activations
   allow_dependents();
+  if constexpr (kNormed) normalize_rows_to_smem(reinterpret_cast<bf16*>(normed_rows), a, norm_weight, m, k, norm_eps);
   for (int k0 = lane * 8; k0 < k; k0 += kGemvUnroll * kStep) {
     if (k0 != lane * 8) load_weight_steps(k0);
 #pragma unroll
@@ -353,7 +432,12 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
       for (int mi = 0; mi < kGemvMaxM; ++mi) {
         if (mi >= m) break;
         float af[8];
-        bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(a + static_cast<int64_t>(mi) * k + k0 + u * kStep)), af);
+        const int64_t a_off = static_cast<int64_t>(mi) * k + k0 + u * kStep;
+        if constexpr (kNormed) {
+          bf16x8_to_float(*reinterpret_cast<const uint4*>(reinterpret_cast<const bf16*>(normed_rows) + a_off), af);
+        } else {
+          bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(a + a_off)), af);
+        }
 #pragma unroll
         for (int r = 0; r < kGemvRowsPerWarp; ++r) {
 #pragma unroll
@@ -374,7 +458,9 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
         if constexpr (kOutFp32) {
           static_cast<float*>(out)[idx] = v;
         } else {
-          static_cast<bf16*>(out)[idx] = __float2bfloat16(v);
+          bf16* o = static_cast<bf16*>(out);
+          if (accumulate) v += __bfloat162float(o[idx]);
+          o[idx] = __float2bfloat16(v);
         }
       }
     }
@@ -383,30 +469,51 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
 
 }  // namespace
 
+bool skinny_gemm_norm_fusable(int32_t variant, int32_t m, int32_t k) {
+  return variant >= 0 && variant <= 4 && m >= 1 && m <= kSkinnyNormMaxM && m <= skinny_gemm_max_m(variant) &&
+         static_cast<int64_t>(m) * k * 2 <= kSkinnyNormSmemBytes;
+}
+
 cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf16* w, int32_t m, int32_t n, int32_t k,
-                               int32_t variant, cudaStream_t stream) {
+                               int32_t variant, cudaStream_t stream, const SkinnyFusion& fusion) {
   if (m < 1 || m > skinny_gemm_max_m(variant)) return cudaErrorInvalidValue;
+  const bool normed = fusion.norm_weight != nullptr;
+  if ((normed || fusion.accumulate) && out_fp32) return cudaErrorInvalidValue;  // bf16 out only
+  // Both at once: nothing needs it, and the runner's accumulating calls write the rows a norm reads.
+  if (normed && fusion.accumulate) return cudaErrorInvalidValue;
+  if (normed &&
+      (!skinny_gemm_norm_fusable(variant, m, k) || reinterpret_cast<uintptr_t>(fusion.norm_weight) % 16 != 0)) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t norm_smem = normed ? static_cast<size_t>(m) * k * sizeof(bf16) : 0;
+  const bf16* nw = fusion.norm_weight;
+  const float eps = fusion.norm_eps;
+  const bool accumulate = fusion.accumulate;
   if (variant == 4) {
-    using GemvKernel = void (*)(void*, const bf16*, const bf16*, int, int, int);
-    const GemvKernel kernel = out_fp32 ? gemv_kernel<true> : gemv_kernel<false>;
+    const auto kernel = out_fp32 ? gemv_kernel<true, false>
+                        : normed ? gemv_kernel<false, true>
+                                 : gemv_kernel<false, false>;
     const dim3 grid((n + kGemvRowsPerCta - 1) / kGemvRowsPerCta);
-    return launch_dependent(kernel, grid, dim3(kSkinnyThreads), 0, stream, out, a, w, m, n, k);
+    return launch_dependent(kernel, grid, dim3(kSkinnyThreads), norm_smem, stream, out, a, w, m, n, k, nw, eps,
+                            accumulate);
   }
   switch (variant) {
     case 5:
-      return launch_skinny_ring<true>(out, out_fp32, a, w, m, n, k, stream);
+      return launch_skinny_ring<true>(out, out_fp32, a, w, m, n, k, accumulate, stream);
     case 6:
-      return launch_skinny_ring<false>(out, out_fp32, a, w, m, n, k, stream);
+      return launch_skinny_ring<false>(out, out_fp32, a, w, m, n, k, accumulate, stream);
     default:
       break;
   }
-  using Kernel = void (*)(void*, const bf16*, const bf16*, int, int, int, bool);
   const bool deep = variant >= 2;  // 8 chunks in flight, rows 0..7 only
-  const Kernel kernel = out_fp32 ? (deep ? skinny_gemm_kernel<true, 8, false> : skinny_gemm_kernel<true, 4, true>)
-                                 : (deep ? skinny_gemm_kernel<false, 8, false> : skinny_gemm_kernel<false, 4, true>);
+  const auto kernel =
+      out_fp32 ? (deep ? skinny_gemm_kernel<true, 8, false, false> : skinny_gemm_kernel<true, 4, true, false>)
+      : normed ? (deep ? skinny_gemm_kernel<false, 8, false, true> : skinny_gemm_kernel<false, 4, true, true>)
+               : (deep ? skinny_gemm_kernel<false, 8, false, false> : skinny_gemm_kernel<false, 4, true, false>);
   const bool interleave_k = (variant & 1) != 0;
   const dim3 grid((n + kSkinnyColsPerCta - 1) / kSkinnyColsPerCta);
-  return launch_dependent(kernel, grid, dim3(kSkinnyThreads), 0, stream, out, a, w, m, n, k, interleave_k);
+  return launch_dependent(kernel, grid, dim3(kSkinnyThreads), norm_smem, stream, out, a, w, m, n, k, interleave_k, nw,
+                          eps, accumulate);
 }
 
 int32_t skinny_gemm_max_m(int32_t variant) {
