@@ -11,8 +11,9 @@
 // decode rows then show that sum beside the graph replay and execute() times.
 // Usage: pd_gpu_engine_bench [--model qwen3-8b|qwen3-32b|all|none] [--ctx 2048] [--decode-kernel tc|simt]
 //        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1] [--merge-in-attention 0|1]
-//        [--pdl-max-tokens N] [--decode-partition N] [--kv-evict-first 0|1] [--kv-stages 2|3]
+//        [--pdl-max-tokens N] [--decode-partition N] [--kv-evict-first 0|1] [--kv-stages 2|3] [--fuse-norms 0|1]
 // --ops attn: only the decode attention sweep (partition sizes; merged, no evict-first, 3 stages).
+// --ops probe: launches a fixed list of kernels once each, for ncu (probe_for_profiler).
 // --merge-in-attention 1: decode attention merges its partitions in its last CTA instead of the reduce
 // kernel (CudaRunnerOptions::decode_merge_in_attention; off by default).
 // --pdl-max-tokens N: programmatic dependent launch for passes of up to N tokens (default 256).
@@ -72,7 +73,8 @@ int g_pdl_max_tokens = 0;
 // runner's default).
 int g_decode_partition = -1;
 int g_kv_evict_first = -1;
-int g_kv_stages = -1;  // --kv-stages: CudaRunnerOptions::decode_kv_stages
+int g_kv_stages = -1;   // --kv-stages: CudaRunnerOptions::decode_kv_stages
+int g_fuse_norms = -1;  // --fuse-norms 0|1: CudaRunnerOptions::fuse_norms_into_gemms
 
 const char* policy_name(kc::GemmPolicy p) {
   return p == kc::GemmPolicy::kAutotune ? "autotune" : p == kc::GemmPolicy::kHeuristic ? "heuristic" : "skinny";
@@ -301,6 +303,81 @@ void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::v
   }
 }
 
+// --ops probe: each kernel of interest launched once on plain streams (no graph, no
+// timing), in a fixed order printed first, for a hardware-counter profiler (ncu) to
+// attach to: the qkv and down GEMMs at M = 1 and 16 through every skinny variant that
+// fits and through cuBLASLt's first choice, then decode attention at batch 16 as the
+// runner configures it.
+void probe_for_profiler(const model::ModelConfig& cfg, int ctx) {
+  const int h = cfg.hidden_size, inter = cfg.intermediate_size, hq = cfg.num_heads, hkv = cfg.num_kv_heads,
+            d = cfg.head_dim;
+  struct Shape {
+    const char* name;
+    int n, k;
+  };
+  const Shape shapes[] = {{"qkv", (hq + 2 * hkv) * d, h}, {"down", h, inter}};
+  DeviceBuffer<bf16> act(static_cast<size_t>(16) * std::max(inter, h));
+  PD_STATUS_CHECK(kc::fill_uniform(act.get(), act.count(), 5, 1.0f, nullptr));
+  DeviceBuffer<bf16> out(static_cast<size_t>(16) * std::max(inter, (hq + 2 * hkv) * d));
+  int launch = 0;
+  for (const Shape& sh : shapes) {
+    DeviceBuffer<bf16> w(static_cast<size_t>(sh.n) * sh.k);
+    PD_STATUS_CHECK(kc::fill_uniform(w.get(), w.count(), 3, 0.03f, nullptr));
+    for (int m : {1, 16}) {
+      for (int v = -1; v < kc::Gemm::num_skinny_variants(); ++v) {
+        if (v >= 0 && m > kc::Gemm::skinny_variant_max_m(v)) continue;
+        auto gemm =
+            kc::Gemm::create(64ull << 20, v < 0 ? kc::GemmPolicy::kHeuristic : kc::GemmPolicy::kSkinny, std::max(v, 0));
+        PD_STATUS_CHECK(gemm.status());
+        PD_STATUS_CHECK((*gemm)->run(out.get(), kc::GemmOut::kBFloat16, act.get(), w.get(), m, sh.n, sh.k, nullptr));
+        PD_CUDA_CHECK(cudaDeviceSynchronize());
+        std::printf("probe launch %d: %s M=%d %s\n", launch++, sh.name, m,
+                    v < 0 ? "cuBLASLt first choice" : ("skinny v" + std::to_string(v)).c_str());
+      }
+    }
+  }
+  const int m = 16;
+  const int blocks_per_seq = (ctx + 15) / 16;
+  const size_t block_elems = 2ull * 16 * hkv * d;
+  const int num_blocks = m * blocks_per_seq;
+  DeviceBuffer<bf16> kv(static_cast<size_t>(num_blocks) * block_elems);
+  PD_STATUS_CHECK(kc::fill_uniform(kv.get(), kv.count(), 9, 1.0f, nullptr));
+  std::vector<int32_t> table(static_cast<size_t>(num_blocks));
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937_64(3));
+  DeviceBuffer<int32_t> d_table(table.size()), d_ctx(m), d_qstart(m + 1);
+  d_table.upload(table);
+  std::vector<int32_t> qstart(static_cast<size_t>(m) + 1);
+  std::iota(qstart.begin(), qstart.end(), 0);
+  d_ctx.upload(std::vector<int32_t>(static_cast<size_t>(m), ctx));
+  d_qstart.upload(qstart);
+  DeviceBuffer<bf16> q(static_cast<size_t>(m) * hq * d), attn_out(q.count());
+  PD_STATUS_CHECK(kc::fill_uniform(q.get(), q.count(), 11, 1.0f, nullptr));
+  kc::AttentionArgs a;
+  a.q = q.get();
+  a.out = attn_out.get();
+  a.kv_cache = kv.get();
+  a.block_tables = d_table.get();
+  a.query_start = d_qstart.get();
+  a.context_lens = d_ctx.get();
+  a.max_blocks_per_seq = blocks_per_seq;
+  a.num_seqs = m;
+  a.max_query_len = 1;
+  a.max_context_len = ctx;
+  a.num_q_heads = hq;
+  a.num_kv_heads = hkv;
+  a.head_dim = d;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  a.decode_partition_tokens = engine::CudaModelRunner::decode_partition_tokens_for(m, hkv);
+  a.decode_kv_stages = engine::CudaModelRunner::decode_kv_stages_for(m, hkv);
+  const size_t ws_bytes = kc::decode_attention_workspace_bytes(m, hq, d, ctx, a.decode_partition_tokens);
+  DeviceBuffer<uint8_t> ws(ws_bytes);
+  PD_STATUS_CHECK(kc::decode_attention(a, ws.get(), ws_bytes, nullptr));
+  PD_CUDA_CHECK(cudaDeviceSynchronize());
+  std::printf("probe launch %d: decode attention b%d ctx %d, partition %d, %d stages (+ its reduce)\n", launch++, m,
+              ctx, a.decode_partition_tokens, a.decode_kv_stages);
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -366,6 +443,7 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   if (g_decode_partition >= 0) opt.decode_partition_tokens = g_decode_partition;
   if (g_kv_evict_first >= 0) opt.decode_kv_evict_first = g_kv_evict_first != 0;
   if (g_kv_stages > 0) opt.decode_kv_stages = g_kv_stages;
+  if (g_fuse_norms >= 0) opt.fuse_norms_into_gemms = g_fuse_norms != 0;
   const auto t0 = std::chrono::steady_clock::now();
   auto created = engine::CudaModelRunner::create(cfg, nullptr, opt);
   PD_STATUS_CHECK(created.status());
@@ -393,7 +471,8 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
                 (merge_in_attention ? ", merge in attention" : "") +
                 (opt.decode_partition_tokens > 0 ? ", partition " + std::to_string(opt.decode_partition_tokens) : "") +
                 (opt.decode_kv_evict_first ? "" : ", kv without evict-first") +
-                (opt.decode_kv_stages != 0 ? ", kv stages " + std::to_string(opt.decode_kv_stages) : "")};
+                (opt.decode_kv_stages != 0 ? ", kv stages " + std::to_string(opt.decode_kv_stages) : "") +
+                (opt.fuse_norms_into_gemms ? "" : ", norms unfused")};
     auto graph_ms = runner.time_decode_graph(b, 20);
     PD_STATUS_CHECK(graph_ms.status());
     row.graph_ms = *graph_ms;
@@ -403,9 +482,14 @@ void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels
   std::printf("%s: GEMM plans tuned at load (us per call): m n k -> choice, cuBLASLt first / best, best skinny\n",
               name);
   for (const kc::GemmTuning& t : runner.gemm().tunings()) {
-    std::printf("  %4d %6d %6d -> %-6s %8.1f %8.1f %8.1f (v%d)  (%d cuBLASLt candidates)\n", t.m, t.n, t.k,
-                t.chose_skinny ? "skinny" : "cublas", t.heuristic_us, t.best_cublas_us, t.skinny_us, t.skinny_variant,
-                t.num_candidates);
+    std::printf("  %4d %6d %6d %-5s -> %-6s%s %8.1f %8.1f %8.1f (v%d)", t.m, t.n, t.k,
+                t.normed       ? "norm"
+                : t.accumulate ? "accum"
+                               : "",
+                t.chose_skinny ? "skinny" : "cublas", t.chose_norm_in_kernel ? "+norm" : "     ", t.heuristic_us,
+                t.best_cublas_us, t.skinny_us, t.skinny_variant);
+    if (t.normed) std::printf(" in-kernel %8.1f (v%d)", t.skinny_norm_in_kernel_us, t.skinny_norm_in_kernel_variant);
+    std::printf("  (%d cuBLASLt candidates)\n", t.num_candidates);
   }
   if (decode_only) {
     std::printf("%s: %d decode graphs captured\n", name, runner.num_graphs_captured());
@@ -438,7 +522,8 @@ int main(int argc, char** argv) {
   int ctx = 2048;
   auto decode_kernel = pd::kernels::cuda::DecodeKernel::kTensorCore;
   auto gemm_policy = kc::GemmPolicy::kAutotune;
-  bool decode_only = false, ops = false, ops_attention_only = false, pdl = true, merge_in_attention = false;
+  bool decode_only = false, ops = false, ops_attention_only = false, ops_probe = false, pdl = true,
+       merge_in_attention = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--gemm") == 0) {
       const std::string v = argv[i + 1];
@@ -449,11 +534,13 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--decode-only") == 0) decode_only = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--ops") == 0) {
       ops_attention_only = std::strcmp(argv[i + 1], "attn") == 0;
+      ops_probe = std::strcmp(argv[i + 1], "probe") == 0;
       ops = ops_attention_only || std::atoi(argv[i + 1]) != 0;
     }
     if (std::strcmp(argv[i], "--decode-partition") == 0) g_decode_partition = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--kv-evict-first") == 0) g_kv_evict_first = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--kv-stages") == 0) g_kv_stages = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--fuse-norms") == 0) g_fuse_norms = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--pdl") == 0) pdl = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--merge-in-attention") == 0) merge_in_attention = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--pdl-max-tokens") == 0) g_pdl_max_tokens = std::atoi(argv[i + 1]);
@@ -464,6 +551,10 @@ int main(int argc, char** argv) {
     }
   }
   PD_CUDA_CHECK(cudaSetDevice(0));
+  if (ops_probe) {
+    probe_for_profiler(qwen3_config(false), ctx);
+    return 0;
+  }
   cudaDeviceProp prop{};
   PD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const double copy_gbs = measure_copy_gbs();

@@ -49,7 +49,9 @@ struct Variant {
   bool merge_in_attention = false;  // split-K merge in decode attention's last CTA
   int32_t decode_partition_tokens = 0;
   bool kv_evict_first = true;
-  int32_t kv_stages = 0;  // 0 = the runner's rule by batch
+  int32_t kv_stages = 0;      // 0 = the runner's rule by batch
+  bool fuse_norms = true;     // CudaRunnerOptions::fuse_norms_into_gemms
+  bool skinny_gemms = false;  // GemmPolicy::kSkinny: skinny v0 (norm in-kernel) wherever M <= 16
 };
 
 int run_check(model::ModelFamily family, int head_dim, bool graphs, Variant variant = {}) {
@@ -77,6 +79,8 @@ int run_check(model::ModelFamily family, int head_dim, bool graphs, Variant vari
   opt.decode_partition_tokens = variant.decode_partition_tokens;
   opt.decode_kv_evict_first = variant.kv_evict_first;
   opt.decode_kv_stages = variant.kv_stages;
+  opt.fuse_norms_into_gemms = variant.fuse_norms;
+  if (variant.skinny_gemms) opt.gemm_policy = kernels::cuda::GemmPolicy::kSkinny;
   auto gpu_r = engine::CudaModelRunner::create(cfg, &weights, opt);
   PD_STATUS_CHECK(gpu_r.status());
 
@@ -100,9 +104,11 @@ int run_check(model::ModelFamily family, int head_dim, bool graphs, Variant vari
   };
   for (int i = 0; i < 10; ++i) plan.push_back({{0, 1}, {1, 1}, {2, 1}, {3, 1}});
   plan.push_back({{2, 1}});
-  std::printf("variant: merge in attention %d, partition %d, kv evict-first %d, kv stages %d\n",
-              variant.merge_in_attention ? 1 : 0, variant.decode_partition_tokens, variant.kv_evict_first ? 1 : 0,
-              variant.kv_stages);
+  std::printf(
+      "variant: merge in attention %d, partition %d, kv evict-first %d, kv stages %d, norms fused %d, skinny gemms "
+      "%d\n",
+      variant.merge_in_attention ? 1 : 0, variant.decode_partition_tokens, variant.kv_evict_first ? 1 : 0,
+      variant.kv_stages, variant.fuse_norms ? 1 : 0, variant.skinny_gemms ? 1 : 0);
   std::printf("%-8s %-5s %-6s %-34s %10s %8s\n", "family", "D", "graphs", "step", "rel_l2", "tokens");
   for (size_t step = 0; step < plan.size(); ++step) {
     engine::StepInput in;
@@ -176,6 +182,12 @@ int main() {
   const pd::gpu_test::Variant one_partition{.decode_partition_tokens = 2048, .kv_evict_first = false, .kv_stages = 3};
   failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, one_partition);
   failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 64, false, one_partition);
+  // Norms as their own kernels (the unfused layer), and the skinny kernels forced wherever
+  // M <= 16 so every decode GEMM that reads a norm computes it in-kernel.
+  failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, {.fuse_norms = false});
+  failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 64, false, {.fuse_norms = false});
+  failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, {.skinny_gemms = true});
+  failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 128, false, {.skinny_gemms = true});
   std::printf("runner check: %d failing steps\n", failures);
   return failures == 0 ? 0 : 1;
 }

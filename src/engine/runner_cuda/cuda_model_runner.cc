@@ -498,15 +498,36 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   pre.max_query_len = shape.max_prefill_q;
   pre.max_context_len = shape.max_context;
 
+  // Fused: residual_ holds the residual stream throughout; o_proj and the down projection add
+  // into it, and the qkv and gate_up GEMMs normalize it on the way in (x_ is the norm's scratch
+  // when it runs as its own kernel). Unfused: o_proj and down write x_, and an add + norm kernel
+  // folds it into residual_ and writes the normalized rows to x_.
+  const bool fused = options_.fuse_norms_into_gemms;
+  auto normed = [&](const bf16* norm_weight) {
+    kc::GemmFusion f;
+    f.norm_weight = norm_weight;
+    f.norm_eps = c.rms_norm_eps;
+    f.norm_scratch = x_;
+    return f;
+  };
+  kc::GemmFusion accumulate;
+  accumulate.accumulate = true;
+  bf16* const block_out = fused ? residual_ : x_;  // where o_proj and the down projection write
+
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = layers_[static_cast<size_t>(l)];
     bf16* kv = static_cast<bf16*>(kv_layer_base(l));
-    if (l == 0) {
-      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, residual_, nullptr, w.input_norm, t, h, c.rms_norm_eps, stream_));
+    if (fused) {
+      PD_RETURN_IF_ERROR(gemm_->run(qkv_buf_, kc::GemmOut::kBFloat16, residual_, w.qkv, t, qkv_width, h, stream_,
+                                    normed(w.input_norm)));
     } else {
-      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, x_, residual_, w.input_norm, t, h, c.rms_norm_eps, stream_));
+      if (l == 0) {
+        PD_RETURN_IF_ERROR(kc::rmsnorm(x_, residual_, nullptr, w.input_norm, t, h, c.rms_norm_eps, stream_));
+      } else {
+        PD_RETURN_IF_ERROR(kc::rmsnorm(x_, x_, residual_, w.input_norm, t, h, c.rms_norm_eps, stream_));
+      }
+      PD_RETURN_IF_ERROR(gemm_->run(qkv_buf_, kc::GemmOut::kBFloat16, x_, w.qkv, t, qkv_width, h, stream_));
     }
-    PD_RETURN_IF_ERROR(gemm_->run(qkv_buf_, kc::GemmOut::kBFloat16, x_, w.qkv, t, qkv_width, h, stream_));
     if (w.qkv_bias != nullptr) PD_RETURN_IF_ERROR(kc::add_bias(qkv_buf_, w.qkv_bias, t, qkv_width, stream_));
     kc::RopeKvArgs rope;
     rope.qkv = qkv_buf_;
@@ -534,23 +555,37 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
       PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "layer sync before save_layer"));
       hooks->save_layer(l);
     }
-    PD_RETURN_IF_ERROR(gemm_->run(x_, kc::GemmOut::kBFloat16, attn_buf_, w.o_proj, t, h, hq * d, stream_));
-    if (w.o_bias != nullptr) PD_RETURN_IF_ERROR(kc::add_bias(x_, w.o_bias, t, h, stream_));
-    PD_RETURN_IF_ERROR(kc::rmsnorm(x_, x_, residual_, w.post_norm, t, h, c.rms_norm_eps, stream_));
-    PD_RETURN_IF_ERROR(
-        gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, x_, w.gate_up, t, 2 * c.intermediate_size, h, stream_));
+    PD_RETURN_IF_ERROR(gemm_->run(block_out, kc::GemmOut::kBFloat16, attn_buf_, w.o_proj, t, h, hq * d, stream_,
+                                  fused ? accumulate : kc::GemmFusion{}));
+    if (w.o_bias != nullptr) PD_RETURN_IF_ERROR(kc::add_bias(block_out, w.o_bias, t, h, stream_));
+    if (fused) {
+      PD_RETURN_IF_ERROR(gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, residual_, w.gate_up, t,
+                                    2 * c.intermediate_size, h, stream_, normed(w.post_norm)));
+    } else {
+      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, x_, residual_, w.post_norm, t, h, c.rms_norm_eps, stream_));
+      PD_RETURN_IF_ERROR(
+          gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, x_, w.gate_up, t, 2 * c.intermediate_size, h, stream_));
+    }
     PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
-    PD_RETURN_IF_ERROR(gemm_->run(x_, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size, stream_));
+    PD_RETURN_IF_ERROR(gemm_->run(block_out, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size,
+                                  stream_, fused ? accumulate : kc::GemmFusion{}));
   }
   if (shape.num_sample == 0) return Status::Ok();
-  // Final residual add + norm only for the rows that are sampled.
-  bf16* residual_rows = gate_up_buf_;  // scratch: [num_sample][H] fits in [T][2I]
-  PD_RETURN_IF_ERROR(
-      kc::embedding_lookup(sample_hidden_, x_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
-  PD_RETURN_IF_ERROR(
-      kc::embedding_lookup(residual_rows, residual_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
-  PD_RETURN_IF_ERROR(kc::rmsnorm(sample_hidden_, sample_hidden_, residual_rows, final_norm_, shape.num_sample, h,
-                                 c.rms_norm_eps, stream_));
+  // Final (residual add and) norm only for the rows that are sampled.
+  if (fused) {
+    PD_RETURN_IF_ERROR(
+        kc::embedding_lookup(sample_hidden_, residual_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
+    PD_RETURN_IF_ERROR(kc::rmsnorm(sample_hidden_, sample_hidden_, nullptr, final_norm_, shape.num_sample, h,
+                                   c.rms_norm_eps, stream_));
+  } else {
+    bf16* residual_rows = gate_up_buf_;  // scratch: [num_sample][H] fits in [T][2I]
+    PD_RETURN_IF_ERROR(
+        kc::embedding_lookup(sample_hidden_, x_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
+    PD_RETURN_IF_ERROR(
+        kc::embedding_lookup(residual_rows, residual_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
+    PD_RETURN_IF_ERROR(kc::rmsnorm(sample_hidden_, sample_hidden_, residual_rows, final_norm_, shape.num_sample, h,
+                                   c.rms_norm_eps, stream_));
+  }
   return gemm_->run(logits_, kc::GemmOut::kFloat32, sample_hidden_, lm_head_, shape.num_sample, c.vocab_size, h,
                     stream_);
 }

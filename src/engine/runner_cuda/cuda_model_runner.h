@@ -60,6 +60,11 @@ struct CudaRunnerOptions {
   // Decode attention: 16-token K/V blocks each warp keeps in flight (AttentionArgs, 2 or
   // 3); 0 = the rule of decode_kv_stages_for.
   int32_t decode_kv_stages = 0;
+  // The residual adds run as accumulating stores of o_proj and the down projection, and each
+  // RMSNorm travels with the GEMM that reads it (GemmFusion), which computes it in-kernel where
+  // the tuner measures that faster (the skinny kernels at decode sizes) and otherwise runs
+  // the norm kernel before it. Off: add + norm kernels between the GEMMs, as before.
+  bool fuse_norms_into_gemms = true;
   uint64_t dummy_seed = 0;
 };
 
