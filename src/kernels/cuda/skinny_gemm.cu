@@ -21,11 +21,13 @@
 // m * k * 2 <= kSkinnyNormSmemBytes): `a` is the un-normalized residual stream; each CTA
 // first normalizes its m rows into shared memory exactly as rmsnorm_kernel does (fp32 sum
 // of squares, HF's rounding order), while the weight loads issued before the PDL wait are
-// in flight, and the main loop then reads the activations from there. Every CTA repeats the norm of the same m rows (8
-// KB each at hidden 4,096, from L2): cheaper than a kernel launch and its wait at these sizes. Normalizing inside the
-// loop instead (each activation piece times its weight piece, the row scale on the sums) needed 16-30 more registers,
-// dropped a CTA per SM or spilled, and measured about 25 % slower; persistent 16-warp CTAs normalizing up to 16 rows
-// once lost to the norm kernel + the usual variants by 50 % (docs/perf/engine.md, session 6).
+// in flight, and the main loop then reads the activations from there. Every CTA repeats
+// the norm of the same m rows (8 KB each at hidden 4,096, from L2): cheaper than a kernel
+// launch and its wait at these sizes. Normalizing inside the loop instead (each activation
+// piece times its weight piece, the row scale on the sums) needed 16-30 more registers,
+// dropped a CTA per SM or spilled, and measured about 25 % slower; persistent 16-warp CTAs
+// normalizing up to 16 rows once lost to the norm kernel + the usual variants by 50 %
+// (docs/perf/engine.md, session 6).
 //
 // k permutation: a lane of quad t4 loads 8 consecutive k (16 bytes) of its w
 // row and of the activation rows; those 8 values feed the mma's k slots
