@@ -564,6 +564,33 @@ void check_dispatch_rejects() {
   g_rows.push_back({"dispatch.rejects", "decode partition 2064 / 4 stages", e,
                     too_long.code() == ErrorCode::kUnimplemented && four_stages.code() == ErrorCode::kUnimplemented,
                     too_long.ok() ? "accepted!" : too_long.message()});
+  // GEMM fusions it cannot run safely: norm and accumulate at once, fp32 out, aliasing buffers,
+  // no scratch. Each is refused with INVALID_ARGUMENT before any plan or launch.
+  auto gemm = kc::Gemm::create(1ull << 20);
+  PD_STATUS_CHECK(gemm.status());
+  DeviceBuffer<bf16> x(64 * 64), y(64 * 64), g(64), scratch(64 * 64);
+  kc::GemmFusion both;
+  both.norm_weight = g.get();
+  both.norm_scratch = scratch.get();
+  both.accumulate = true;
+  kc::GemmFusion normed;
+  normed.norm_weight = g.get();
+  normed.norm_scratch = scratch.get();
+  kc::GemmFusion no_scratch = normed;
+  no_scratch.norm_scratch = nullptr;
+  kc::GemmFusion accumulate;
+  accumulate.accumulate = true;
+  const std::vector<Status> refused = {
+      (*gemm)->run(y.get(), kc::GemmOut::kBFloat16, x.get(), x.get(), 4, 64, 64, nullptr, both),
+      (*gemm)->run(y.get(), kc::GemmOut::kFloat32, x.get(), x.get(), 4, 64, 64, nullptr, normed),
+      (*gemm)->run(x.get(), kc::GemmOut::kBFloat16, x.get(), y.get(), 4, 64, 64, nullptr, normed),
+      (*gemm)->run(scratch.get(), kc::GemmOut::kBFloat16, x.get(), y.get(), 4, 64, 64, nullptr, normed),
+      (*gemm)->run(y.get(), kc::GemmOut::kBFloat16, x.get(), y.get(), 4, 64, 64, nullptr, no_scratch),
+      (*gemm)->run(x.get(), kc::GemmOut::kBFloat16, x.get(), y.get(), 4, 64, 64, nullptr, accumulate)};
+  bool all_refused = true;
+  for (const Status& st : refused) all_refused = all_refused && st.code() == ErrorCode::kInvalidArgument;
+  g_rows.push_back({"dispatch.rejects", "gemm fusions (6 cases)", e, all_refused,
+                    refused[0].ok() ? "accepted!" : refused[0].message()});
 }
 
 // ---------------------------------------------------------------- timing

@@ -135,7 +135,11 @@ def main() -> int:
     c = sub.add_parser("compare")
     c.add_argument("reference")
     c.add_argument("others", nargs="+")
-    c.add_argument("--tie-nats", type=float, default=0.1)
+    # Two correct bf16 implementations of the ~1B test model disagree by up to ~0.2 nats on a
+    # logprob (HF eager vs sdpa: 0.214 max, docs/perf/engine.md session 6; ours and HF bf16 are
+    # each up to 0.11 from fp32), so a top-2 margin below 0.2 nats is a tie. 0.1 (the first
+    # value) failed one READ prompt at 0.105 nats on 2026-12-01 (docs/perf/connector.md).
+    c.add_argument("--tie-nats", type=float, default=0.2)
     args = parser.parse_args()
     return run(args) if args.cmd == "run" else compare(args)
 

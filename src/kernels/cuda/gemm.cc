@@ -314,9 +314,13 @@ Status Gemm::run(void* out, GemmOut out_type, const __nv_bfloat16* a, const __nv
   if (normed && fusion.accumulate) {
     return invalid_argument("gemm m={} n={} k={}: norm and accumulate fusions exclude each other", m, n, k);
   }
-  if (normed && (fusion.norm_scratch == nullptr || fusion.norm_scratch == a || !(fusion.norm_eps > 0.0f))) {
-    return invalid_argument("gemm m={} n={} k={}: a norm fusion needs a scratch buffer apart from a and eps > 0", m, n,
-                            k);
+  // A normed GEMM reads all of `a` in every CTA (and the norm kernel writes the scratch the GEMM
+  // reads), so none of a, the scratch and out may share memory.
+  if (normed && (fusion.norm_scratch == nullptr || fusion.norm_scratch == a || fusion.norm_scratch == out ||
+                 out == static_cast<const void*>(a) || !(fusion.norm_eps > 0.0f))) {
+    return invalid_argument(
+        "gemm m={} n={} k={}: a norm fusion needs a scratch buffer apart from a and out, out apart from a, and eps > 0",
+        m, n, k);
   }
   if (fusion.accumulate && out == static_cast<const void*>(a)) {
     return invalid_argument("gemm m={} n={} k={}: an accumulating call's out must not alias a", m, n, k);
