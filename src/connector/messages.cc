@@ -91,13 +91,19 @@ class MapReader {
     return Status::Ok();
   }
 
+  // Also refuses a key given twice: find() reads the first, and a frame that means two
+  // things to two readers is malformed.
   Status no_unknown_keys() const {
+    std::set<std::string_view> seen;
     for (uint32_t i = 0; i < map_.size; ++i) {
       const auto& key = map_.ptr[i].key;
       if (key.type != msgpack::type::STR)
         return invalid_argument("map key of type {} (expected string)", int(key.type));
       std::string name(key.via.str.ptr, key.via.str.size);
       if (!used_.count(name)) return invalid_argument("unknown key '{}'", name.substr(0, 64));
+      if (!seen.insert(std::string_view(key.via.str.ptr, key.via.str.size)).second) {
+        return invalid_argument("key '{}' given twice", name.substr(0, 64));
+      }
     }
     return Status::Ok();
   }

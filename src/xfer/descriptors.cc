@@ -3,7 +3,9 @@
 // every limit, and turns any msgpack exception into kInvalidArgument.
 #include <msgpack.hpp>
 
+#include <algorithm>
 #include <limits>
+#include <set>
 
 #include "xfer/types.h"
 
@@ -82,12 +84,17 @@ class Fields {
     for (uint32_t i = 0; i < o->via.map.size; ++i) {
       const msgpack::object& k = o->via.map.ptr[i].key;
       const msgpack::object& v = o->via.map.ptr[i].val;
+      // Blobs go to backend parsers that take no length (ucp_ep_create, ucp_ep_rkey_unpack):
+      // an empty one would hand them a null pointer.
       if (k.type != msgpack::type::STR || k.via.str.size > kMaxNameBytes || v.type != msgpack::type::BIN ||
-          v.via.bin.size > kMaxBlobBytes) {
+          v.via.bin.size == 0 || v.via.bin.size > kMaxBlobBytes) {
         return invalid_argument("descriptor field '{}' entry {} is not a (name, blob) pair within limits", key, i);
       }
       const auto* data = reinterpret_cast<const uint8_t*>(v.via.bin.ptr);
-      out.emplace(std::string(k.via.str.ptr, k.via.str.size), std::vector<uint8_t>(data, data + v.via.bin.size));
+      const bool inserted =
+          out.emplace(std::string(k.via.str.ptr, k.via.str.size), std::vector<uint8_t>(data, data + v.via.bin.size))
+              .second;
+      if (!inserted) return invalid_argument("descriptor field '{}' names entry {} twice", key, i);
     }
     return out;
   }
@@ -114,6 +121,15 @@ Status open_envelope(std::span<const uint8_t> bytes, std::string_view type, msgp
   }
   const msgpack::object& root = handle.get();
   if (root.type != msgpack::type::MAP) return invalid_argument("{} descriptor is not a msgpack map", type);
+  // Strict: a key given twice would let two readers of one descriptor see different values.
+  std::set<std::string_view> keys;
+  for (uint32_t i = 0; i < root.via.map.size; ++i) {
+    const msgpack::object& k = root.via.map.ptr[i].key;
+    if (k.type == msgpack::type::STR && !keys.insert(std::string_view(k.via.str.ptr, k.via.str.size)).second) {
+      return invalid_argument("{} descriptor has key '{}' twice", type,
+                              std::string_view(k.via.str.ptr, std::min<size_t>(k.via.str.size, 64)));
+    }
+  }
   Fields fields(root);
   PD_ASSIGN_OR_RETURN(uint64_t version, fields.u64("v"));
   if (version != kDescriptorVersion) {

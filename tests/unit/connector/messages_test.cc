@@ -201,6 +201,30 @@ TEST(ControlMessages, RefusesBlockIdsThatAreNotInt32) {
   EXPECT_NE(decoded.status().message().find("block_ids[1]"), std::string::npos);
 }
 
+TEST(ControlMessages, RefusesAKeyGivenTwice) {
+  // {"ok": true, "ok": false} would read as true here and as false to another decoder.
+  auto pack_done = [](bool twice) {
+    msgpack::sbuffer buffer;
+    msgpack::packer<msgpack::sbuffer> pk(buffer);
+    pk.pack_map(twice ? 9 : 8);
+    pk.pack(std::string("v")), pk.pack(kProtocolVersion);
+    pk.pack(std::string("type")), pk.pack(std::string("done"));
+    pk.pack(std::string("instance_id")), pk.pack(std::string("c"));
+    pk.pack(std::string("boot_nonce")), pk.pack(1u);
+    pk.pack(std::string("tp_rank")), pk.pack(0u);
+    pk.pack(std::string("transfer_id")), pk.pack(kTransfer);
+    pk.pack(std::string("ok")), pk.pack(true);
+    if (twice) pk.pack(std::string("ok")), pk.pack(false);
+    pk.pack(std::string("num_tokens")), pk.pack(10u);
+    return std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(buffer.data()),
+                                reinterpret_cast<const uint8_t*>(buffer.data()) + buffer.size());
+  };
+  ASSERT_TRUE(decode_message(pack_done(false)).ok());
+  auto decoded = decode_message(pack_done(true));
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_NE(decoded.status().message().find("'ok' given twice"), std::string::npos) << decoded.status().message();
+}
+
 TEST(ControlMessages, MetaLayerCountMustMatchTheFingerprint) {
   auto m = meta();
   m.layer_descs.push_back({9});

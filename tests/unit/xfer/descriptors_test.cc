@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <msgpack.hpp>
 
 #include <random>
 
@@ -108,6 +109,47 @@ TEST(Descriptors, RejectsInconsistentMemDesc) {
   MemDesc no_nonce = sample_mem();
   no_nonce.boot_nonce = 0;
   EXPECT_FALSE(decode_mem_desc(encode(no_nonce)).ok());
+}
+
+TEST(Descriptors, RejectsEmptyBackendBlobs) {
+  // UCX parses endpoint addresses and remote keys without a length: an empty blob would
+  // reach it as a null pointer.
+  EngineDesc empty_endpoint = sample_engine();
+  empty_endpoint.endpoints["ucx"] = {};
+  EXPECT_FALSE(decode_engine_desc(encode(empty_endpoint)).ok());
+  MemDesc empty_key = sample_mem();
+  empty_key.keys["ucx"] = {};
+  EXPECT_FALSE(decode_mem_desc(encode(empty_key)).ok());
+}
+
+std::vector<uint8_t> engine_desc_bytes(bool nonce_twice, bool endpoint_twice) {
+  msgpack::sbuffer buffer;
+  msgpack::packer<msgpack::sbuffer> pk(buffer);
+  pk.pack_map(nonce_twice ? 8 : 7);
+  pk.pack("v"), pk.pack(kDescriptorVersion);
+  pk.pack("t"), pk.pack("engine");
+  pk.pack("name"), pk.pack("prefill-0");
+  pk.pack("nonce"), pk.pack(5u);
+  if (nonce_twice) pk.pack("nonce"), pk.pack(6u);
+  pk.pack("host"), pk.pack("h");
+  pk.pack("ep");
+  pk.pack_map(endpoint_twice ? 2 : 1);
+  for (int i = 0; i < (endpoint_twice ? 2 : 1); ++i) {
+    pk.pack("ucx");
+    pk.pack_bin(1);
+    pk.pack_bin_body("x", 1);
+  }
+  pk.pack("gpus"), pk.pack(std::vector<std::string>{});
+  const auto* data = reinterpret_cast<const uint8_t*>(buffer.data());
+  return {data, data + buffer.size()};
+}
+
+TEST(Descriptors, RejectsAKeyOrABackendGivenTwice) {
+  ASSERT_TRUE(decode_engine_desc(engine_desc_bytes(false, false)).ok());
+  auto nonce_twice = decode_engine_desc(engine_desc_bytes(true, false));
+  ASSERT_FALSE(nonce_twice.ok());
+  EXPECT_NE(nonce_twice.status().message().find("'nonce' twice"), std::string::npos);
+  EXPECT_FALSE(decode_engine_desc(engine_desc_bytes(false, true)).ok());
 }
 
 TEST(Descriptors, SurvivesRandomBitFlips) {
