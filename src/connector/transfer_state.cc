@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <unordered_set>
+#include <utility>
 
 #include "connector/transfer_params.h"
 
@@ -33,11 +34,17 @@ Status ProducerTransfers::start(const std::string& transfer_id, const std::strin
   }
   auto early = early_blocks_.find(transfer_id);
   if (early != early_blocks_.end()) {
+    early_block_ids_ -= early->second.msg.block_ids.size();  // before the move empties it
     EarlyBlocks buffered = std::move(early->second);
     early_blocks_.erase(early);
     on_blocks(buffered.from, buffered.msg, buffered.peer_num_blocks, now_ms);
   }
   return Status::Ok();
+}
+
+ProducerTransfers::EarlyBlocksMap::iterator ProducerTransfers::erase_early(EarlyBlocksMap::iterator it) {
+  early_block_ids_ -= it->second.msg.block_ids.size();
+  return early_blocks_.erase(it);
 }
 
 void ProducerTransfers::send(const PeerRef& to, MessageType type, const std::string& transfer_id, std::string text,
@@ -90,12 +97,16 @@ void ProducerTransfers::on_blocks(const PeerRef& from, const ControlMessage& msg
     return;
   }
   if (it == transfers_.end()) {
-    // The consumer's leg can beat ours: keep the ids until our request arrives.
-    if (early_blocks_.count(msg.transfer_id) || early_blocks_.size() >= kMaxEarlyBlocks) {
+    // The consumer's leg can beat ours: keep the ids until our request arrives. No list can
+    // name more blocks than the consumer's pool holds; the total held is bounded too.
+    if (early_blocks_.count(msg.transfer_id) || early_blocks_.size() >= kMaxEarlyBlocks ||
+        msg.block_ids.size() > static_cast<size_t>(std::max(peer_num_blocks, 0)) ||
+        early_block_ids_ + msg.block_ids.size() > kMaxEarlyBlockIds) {
       ++actions_.num_refused;
-      send(from, MessageType::kAbort, msg.transfer_id, "duplicate or too many unclaimed block lists");
+      send(from, MessageType::kAbort, msg.transfer_id, "duplicate, oversized or too many unclaimed block lists");
       return;
     }
+    early_block_ids_ += msg.block_ids.size();
     early_blocks_[msg.transfer_id] = EarlyBlocks{from, msg, peer_num_blocks, now_ms + timeouts_.defer_timeout_ms};
     return;
   }
@@ -344,7 +355,7 @@ void ProducerTransfers::on_abort(const PeerRef& from, const ControlMessage& msg)
   if (early != early_blocks_.end() && early->second.from == from) {
     // Acknowledged, so the consumer can release the blocks it holds for us at once.
     send(from, MessageType::kAbort, msg.transfer_id, "aborted before the producer saw the request");
-    early_blocks_.erase(early);
+    erase_early(early);
     remember_closed(msg.transfer_id);
     return;
   }
@@ -381,7 +392,7 @@ void ProducerTransfers::on_abort(const PeerRef& from, const ControlMessage& msg)
 void ProducerTransfers::on_peer_gone(const std::string& instance_id, uint64_t boot_nonce) {
   for (auto it = early_blocks_.begin(); it != early_blocks_.end();) {
     if (it->second.from.instance_id == instance_id && it->second.from.boot_nonce == boot_nonce)
-      it = early_blocks_.erase(it);
+      it = erase_early(it);
     else
       ++it;
   }
@@ -404,7 +415,7 @@ void ProducerTransfers::tick(int64_t now_ms) {
       ++actions_.num_timeouts;
       send(it->second.from, MessageType::kAbort, it->first, "the producer never received this transfer's request");
       remember_closed(it->first);
-      it = early_blocks_.erase(it);
+      it = erase_early(it);
     } else {
       ++it;
     }
@@ -548,9 +559,16 @@ void ConsumerTransfers::ensure_peer(const std::string& transfer_id, Transfer& t,
       proceed(transfer_id, t, it->second);
       return;
     }
-    // The request names another incarnation: the producer restarted. Re-handshake
-    // from a fresh connection; transfers of the old incarnation fail on their own.
-    actions_.dropped_dealers.push_back(control);
+    // The request names another incarnation than the one we know at that address. Either
+    // the producer restarted, or the request is stale (router registration lag) or forged.
+    // Ask the address again on the same connection: a restarted producer answers with its
+    // new nonce (on_peer_ready then fails what was bound to the old one); the same
+    // incarnation answers with its own, this request fails, and the transfers in flight on
+    // that connection are untouched (dropping it would lose their `done`s on the producer).
+    it->second.phase = PeerPhase::kHandshaking;
+    it->second.deadline_ms = now_ms + timeouts_.handshake_timeout_ms;
+    actions_.handshakes.push_back(control);
+    return;
   } else if (it != peers_.end() && it->second.phase == PeerPhase::kHandshaking) {
     return;
   }
@@ -614,15 +632,30 @@ void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, con
 void ConsumerTransfers::on_peer_ready(const std::string& control, const std::string& instance_id, uint64_t boot_nonce,
                                       int32_t peer_num_blocks) {
   Peer& peer = peers_[control];
+  const std::string previous_instance = std::exchange(peer.instance_id, instance_id);
+  const uint64_t previous_nonce = std::exchange(peer.boot_nonce, boot_nonce);
   peer.phase = PeerPhase::kReady;
-  peer.instance_id = instance_id;
-  peer.boot_nonce = boot_nonce;
   peer.num_blocks = peer_num_blocks;
   std::vector<std::string> waiting;
+  std::vector<std::string> orphaned;  // in flight with an incarnation that no longer answers there
   for (auto& [id, t] : transfers_) {
-    if (t.params.remote_control == control && (t.phase == Phase::kAwaitingPeer || t.phase == Phase::kNotifyOnly)) {
+    if (t.params.remote_control != control) continue;
+    if (t.phase == Phase::kAwaitingPeer || t.phase == Phase::kNotifyOnly) {
       waiting.push_back(id);
+    } else if ((t.phase == Phase::kWaitingDone || t.phase == Phase::kAwaitingReadOk) && previous_nonce != 0 &&
+               (previous_instance != instance_id || previous_nonce != boot_nonce) &&
+               t.params.remote_instance_id == previous_instance && t.params.remote_boot_nonce == previous_nonce) {
+      orphaned.push_back(id);
     }
+  }
+  // Another process owns the address now: the old incarnation is gone and will neither
+  // write nor answer, so its transfers recompute now instead of at their timeouts. (Reads
+  // of our own in flight, kReading, end through their completions.)
+  for (const auto& id : orphaned) {
+    auto it = transfers_.find(id);
+    finish(id, it->second, false,
+           fmt::format("producer at {} restarted (nonce {} -> {}) during the transfer", control, previous_nonce,
+                       boot_nonce));
   }
   for (const auto& id : waiting) {
     auto it = transfers_.find(id);

@@ -118,6 +118,7 @@ class ProducerTransfers {
   const std::vector<int32_t>* local_blocks(const std::string& transfer_id) const;
   size_t num_active() const { return transfers_.size(); }
   size_t num_buffered_blocks() const { return early_blocks_.size(); }
+  size_t num_buffered_block_ids() const { return early_block_ids_; }
   size_t num_blocks_held() const;
   std::optional<std::string> transfer_of_request(const std::string& request_id) const;
 
@@ -159,12 +160,16 @@ class ProducerTransfers {
   void remember_closed(const std::string& transfer_id);
   void send(const PeerRef& to, MessageType type, const std::string& transfer_id, std::string text = {}, bool ok = false,
             int32_t num_tokens = 0);
+  // Drops a buffered list, keeping early_block_ids_ in step; returns the next entry.
+  using EarlyBlocksMap = std::map<std::string, EarlyBlocks>;
+  EarlyBlocksMap::iterator erase_early(EarlyBlocksMap::iterator it);
 
   int32_t num_layers_;
   int32_t block_size_;
   ProducerTimeouts timeouts_;
   std::map<std::string, Transfer> transfers_;
   std::map<std::string, EarlyBlocks> early_blocks_;
+  size_t early_block_ids_ = 0;  // block ids held in early_blocks_, bounded by kMaxEarlyBlockIds
   // Recently ended transfers, so late messages for them get an answer, not a buffer slot.
   std::set<std::string> closed_set_;
   std::deque<std::string> closed_order_;
@@ -172,6 +177,10 @@ class ProducerTransfers {
 };
 
 inline constexpr size_t kMaxEarlyBlocks = 4096;
+// Bytes, not just lists: 4096 lists of up to 2^20 ids each (what a frame may carry) would be
+// 16 GiB held for defer_timeout on a peer's word. 2^20 ids (4 MiB) cover 64 concurrent
+// 256k-token prompts in 16-token blocks.
+inline constexpr size_t kMaxEarlyBlockIds = size_t{1} << 20;
 
 // ----------------------------------------------------------------------------
 struct ConsumerTimeouts {

@@ -170,13 +170,58 @@ TEST_F(ConsumerStateTest, ARestartedProducerIsReHandshaken) {
   ASSERT_EQ(c_.admit("req2", p, 0, 10, 1000), 9);
   c_.allocated("req2", {7, 8, 9}, 0, 9, 1000);
   auto a = c_.take_actions();
-  EXPECT_EQ(a.dropped_dealers, std::vector<std::string>{kControl});
+  EXPECT_TRUE(a.dropped_dealers.empty()) << "asked again on the same connection";
   EXPECT_EQ(a.handshakes, std::vector<std::string>{kControl});
   EXPECT_TRUE(a.sends.empty());
   c_.on_peer_ready(kControl, "prefill-0", 6, 64);
   a = c_.take_actions();
   ASSERT_EQ(a.sends.size(), 1u);
   EXPECT_EQ(a.sends[0].message.type, MessageType::kBlocks);
+}
+
+// A request naming an incarnation the address does not have (stale or forged) must not
+// disturb the transfers in flight with the live one.
+TEST_F(ConsumerStateTest, AStaleNonceFailsOnlyItsOwnRequest) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();  // blocks sent: "req" waits for done
+  auto stale = params(false, 6);
+  stale.transfer_id = "11111111111111111111111111111111";
+  ASSERT_EQ(c_.admit("req2", stale, 0, 10, 100), 9);
+  c_.allocated("req2", {7, 8, 9}, 0, 9, 100);
+  auto a = c_.take_actions();
+  EXPECT_TRUE(a.dropped_dealers.empty());
+  EXPECT_EQ(a.handshakes, std::vector<std::string>{kControl});
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);  // the same incarnation answers
+  a = c_.take_actions();
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_EQ(a.load_failures[0].request_id, "req2");
+  c_.on_done(producer(5), msg(MessageType::kDone));
+  a = c_.take_actions();
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"});
+  EXPECT_TRUE(a.load_failures.empty());
+  EXPECT_EQ(c_.num_active(), 0u);
+}
+
+// When a new incarnation answers at the address, the old one is gone: what waited on it
+// recomputes now rather than at its timeout.
+TEST_F(ConsumerStateTest, ARestartFailsTheTransfersInFlightWithTheOldIncarnation) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  c_.take_actions();  // "req" waits for done from nonce 5
+  auto fresh = params(false, 6);
+  fresh.transfer_id = "22222222222222222222222222222222";
+  ASSERT_EQ(c_.admit("req2", fresh, 0, 10, 100), 9);
+  c_.allocated("req2", {7, 8, 9}, 0, 9, 100);
+  c_.take_actions();
+  c_.on_peer_ready(kControl, "prefill-0", 6, 64);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_EQ(a.load_failures[0].request_id, "req");
+  EXPECT_NE(a.load_failures[0].reason.find("restarted"), std::string::npos);
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kBlocks);
+  EXPECT_EQ(a.sends[0].message.transfer_id, fresh.transfer_id);
 }
 
 TEST_F(ConsumerStateTest, AProducerThatIsNotTheNamedIncarnationFailsTheTransfer) {

@@ -123,6 +123,42 @@ TEST_F(ProducerStateTest, WithoutDestinationTheHoldEndsAtDeferTimeout) {
   EXPECT_EQ(p_.num_buffered_blocks(), 0u);
 }
 
+TEST_F(ProducerStateTest, EarlyBlockListsAreBoundedInIdsNotOnlyInLists) {
+  constexpr int32_t kPeerBlocks = 1 << 20;
+  constexpr size_t kQuarter = kMaxEarlyBlockIds / 4;
+  std::vector<int32_t> ids(kQuarter);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+  auto list_for = [&](int i) {
+    ControlMessage m = blocks_msg(ids, 1 << 30);
+    m.transfer_id = fmt::format("{:032x}", i);
+    return m;
+  };
+  for (int i = 0; i < 4; ++i) p_.on_blocks(consumer(), list_for(i), kPeerBlocks, 0);
+  EXPECT_EQ(p_.num_buffered_block_ids(), kMaxEarlyBlockIds);
+  EXPECT_TRUE(p_.take_actions().sends.empty());
+  // Only 4 lists of 4096, but the ids are spent: the fifth is refused with an abort.
+  p_.on_blocks(consumer(), list_for(4), kPeerBlocks, 0);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kAbort);
+  EXPECT_EQ(p_.num_buffered_blocks(), 4u);
+  // A list naming more blocks than the consumer's pool has is refused outright.
+  ControlMessage oversized = blocks_msg({0, 1, 2}, 10);
+  oversized.transfer_id = fmt::format("{:032x}", 99);
+  p_.on_abort(consumer(), list_for(0));  // frees a quarter: room again in ids
+  p_.take_actions();
+  p_.on_blocks(consumer(), oversized, /*peer_num_blocks=*/2, 0);
+  a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kAbort);
+  // Every way out of the buffer gives the ids back: claimed by its request, aborted, timed out.
+  ASSERT_TRUE(p_.start(fmt::format("{:032x}", 1), "req", false, 1 << 30, 0).ok());
+  EXPECT_EQ(p_.num_buffered_block_ids(), 2 * kQuarter);
+  p_.tick(1000);
+  EXPECT_EQ(p_.num_buffered_blocks(), 0u);
+  EXPECT_EQ(p_.num_buffered_block_ids(), 0u);
+}
+
 TEST_F(ProducerStateTest, UnclaimedEarlyBlocksAreAbortedAtDeferTimeout) {
   p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
   p_.tick(1000);
