@@ -35,6 +35,7 @@
 #include <thread>
 
 #include "xfer/backends/factory.h"
+#include "xfer/backends/route_checks.h"
 
 namespace pd::xfer {
 namespace {
@@ -105,6 +106,7 @@ struct Slot {
 struct Imported {
   int device = -1;  // our ordinal of the GPU holding it
   char* base = nullptr;
+  uint64_t bytes = 0;  // of the whole mapped allocation: what a route into it may span
   ~Imported() {
     if (base != nullptr) {
       DeviceGuard guard(device);
@@ -248,6 +250,7 @@ class CudaBackend : public Backend {
  public:
   explicit CudaBackend(const EngineConfig& config) : config_(config), pool_(std::make_shared<Pool>()) {}
   ~CudaBackend() override {
+    ProcessRegions::instance().remove_owner(this);
     std::lock_guard lock(mutex_);
     for (auto& [device, state] : devices_) {
       DeviceGuard guard(device);
@@ -312,12 +315,10 @@ class CudaBackend : public Backend {
     return local == MemKind::kCuda && remote == MemKind::kCuda && same_host;
   }
 
-  Result<std::vector<uint8_t>> register_memory(const LocalRegion& region) override {
-    DeviceGuard guard(region.device);
-    PD_RETURN_IF_ERROR(cuda_status(guard.status(), "cudaSetDevice"));
-    cudaFree(nullptr);  // makes the primary context current for the driver call below
-    // The driver API is reached through the runtime so that binaries do not link
-    // libcuda (CPU machines run them without a driver).
+  // The allocation holding `ptr` (base, bytes), in the current device's context. The driver
+  // API is reached through the runtime so that binaries do not link libcuda (CPU machines
+  // run them without a driver).
+  static Result<std::pair<uint64_t, uint64_t>> allocation_of(const void* ptr) {
     using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
@@ -328,13 +329,23 @@ class CudaBackend : public Backend {
     }
     CUdeviceptr base = 0;
     size_t size = 0;
-    if (CUresult r = reinterpret_cast<GetAddressRange>(fn)(&base, &size, reinterpret_cast<CUdeviceptr>(region.ptr));
+    if (CUresult r = reinterpret_cast<GetAddressRange>(fn)(&base, &size, reinterpret_cast<CUdeviceptr>(ptr));
         r != CUDA_SUCCESS) {
-      return invalid_argument("pointer {} is not CUDA device memory (cuMemGetAddressRange error {})", region.ptr,
+      return invalid_argument("pointer {} is not CUDA device memory (cuMemGetAddressRange error {})", ptr,
                               static_cast<int>(r));
     }
+    return std::pair<uint64_t, uint64_t>{static_cast<uint64_t>(base), static_cast<uint64_t>(size)};
+  }
+
+  Result<std::vector<uint8_t>> register_memory(const LocalRegion& region) override {
+    DeviceGuard guard(region.device);
+    PD_RETURN_IF_ERROR(cuda_status(guard.status(), "cudaSetDevice"));
+    cudaFree(nullptr);  // makes the primary context current for the driver call below
+    PD_ASSIGN_OR_RETURN(auto allocation, allocation_of(region.ptr));
+    const uint64_t base = allocation.first;
+    const uint64_t size = allocation.second;
     const uint64_t offset = reinterpret_cast<uint64_t>(region.ptr) - base;
-    if (offset + region.bytes > size) {
+    if (!span_within(offset, region.bytes, size)) {
       return out_of_range("region of {} bytes at offset {} exceeds its allocation of {} bytes", region.bytes, offset,
                           size);
     }
@@ -347,9 +358,10 @@ class CudaBackend : public Backend {
     std::memcpy(key.data(), &handle, sizeof(handle));
     std::memcpy(key.data() + sizeof(handle), &offset, sizeof(offset));
     std::memcpy(key.data() + sizeof(handle) + sizeof(offset), &pid, sizeof(pid));
+    ProcessRegions::instance().add(this, region.id, reinterpret_cast<uintptr_t>(region.ptr), region.bytes);
     return key;
   }
-  void deregister(RegionId) override {}
+  void deregister(RegionId id) override { ProcessRegions::instance().remove(this, id); }
   Status connect(const EngineDesc&) override { return Status::Ok(); }
 
   Result<std::shared_ptr<Route>> open_route(const LocalRegion& local, const MemDesc& remote) override {
@@ -372,7 +384,12 @@ class CudaBackend : public Backend {
         fmt::format("{}/{}/{}/{}", remote.engine_name, remote.boot_nonce, remote.region_id, local.device);
     std::shared_ptr<Imported> imported = imports_[cache_key].lock();
     if (!imported && owner_pid == static_cast<uint64_t>(getpid())) {
-      // Same process (the backend only serves same-host pairs): the address is ours already.
+      // Same process (the backend only serves same-host pairs): the address is ours already,
+      // but only as far as a cuda backend of this process registered it.
+      if (!ProcessRegions::instance().contains(static_cast<uintptr_t>(remote.base), remote.bytes)) {
+        return invalid_argument("remote region {} of '{}' claims this process but is not memory registered here",
+                                remote.region_id, remote.engine_name);
+      }
       imported = std::make_shared<Imported>();
       imported->device = remote.device;
       char* remote_ptr = reinterpret_cast<char*>(remote.base);
@@ -404,7 +421,14 @@ class CudaBackend : public Backend {
       cudaPointerAttributes attributes;
       PD_RETURN_IF_ERROR(cuda_status(cudaPointerGetAttributes(&attributes, base), "cudaPointerGetAttributes"));
       imported->device = attributes.device;
+      PD_ASSIGN_OR_RETURN(auto allocation, allocation_of(base));
+      imported->bytes = allocation.second;
       imports_[cache_key] = imported;
+    }
+    // The handle maps the peer's whole allocation; the offset and size it claims must stay in it.
+    if (!span_within(offset, remote.bytes, imported->bytes)) {
+      return out_of_range("remote region {} of '{}': {} bytes at offset {} exceed the {}-byte allocation it maps",
+                          remote.region_id, remote.engine_name, remote.bytes, offset, imported->bytes);
     }
     auto route = std::make_shared<CudaRoute>();
     route->imported = imported;
