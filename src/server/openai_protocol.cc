@@ -280,7 +280,11 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
       reader.fail(bad_request("'logit_bias' is not supported by this server", "logit_bias"));
   }
   if (const ojson* format = reader.raw("response_format")) {
-    if (!format->is_object() || format->value("type", "") != "text")
+    // Not value("type", ""): it throws when the client sends a non-string type.
+    auto type = format->find("type");
+    bool is_text = format->is_object() && type != format->end() && type->is_string() &&
+                   type->get_ref<const std::string&>() == "text";
+    if (!is_text)
       reader.fail(bad_request("only 'response_format' {\"type\": \"text\"} is supported", "response_format"));
   }
   reader.string("user");

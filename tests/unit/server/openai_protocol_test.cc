@@ -180,6 +180,113 @@ TEST(CompletionRequestParsing, CarriesKvTransferParams) {
   EXPECT_TRUE((*request.fields.kv_transfer_params)["do_remote_decode"].get<bool>());
 }
 
+TEST(CompletionRequestParsing, ResponseFormatOtherThanTextIs400EvenWhenTypeIsNotAString) {
+  for (const char* body :
+       {R"({"prompt": "a", "response_format": {"type": 5}})", R"({"prompt": "a", "response_format": {"type": null}})",
+        R"({"prompt": "a", "response_format": {"type": ["text"]}})", R"({"prompt": "a", "response_format": {}})",
+        R"({"prompt": "a", "response_format": {"type": "json_object"}})",
+        R"({"prompt": "a", "response_format": "text"})"}) {
+    auto error = completion_error(body);
+    EXPECT_EQ(error.http_status, 400) << body;
+    EXPECT_EQ(error.param, "response_format") << body;
+  }
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": 5}})").param,
+            "response_format");
+  completion(R"({"prompt": "a", "response_format": {"type": "text"}})");
+}
+
+// Every field each parser reads, and values of every JSON type in the shapes
+// the parsers look inside (objects with the keys they read, message lists):
+// a parser must answer each with a value or a 400, never an exception (which
+// the HTTP layer could only turn into a 500).
+TEST(RequestParsing, NoFieldValueOfAnyTypeMakesAParserThrow) {
+  const std::vector<std::string> fields = {"model",
+                                           "stream",
+                                           "stream_options",
+                                           "temperature",
+                                           "top_p",
+                                           "top_k",
+                                           "min_p",
+                                           "seed",
+                                           "max_tokens",
+                                           "max_completion_tokens",
+                                           "min_tokens",
+                                           "ignore_eos",
+                                           "skip_special_tokens",
+                                           "include_stop_str_in_output",
+                                           "stop",
+                                           "stop_token_ids",
+                                           "n",
+                                           "best_of",
+                                           "presence_penalty",
+                                           "frequency_penalty",
+                                           "repetition_penalty",
+                                           "logit_bias",
+                                           "response_format",
+                                           "user",
+                                           "kv_transfer_params",
+                                           "return_tokens_as_token_ids",
+                                           "return_token_ids",
+                                           "request_id",
+                                           "logprobs",
+                                           "top_logprobs",
+                                           "echo",
+                                           "suffix",
+                                           "prompt",
+                                           "messages",
+                                           "add_generation_prompt",
+                                           "continue_final_message",
+                                           "tools",
+                                           "tool_choice",
+                                           "chat_template_kwargs",
+                                           "chat_template",
+                                           "add_special_tokens",
+                                           "return_token_strs",
+                                           "tokens"};
+  const std::vector<ojson> scalars = {
+      nullptr, true,           false,          0, 5, -1, 2.5, -1e300, 18446744073709551615u, "", "x",
+      "text",  ojson::array(), ojson::object()};
+  std::vector<ojson> values = scalars;
+  for (const auto& v : scalars) {
+    values.push_back(ojson::array({v}));
+    values.push_back(ojson::array({ojson::array({v})}));
+    for (const char* key : {"type", "include_usage", "continuous_usage_stats", "text"})
+      values.push_back(ojson::object({{key, v}}));
+    values.push_back(ojson::array({ojson::object({{"role", v}, {"content", "x"}})}));
+    values.push_back(ojson::array({ojson::object({{"role", "user"}, {"content", v}})}));
+    values.push_back(ojson::array({ojson::object({{"role", "assistant"}, {"content", v}})}));
+    values.push_back(ojson::array({ojson::object({{"role", "user"}, {"content", "x"}, {"name", v}})}));
+    values.push_back(ojson::array({ojson::object({{"role", "user"}, {"content", ojson::array({v})}})}));
+    values.push_back(
+        ojson::array({ojson::object({{"role", "user"}, {"content", ojson::array({ojson::object({{"type", v}})})}})}));
+    values.push_back(ojson::array({ojson::object(
+        {{"role", "user"}, {"content", ojson::array({ojson::object({{"type", "text"}, {"text", v}})})}})}));
+  }
+  const std::vector<ojson> bases = {ojson::parse(R"({"prompt": "a"})"),
+                                    ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})"),
+                                    ojson::parse(R"({"tokens": [1]})"), ojson::object()};
+  auto expect_value_or_400 = [](const auto& parsed, const ojson& body) {
+    if (failed(parsed)) {
+      EXPECT_EQ(std::get<ApiError>(parsed).http_status, 400) << body.dump();
+    }
+  };
+  size_t num_bodies = 0;
+  for (const auto& base : bases) {
+    for (const auto& field : fields) {
+      for (const auto& value : values) {
+        ojson body = base;
+        body[field] = value;
+        ++num_bodies;
+        ASSERT_NO_THROW(expect_value_or_400(parse_completion_request(body, limits()), body)) << body.dump();
+        ASSERT_NO_THROW(expect_value_or_400(parse_chat_request(body, limits()), body)) << body.dump();
+        ASSERT_NO_THROW(expect_value_or_400(parse_tokenize_request(body, limits()), body)) << body.dump();
+        ASSERT_NO_THROW(expect_value_or_400(parse_detokenize_request(body, limits()), body)) << body.dump();
+      }
+    }
+  }
+  EXPECT_GT(num_bodies, 10000u);
+}
+
 TEST(ChatRequestParsing, NormalizesTextPartsAndKeepsOrder) {
   auto parsed = parse_chat_request(ojson::parse(R"({"messages": [
       {"role": "system", "content": "be brief"},
