@@ -380,16 +380,18 @@ net::awaitable<void> HttpServer::serve_connection(tcp::socket socket) {
     }
 
     HttpExchange exchange(connection, parser.release(), options_);
-    std::string failure;
+    bool handler_threw = false;
     try {
       co_await dispatch(exchange);
     } catch (const std::exception& e) {
+      // The detail stays in the log: an exception's text can name internals
+      // or echo the request, and is no contract a client could rely on.
       PD_LOG_ERROR("handler for {} threw: {}", exchange.path(), e.what());
-      failure = e.what();
+      handler_threw = true;
     }
     co_await exchange.stop_watching();
     if (!exchange.responded()) {
-      ApiError error = internal(failure.empty() ? "handler produced no response" : "internal error: " + failure);
+      ApiError error = internal(handler_threw ? "internal error" : "handler produced no response");
       co_await exchange.respond_error(error);
       count_request(exchange.path(), exchange.status_code());
     }

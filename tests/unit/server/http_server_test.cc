@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <future>
+#include <stdexcept>
 #include <string>
 
 #include "common/metrics.h"
@@ -43,6 +44,10 @@ class HttpServerTest : public ::testing::Test {
       co_await ex.send_event("data: 1\n\n");
       co_await ex.send_event("data: 2\n\n");
       co_await ex.end_event_stream();
+    });
+    server_->route(http::verb::get, "/throws", [](HttpExchange&) -> net::awaitable<void> {
+      throw std::runtime_error("[json.exception.type_error.302] secret detail");
+      co_return;
     });
     // Streams one event, then waits (up to a deadline) for the client to go.
     server_->route(http::verb::get, "/hold", [this](HttpExchange& ex) -> net::awaitable<void> {
@@ -177,6 +182,19 @@ TEST_F(HttpServerTest, MalformedRequestIs400AndServerKeepsServing) {
   auto response = exchange("THIS IS NOT HTTP\r\n\r\n");
   EXPECT_EQ(response.rfind("HTTP/1.1 400", 0), 0u) << response;
   EXPECT_EQ(exchange("GET /ping HTTP/1.1\r\nHost: x\r\n\r\n").rfind("HTTP/1.1 200", 0), 0u);
+}
+
+TEST_F(HttpServerTest, HandlerThatThrowsIs500WithoutTheExceptionTextAndServerKeepsServing) {
+  start();
+  auto socket = connect();
+  net::write(socket, net::buffer(std::string("GET /throws HTTP/1.1\r\nHost: x\r\n\r\n")));
+  auto response = read_response(socket);
+  EXPECT_EQ(response.rfind("HTTP/1.1 500", 0), 0u) << response;
+  EXPECT_NE(response.find("\"message\":\"internal error\""), std::string::npos) << response;
+  EXPECT_EQ(response.find("secret detail"), std::string::npos) << response;
+  EXPECT_EQ(response.find("json.exception"), std::string::npos) << response;
+  net::write(socket, net::buffer(std::string("GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")));
+  EXPECT_EQ(read_response(socket).rfind("HTTP/1.1 200", 0), 0u);
 }
 
 TEST_F(HttpServerTest, ApiKeyIsCheckedOnlyOnProtectedRoutes) {
