@@ -453,6 +453,13 @@ Parsed<CompletionRequest> parse_completion_request(const ojson& body, const Requ
   if (auto suffix = reader.string("suffix"); suffix && !suffix->empty())
     reader.fail(bad_request("'suffix' is not supported", "suffix"));
   parse_prompts(reader, limits, request.prompts);
+  // The params name one transfer (one transfer_id, one prompt's KV); every
+  // prompt of a batch would carry the same ones, and the connector refuses
+  // the second request with an id already in use.
+  if (request.fields.kv_transfer_params && request.prompts.size() > 1)
+    reader.fail(bad_request(
+        fmt::format("kv_transfer_params needs exactly one prompt; 'prompt' holds {}", request.prompts.size()),
+        "kv_transfer_params"));
   return finish(reader, std::move(request));
 }
 

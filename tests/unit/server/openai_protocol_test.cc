@@ -180,6 +180,20 @@ TEST(CompletionRequestParsing, CarriesKvTransferParams) {
   EXPECT_TRUE((*request.fields.kv_transfer_params)["do_remote_decode"].get<bool>());
 }
 
+TEST(CompletionRequestParsing, KvTransferParamsNeedExactlyOnePrompt) {
+  for (const char* body : {R"({"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_decode": true}})",
+                           R"({"prompt": [[1, 2], [3]], "kv_transfer_params": {"do_remote_decode": true}})"}) {
+    auto error = completion_error(body);
+    EXPECT_EQ(error.http_status, 400) << body;
+    EXPECT_EQ(error.param, "kv_transfer_params") << body;
+    EXPECT_NE(error.message.find("exactly one prompt"), std::string::npos) << error.message;
+  }
+  EXPECT_EQ(completion(R"({"prompt": ["a"], "kv_transfer_params": {"do_remote_decode": true}})").prompts.size(), 1u);
+  EXPECT_EQ(completion(R"({"prompt": [[1, 2]], "kv_transfer_params": {}})").prompts.size(), 1u);
+  EXPECT_EQ(completion(R"({"prompt": [1, 2, 3], "kv_transfer_params": {}})").prompts.size(), 1u);
+  EXPECT_EQ(completion(R"({"prompt": ["a", "b"], "kv_transfer_params": null})").prompts.size(), 2u);
+}
+
 TEST(CompletionRequestParsing, ResponseFormatOtherThanTextIs400EvenWhenTypeIsNotAString) {
   for (const char* body :
        {R"({"prompt": "a", "response_format": {"type": 5}})", R"({"prompt": "a", "response_format": {"type": null}})",
