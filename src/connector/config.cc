@@ -200,7 +200,29 @@ Result<KvTransferConfig> kv_transfer_config_from_flags(std::string_view config_j
   return parse_kv_transfer_config(root.dump());
 }
 
+namespace {
+Result<KvTransferConfig> parse_kv_transfer_config_fields(std::string_view json_text);
+}  // namespace
+
+// DESIGN.md §6.9: an unauthenticated control plane on the network is a failure mode of the
+// reference systems. Loopback stays usable without a secret (one host, the demo, the tests);
+// beyond it the deployment says which it wants, CURVE or explicitly none.
 Result<KvTransferConfig> parse_kv_transfer_config(std::string_view json_text) {
+  PD_ASSIGN_OR_RETURN(KvTransferConfig config, parse_kv_transfer_config_fields(json_text));
+  uint32_t ip = 0;
+  const bool loopback = parse_ipv4(config.kv_ip, &ip) && (ip >> 24) == 127;
+  if (!loopback && config.control_secret_file.empty() && !config.allow_unauthenticated_control) {
+    return invalid_argument(
+        "--kv-transfer-config: kv_ip {} puts the KV control plane on the network without authentication; set "
+        "kv_connector_extra_config.control_secret_file (CURVE on every control socket) or, on a network you "
+        "trust, allow_unauthenticated_control: true",
+        config.kv_ip);
+  }
+  return config;
+}
+
+namespace {
+Result<KvTransferConfig> parse_kv_transfer_config_fields(std::string_view json_text) {
   json root;
   try {
     root = json::parse(json_text);
@@ -252,25 +274,34 @@ Result<KvTransferConfig> parse_kv_transfer_config(std::string_view json_text) {
   if (!extra.is_object()) {
     return invalid_argument("kv_connector_extra_config: expected an object, got {}", json_type_name(extra));
   }
-  static const std::set<std::string> kExtraKeys = {"read_mode",          "backend",
-                                                   "handshake_port",     "proxy_ip",
-                                                   "proxy_ping_port",    "http_port",
-                                                   "transfer_timeout",   "defer_timeout",
-                                                   "recv_abort_timeout", "handshake_timeout",
-                                                   "on_failure",         "control_secret_file",
-                                                   "allowed_peers",      "first_token_handover"};
+  static const std::set<std::string> kExtraKeys = {"read_mode",
+                                                   "backend",
+                                                   "handshake_port",
+                                                   "proxy_ip",
+                                                   "proxy_ping_port",
+                                                   "http_port",
+                                                   "transfer_timeout",
+                                                   "defer_timeout",
+                                                   "recv_abort_timeout",
+                                                   "handshake_timeout",
+                                                   "on_failure",
+                                                   "control_secret_file",
+                                                   "allowed_peers",
+                                                   "first_token_handover",
+                                                   "allow_unauthenticated_control"};
   for (const auto& [key, value] : extra.items()) {
     if (!kExtraKeys.count(key)) {
       return invalid_argument(
           "kv_connector_extra_config: unknown key '{}' (known: read_mode, backend, "
           "handshake_port, proxy_ip, proxy_ping_port, http_port, transfer_timeout, "
           "defer_timeout, recv_abort_timeout, handshake_timeout, on_failure, "
-          "control_secret_file, allowed_peers, first_token_handover)",
+          "control_secret_file, allowed_peers, first_token_handover, allow_unauthenticated_control)",
           key);
     }
   }
   PD_RETURN_IF_ERROR(read_bool(extra, "read_mode", &config.read_mode));
   PD_RETURN_IF_ERROR(read_bool(extra, "first_token_handover", &config.first_token_handover));
+  PD_RETURN_IF_ERROR(read_bool(extra, "allow_unauthenticated_control", &config.allow_unauthenticated_control));
   std::string backend = "auto";
   PD_RETURN_IF_ERROR(read_string(extra, "backend", &backend));
   if (backend == "auto")
@@ -324,5 +355,6 @@ Result<KvTransferConfig> parse_kv_transfer_config(std::string_view json_text) {
   }
   return config;
 }
+}  // namespace
 
 }  // namespace pd::connector

@@ -6,7 +6,7 @@
 //       "transfer_timeout": 30, "defer_timeout": 60, "recv_abort_timeout": 120,
 //       "handshake_timeout": 5, "on_failure": "recompute"|"fail",
 //       "control_secret_file": "", "allowed_peers": ["127.0.0.1", "10.0.0.0/8", "host:port"],
-//       "first_token_handover": true}}
+//       "first_token_handover": true, "allow_unauthenticated_control": false}}
 //
 // Timeouts are seconds (numbers, fractions allowed) as in vLLM; stored as ms.
 // Unknown keys inside kv_connector_extra_config are refused (a typo in a
@@ -51,6 +51,9 @@ struct KvTransferConfig {
   int64_t handshake_timeout_ms = 5'000;
   FailurePolicy on_failure = FailurePolicy::kRecompute;
   std::string control_secret_file;  // non-empty: CURVE on every control socket
+  // A kv_ip beyond loopback needs control_secret_file, or this set to say the network is
+  // trusted (parse_kv_transfer_config refuses the combination otherwise).
+  bool allow_unauthenticated_control = false;
   // Peer policy for remote_control addresses taken from kv_transfer_params:
   // entries are "host", "host:port" or "a.b.c.d/len". Empty = loopback only.
   std::vector<std::string> allowed_peers;

@@ -77,10 +77,13 @@ def test_pd_equals_collocated_when_the_consumer_computes_the_first_token(procs, 
     assert_no_blocks_in_use(producer, consumer)
 
 
-def start_in_namespace(procs, netns: NetnsPair, index: int, role: str, read_mode: bool, peer_ip: str) -> Instance:
+def start_in_namespace(procs, netns: NetnsPair, index: int, role: str, read_mode: bool, peer_ip: str,
+                       secret_file: str) -> Instance:
     host = netns.ips[index]
+    # Beyond loopback the control plane must be authenticated (or explicitly not): CURVE here.
     argv = [*netns.prefix(index), str(bin_path("pdserve")), "--port", "0", *MODEL_FLAGS, "--host", host,
-            "--kv-transfer-config", kv_config(role, read_mode, kv_ip=host, allowed_peers=[peer_ip])]
+            "--kv-transfer-config", kv_config(role, read_mode, kv_ip=host, allowed_peers=[peer_ip],
+                                              control_secret_file=secret_file)]
     # Control plane, HTTP and the UCX data plane all cross the veth: UCX_TLS=tcp,self keeps UCX off
     # shared memory, as between two hosts. (xfer waits for the veth's carrier before UCX lists its
     # devices; before that fix UCX advertised loopback only and ucp_ep_create failed with
@@ -95,15 +98,17 @@ def start_in_namespace(procs, netns: NetnsPair, index: int, role: str, read_mode
 
 
 @pytest.mark.parametrize("read_mode", [False, True], ids=["write", "read"])
-def test_pd_equals_collocated_across_network_namespaces(procs, reference, read_mode):
+def test_pd_equals_collocated_across_network_namespaces(procs, reference, read_mode, tmp_path):
     require_root_with_netns()
     prompts, expected = reference
+    secret = tmp_path / "control_secret"
+    secret.write_text("a deployment secret shared by both instances\n")
     with NetnsPair() as netns:
         # The test's own sockets live in the consumer's namespace; the producer is reached over the veth.
         restore = netns.enter(1)
         try:
-            producer = start_in_namespace(procs, netns, 0, "kv_producer", read_mode, netns.ips[1])
-            consumer = start_in_namespace(procs, netns, 1, "kv_consumer", read_mode, netns.ips[0])
+            producer = start_in_namespace(procs, netns, 0, "kv_producer", read_mode, netns.ips[1], str(secret))
+            consumer = start_in_namespace(procs, netns, 1, "kv_consumer", read_mode, netns.ips[0], str(secret))
             assert producer.info["control"].startswith(netns.ips[0] + ":")
             run_parity(producer, consumer, prompts, expected, read_mode)
             assert_no_blocks_in_use(producer, consumer)

@@ -82,6 +82,27 @@ TEST(KvTransferConfig, RefusesWhatItCannotMeanWithTheKeyNamed) {
   }
 }
 
+TEST(KvTransferConfig, AControlPlaneBeyondLoopbackNeedsASecretOrAnExplicitOptOut) {
+  auto with = [](const char* extra) {
+    return parse_kv_transfer_config(fmt::format(
+        R"({{"kv_connector":"PdConnector","kv_role":"kv_producer","kv_ip":"10.1.2.3","kv_connector_extra_config":{{{}}}}})",
+        extra));
+  };
+  auto open = with("");
+  ASSERT_FALSE(open.ok());
+  EXPECT_NE(open.status().message().find("control_secret_file"), std::string::npos) << open.status().message();
+  EXPECT_FALSE(
+      parse_kv_transfer_config(R"({"kv_connector":"PdConnector","kv_role":"kv_producer","kv_ip":"10.1.2.3"})").ok())
+      << "no extra config at all is the same";
+  EXPECT_TRUE(with(R"("control_secret_file":"/run/pd/secret")").ok());
+  auto opted_out = with(R"("allow_unauthenticated_control":true)");
+  ASSERT_TRUE(opted_out.ok());
+  EXPECT_TRUE(opted_out->allow_unauthenticated_control);
+  EXPECT_TRUE(
+      parse_kv_transfer_config(R"({"kv_connector":"PdConnector","kv_role":"kv_producer","kv_ip":"127.0.0.2"})").ok())
+      << "loopback needs neither";
+}
+
 TEST(PeerPolicy, LoopbackOnlyWhenNoListIsGiven) {
   EXPECT_TRUE(peer_allowed({}, "127.0.0.1:5000"));
   EXPECT_TRUE(peer_allowed({}, "127.3.2.1:5000"));
