@@ -328,9 +328,12 @@ void PdConnector::completion_loop() {
       pending_batches_.pop_front();
     }
     // Bounded wait: xfer fails every batch at its own deadline, so this loop
-    // always makes progress; the short slice keeps shutdown prompt.
+    // always makes progress; the short slice keeps shutdown prompt. A batch that
+    // failed at its own deadline also answers kDeadlineExceeded: only one that
+    // is still pending goes back in the queue, else it would circle forever and
+    // its transfer would hold its blocks forever.
     Status status = xfer_->wait(batch.id, Deadline::after_ms(100));
-    if (status.code() == ErrorCode::kDeadlineExceeded) {
+    if (status.code() == ErrorCode::kDeadlineExceeded && xfer_->poll(batch.id).pending()) {
       std::lock_guard<std::mutex> lock(mutex_);
       pending_batches_.push_back(std::move(batch));
       continue;
@@ -355,7 +358,7 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   if (params.side == TransferSide::kProducer) {
     PD_RETURN_IF_ERROR(
         producer_->start(params.transfer_id, request.request_id(), params.read_mode, request.num_prompt_tokens(), now));
-    producer_request_transfer_[request.request_id()] = params.transfer_id;
+    producer_request_transfer_[request.request_id()] = ProducerRequest{params.transfer_id, params.read_mode};
     metrics_.started_producer->inc();
     run_actions();
     return match;
@@ -410,8 +413,8 @@ engine::LayerKvHooks* PdConnector::build_step_hooks(const engine::StepInput& inp
     if (it == producer_request_transfer_.end()) continue;
     if (s.num_computed_tokens + s.num_new_tokens < s.request->num_prompt_tokens()) continue;
     if (s.num_computed_tokens >= s.request->num_prompt_tokens()) continue;  // decoding past the prompt
-    producer_->begin_final_step(it->second, s.request->block_ids);
-    final_step_transfers_.push_back(it->second);
+    producer_->begin_final_step(it->second.transfer_id, s.request->block_ids);
+    final_step_transfers_.push_back(it->second.transfer_id);
   }
   return final_step_transfers_.empty() ? nullptr : hooks_.get();
 }
@@ -425,7 +428,8 @@ void PdConnector::after_step(const engine::StepPlan& plan, const Status& status)
 void PdConnector::first_token_sampled(const engine::Request& request, int32_t token_id) {
   auto it = producer_request_transfer_.find(request.request_id());
   if (it == producer_request_transfer_.end()) return;
-  producer_->first_token_sampled(it->second, token_id, engine::first_token_sampling_key(request.sampling()));
+  producer_->first_token_sampled(it->second.transfer_id, token_id,
+                                 engine::first_token_sampling_key(request.sampling()));
   run_actions();
 }
 
@@ -445,19 +449,16 @@ engine::FinishDecision PdConnector::request_finished(const engine::Request& requ
   const std::string& id = request.request_id();
   auto p = producer_request_transfer_.find(id);
   if (p != producer_request_transfer_.end()) {
-    const std::string transfer_id = p->second;
+    const std::string transfer_id = p->second.transfer_id;
+    const bool read_mode = p->second.read_mode;
     producer_request_transfer_.erase(p);
     const bool kv_complete = request.num_computed_tokens >= request.num_prompt_tokens();
-    const bool read_mode = request.kv_transfer_params() && request.kv_transfer_params()->value("mode", "") == "read";
     std::vector<int32_t> blocks(block_ids.begin(), block_ids.end());
     decision.delay_free_blocks = producer_->request_finished(transfer_id, blocks, kv_complete, now_ms());
     if (kv_complete) {
-      nlohmann::json params{{"transfer_id", transfer_id},
-                            {"remote_instance_id", record_.instance_id},
-                            {"remote_control", record_.control},
-                            {"remote_boot_nonce", record_.boot_nonce},
-                            {"mode", read_mode || config_.read_mode ? "read" : "write"},
-                            {"num_tokens", request.num_prompt_tokens()}};
+      nlohmann::json params{{"transfer_id", transfer_id},           {"remote_instance_id", record_.instance_id},
+                            {"remote_control", record_.control},    {"remote_boot_nonce", record_.boot_nonce},
+                            {"mode", read_mode ? "read" : "write"}, {"num_tokens", request.num_prompt_tokens()}};
       if (decision.delay_free_blocks) {
         const size_t n = static_cast<size_t>(blocks_for_tokens(request.num_prompt_tokens(), spec_.block_size));
         params["block_ids"] = std::vector<int32_t>(blocks.begin(), blocks.begin() + std::min(n, blocks.size()));

@@ -162,7 +162,13 @@ class PdConnector final : public engine::KvConnector {
   std::unique_ptr<ConsumerTransfers> consumer_;
   std::map<PeerKey, PeerInfo> producer_side_peers_;      // consumers that handshook with us, by ROUTER key
   std::map<std::string, PeerInfo> consumer_side_peers_;  // producers we dialled, by control address
-  std::unordered_map<std::string, std::string> producer_request_transfer_;  // request id -> transfer id
+  // Producer requests in flight: request id -> their transfer, with the mode parsed (and
+  // validated) when the request arrived; later steps never re-read the client's JSON.
+  struct ProducerRequest {
+    std::string transfer_id;
+    bool read_mode = false;
+  };
+  std::unordered_map<std::string, ProducerRequest> producer_request_transfer_;
   std::unordered_map<std::string, ConsumerRequest> consumer_requests_;
   std::unordered_map<std::string, int64_t> transfer_started_ns_;
   std::vector<std::string> final_step_transfers_;

@@ -87,7 +87,8 @@ class Engine {
   TransferState poll(XferId id);
   // Ok when the batch is done; the failure (with its reason) when it failed;
   // kDeadlineExceeded when it is still pending at `deadline` (it stays pending until its
-  // own batch deadline).
+  // own batch deadline). A batch that failed at its own deadline fails with
+  // kDeadlineExceeded too: poll() tells the two apart (pending or failed).
   Status wait(XferId id, Deadline deadline);
   // Forgets a batch. A pending batch is forgotten once it finishes.
   void release(XferId id);

@@ -127,6 +127,34 @@ def test_producer_holds_blocks_until_write_done_even_on_eos(procs, plain):
     assert_no_blocks_in_use(producer, consumer)
 
 
+def test_write_batch_past_its_deadline_fails_the_transfer_and_frees_the_producer(procs, plain):
+    # Every write batch is swallowed (a consumer that stopped answering): xfer fails it at its own
+    # deadline (transfer_timeout, 2 s). The producer must then report the failure, so the consumer
+    # recomputes long before its own 60 s wait ends, and free its blocks. Before the fix, the
+    # producer re-queued the failed batch forever: it never sent `done` and never freed its blocks.
+    producer = start_instance(procs, "kv_producer", env={"PD_CONNECTOR_XFER_FAULT": "drop"}, transfer_timeout=2)
+    consumer = start_instance(procs, "kv_consumer", recv_abort_timeout=60)
+    start = time.monotonic()
+    got = pd_generate(producer, consumer, PROMPT, MAX_TOKENS, read_mode=False)
+    elapsed = time.monotonic() - start
+    assert got == reference(plain, PROMPT)
+    assert elapsed < 30, elapsed
+    assert consumer.metric("pd_connector_recomputes_total") >= 1
+    assert_no_blocks_in_use(producer, consumer)
+
+
+@pytest.mark.parametrize("read_mode", [False, True], ids=["write", "read"])
+def test_producer_takes_an_explicit_null_mode_as_its_default(procs, read_mode):
+    # "mode": null passes validation (absent = the instance's mode); the producer used to read the
+    # raw JSON again when the request finished, and a null there threw on the engine thread.
+    producer = start_instance(procs, "kv_producer", read_mode)
+    status, body = completion(producer.url, PROMPT, 1,
+                              {"transfer_id": new_transfer_id(), "do_remote_decode": True, "mode": None})
+    assert status == 200, body
+    assert body["kv_transfer_params"]["mode"] == ("read" if read_mode else "write")
+    assert producer.server.healthy()
+
+
 # ---- §6.4 a failed READ reaches the scheduler and is recomputed ---------------------------------
 
 def test_failed_read_is_recomputed_locally(procs, plain):
