@@ -72,4 +72,14 @@ std::optional<StagingHeader> decode_staging_header(const void* header, size_t he
 Result<std::vector<WirePiece>> read_piece_table(const StagingHeader& header, const uint8_t* table, uint64_t table_bytes,
                                                 uint64_t region_bytes);
 
+// The initiator's id of its `counter`-th chunk under a random per-instance `key`: splitmix64's
+// finalizer of counter + key, a bijection of 64-bit words, so ids never repeat within an
+// instance and a peer cannot guess the next one (replies are matched by id alone).
+inline uint64_t staging_token(uint64_t counter, uint64_t key) {
+  uint64_t z = counter + key;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
 }  // namespace pd::xfer

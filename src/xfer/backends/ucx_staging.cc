@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 
 #include "common/log.h"
 
@@ -12,7 +13,14 @@ UcxStaging::UcxStaging(ucp_worker_h worker, std::unique_ptr<StagingCopier> devic
       device_copier_(std::move(device_copier)),
       host_copier_(make_memcpy_copier()),
       config_(config),
-      slot_bytes_(config.chunk_bytes + uint64_t{config.max_pieces} * sizeof(WirePiece)) {}
+      slot_bytes_(config.chunk_bytes + uint64_t{config.max_pieces} * sizeof(WirePiece)) {
+  std::random_device entropy;
+  token_key_ = (uint64_t{entropy()} << 32) ^ entropy();
+}
+
+uint64_t UcxStaging::next_token() {
+  return staging_token(next_chunk_++, token_key_);
+}
 
 UcxStaging::~UcxStaging() {
   StagingCopier& allocator = device_copier_ ? *device_copier_ : *host_copier_;
@@ -242,7 +250,7 @@ void UcxStaging::take_posted() {
 void UcxStaging::start_chunk(const std::shared_ptr<Batch>& batch) {
   const size_t index = batch->next_chunk++;
   const StagingChunk& plan = batch->chunks[index];
-  const uint64_t token = next_token_++;
+  const uint64_t token = next_token();
   Chunk& chunk = chunks_[token];
   chunk.batch = batch;
   chunk.index = index;

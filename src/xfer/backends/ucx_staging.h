@@ -183,7 +183,12 @@ class UcxStaging {
   std::deque<std::shared_ptr<Batch>> runnable_;  // batches with chunks not started, in post order
   std::vector<std::shared_ptr<Batch>> active_;   // batches not finished
   std::unordered_map<uint64_t, Chunk> chunks_;   // by token
-  uint64_t next_token_ = 1;
+  // Replies (kAck, kReadData) are matched by token alone, and any UCX endpoint that has our
+  // worker address can send one: tokens are a keyed bijection of a counter (distinct, not
+  // guessable), so a forged reply cannot mark a chunk done without its data.
+  uint64_t next_chunk_ = 0;
+  uint64_t token_key_ = 0;  // random, per staging instance
+  uint64_t next_token();
   std::unordered_map<uint64_t, TargetJob> target_jobs_;
   std::deque<uint64_t> jobs_waiting_for_slot_;
   uint64_t next_job_ = 1;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "test_util.h"
@@ -306,6 +307,21 @@ TEST(StagingPlan, ChunksKeepOrderRespectBothBoundsAndCoverEveryByteOnce) {
       ASSERT_TRUE(chunks[c].bytes == chunk || chunks[c].pieces.size() == max_pieces);
     }
   }
+}
+
+TEST(StagingWire, ChunkTokensNeverRepeatAndDependOnTheInstanceKey) {
+  // Replies are matched by token alone: tokens must be distinct within an instance and not
+  // the plain counter a forger could count along with.
+  std::set<uint64_t> seen;
+  constexpr uint64_t kKey = 0x1234abcd5678ef90ULL;
+  for (uint64_t i = 0; i < 100'000; ++i) ASSERT_TRUE(seen.insert(staging_token(i, kKey)).second) << i;
+  // Consecutive tokens are far apart (no counting along): no two differ by less than 2^32.
+  int close_neighbours = 0;
+  for (uint64_t i = 0; i < 1'000; ++i) {
+    const uint64_t a = staging_token(i, kKey), b = staging_token(i + 1, kKey);
+    close_neighbours += (a > b ? a - b : b - a) < (uint64_t{1} << 32);
+  }
+  EXPECT_EQ(close_neighbours, 0);
 }
 
 TEST(StagingWire, HeadersFromTheNetworkAreCheckedBeforeUse) {
