@@ -1,0 +1,95 @@
+// Fuzzes the router's pure input handling: a client's request body, a producer's response (the
+// READ leg copies its kv_transfer_params), a backend's SSE stream, and host:port / URL text from
+// registrations and flags. Refusals are fine; crashes, hangs, leaks, sanitizer reports are not,
+// and neither is a result that breaks what router/request_rewrite.h, sse.h or instance_info.h
+// promise (checked below). The input is split by FuzzedDataProvider into those pieces.
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "router/instance_info.h"
+#include "router/request_rewrite.h"
+#include "router/sse.h"
+
+namespace {
+
+[[noreturn]] void fail(const char* what) {
+  std::fprintf(stderr, "fuzz_router_input: %s\n", what);
+  std::abort();
+}
+
+constexpr const char* kTransferId = "0123456789abcdef0123456789abcdef";
+
+void check_host_port(const std::string& text) {
+  if (auto parsed = pd::router::parse_host_port(text); parsed.ok()) {
+    if (parsed->host.empty() || parsed->host.size() > 253 || parsed->port == 0) fail("bad host:port accepted");
+    auto again = pd::router::parse_host_port(parsed->to_string());
+    if (!again.ok() || !(*again == *parsed)) fail("host:port does not survive to_string -> parse");
+  }
+  if (auto url = pd::router::parse_http_url(text); url.ok()) {
+    if (url->host.empty() || url->port == 0) fail("bad URL accepted");
+  }
+}
+
+void check_sse(const std::string& stream) {
+  std::string_view rest(stream);
+  while (!rest.empty()) {
+    auto end = pd::router::find_event_end(rest);
+    if (!end) break;
+    if (*end == 0 || *end > rest.size()) fail("find_event_end outside the data");
+    if (auto status = pd::router::error_event_status(rest.substr(0, *end))) {
+      if (*status < 400 || *status > 599) fail("error event status outside 400..599");
+    }
+    rest.remove_prefix(*end);
+  }
+  if (auto status = pd::router::error_event_status(rest); status && (*status < 400 || *status > 599)) {
+    fail("error event status outside 400..599");
+  }
+}
+
+void check_legs(const std::string& client_body, const std::string& producer_text) {
+  auto request = pd::router::parse_client_request(client_body);
+  if (!request.ok()) return;
+  if (!request->body.is_object() || request->body.contains("kv_transfer_params")) {
+    fail("a parsed client body is not an object free of kv_transfer_params");
+  }
+  for (auto mode : {pd::router::TransferMode::kWrite, pd::router::TransferMode::kRead}) {
+    const auto leg = pd::router::make_producer_body(request->body, kTransferId, mode);
+    if (leg["stream"] != false || leg["max_tokens"] != 1 || leg.contains("stream_options") ||
+        leg["kv_transfer_params"]["transfer_id"] != kTransferId) {
+      fail("producer leg does not carry what the contract says");
+    }
+  }
+  const auto producer_response = nlohmann::json::parse(producer_text, nullptr, /*allow_exceptions=*/false);
+  if (producer_response.is_discarded()) return;
+  for (const char* expected : {"", "prefill-0"}) {
+    auto leg = pd::router::make_read_consumer_body(request->body, kTransferId, producer_response, expected);
+    if (!leg.ok()) continue;
+    const auto& params = (*leg)["kv_transfer_params"];
+    if (params["transfer_id"] != kTransferId || params["do_remote_prefill"] != true || params["mode"] != "read" ||
+        params.contains("do_remote_decode")) {
+      fail("READ consumer leg does not carry what the contract says");
+    }
+    if (*expected != '\0' && params["remote_instance_id"] != expected) fail("READ leg names another producer");
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  const std::string host_port = in.ConsumeRandomLengthString(300);
+  const std::string client_body = in.ConsumeRandomLengthString(4096);
+  const std::string producer_text = in.ConsumeRandomLengthString(4096);
+  const std::string stream = in.ConsumeRemainingBytesAsString();
+  check_host_port(host_port);
+  check_legs(client_body, producer_text);
+  check_sse(stream);
+  for (const std::string* text : {&host_port, &client_body}) {
+    (void)pd::router::parse_role(*text);
+    (void)pd::router::parse_mode(*text);
+  }
+  return 0;
+}
