@@ -63,7 +63,9 @@ Leg::Leg(std::shared_ptr<Backend> backend, size_t thread_index)
   backend_->add_outstanding(1);
 }
 
-Leg::~Leg() { release(); }
+Leg::~Leg() {
+  release();
+}
 
 awaitable<Status> Leg::connect(int64_t connect_timeout_ms) {
   if (cancelled_ || released_) co_return aborted("leg to {} cancelled", backend_->info().instance_id);
@@ -80,8 +82,8 @@ awaitable<Status> Leg::connect(int64_t connect_timeout_ms) {
   co_await stream_->async_connect(backend_->endpoint(), with_ec(ec));
   if (ec) {
     stream_.reset();
-    co_return status_from_error(ec, fmt::format("connect to {} ({})", backend_->info().instance_id,
-                                                backend_->info().http.to_string()));
+    co_return status_from_error(
+        ec, fmt::format("connect to {} ({})", backend_->info().instance_id, backend_->info().http.to_string()));
   }
   beast::error_code option_ec;
   stream_->socket().set_option(tcp::no_delay(true), option_ec);

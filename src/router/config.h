@@ -29,16 +29,16 @@ struct RouterConfig {
 
   int num_io_threads = 2;
   int64_t connect_timeout_ms = 2000;
-  int64_t prefill_timeout_ms = 60000;   // whole producer leg
-  int64_t decode_timeout_ms = 600000;   // whole consumer / collocated leg, stream included
+  int64_t prefill_timeout_ms = 60000;  // whole producer leg
+  int64_t decode_timeout_ms = 600000;  // whole consumer / collocated leg, stream included
   int64_t client_idle_timeout_ms = 120000;
   int64_t client_write_timeout_ms = 60000;
-  int max_prefill_retries = 1;          // other producers tried before falling back to collocated decode
+  int max_prefill_retries = 1;  // other producers tried before falling back to collocated decode
   int64_t instance_ttl_ms = 5000;
-  int64_t probe_interval_ms = 1000;     // static instances: GET /pd/info period
+  int64_t probe_interval_ms = 1000;  // static instances: GET /pd/info period
   size_t max_body_bytes = 64 * 1024 * 1024;
   size_t max_idle_connections_per_backend = 1024;  // per io thread
-  std::string api_key;                  // clients must send "Authorization: Bearer <key>" on /v1/*
+  std::string api_key;                             // clients must send "Authorization: Bearer <key>" on /v1/*
 };
 
 }  // namespace pd::router

@@ -51,7 +51,9 @@ Discovery::Discovery(const RouterConfig& config, size_t num_io_threads)
       registry_(std::chrono::milliseconds(config.instance_ttl_ms)),
       snapshot_(std::make_shared<const Snapshot>()) {}
 
-Discovery::~Discovery() { stop(); }
+Discovery::~Discovery() {
+  stop();
+}
 
 Status Discovery::start() {
   auto add_static = [&](const std::vector<std::string>& urls, InstanceRole role) -> Status {
@@ -139,9 +141,9 @@ void Discovery::registration_loop() {
         break;
       }
       const bool shape_ok = frames.size() == 2 || (frames.size() == 3 && frames[1].size() == 0);
-      Result<InstanceInfo> info = shape_ok ? parse_registration(frames.back().data(), frames.back().size())
-                                           : Result<InstanceInfo>(invalid_argument("registration has {} frames",
-                                                                                   frames.size()));
+      Result<InstanceInfo> info =
+          shape_ok ? parse_registration(frames.back().data(), frames.back().size())
+                   : Result<InstanceInfo>(invalid_argument("registration has {} frames", frames.size()));
       if (!info.ok()) {
         malformed_counter().inc();
         PD_LOG_WARN("pdrouter: dropped malformed registration: {}", info.status().message());
@@ -236,7 +238,8 @@ awaitable<Result<InstanceInfo>> Discovery::probe_once(const StaticTarget& target
   // No /pd/info (an engine without a connector): admit it with what /v1/models says.
   LegResult models_reply = co_await http_get(target.endpoint, host, "/v1/models", timeout_ms);
   if (!models_reply.transport.ok()) co_return models_reply.transport;
-  if (models_reply.http_status != 200) co_return unavailable("{} answered /v1/models with {}", host, models_reply.http_status);
+  if (models_reply.http_status != 200)
+    co_return unavailable("{} answered /v1/models with {}", host, models_reply.http_status);
   InstanceInfo info;
   info.role = target.role;
   info.http = target.http;

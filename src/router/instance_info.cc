@@ -10,14 +10,19 @@ namespace pd::router {
 
 const char* role_name(InstanceRole role) {
   switch (role) {
-    case InstanceRole::kProducer: return "producer";
-    case InstanceRole::kConsumer: return "consumer";
-    case InstanceRole::kBoth: return "both";
+    case InstanceRole::kProducer:
+      return "producer";
+    case InstanceRole::kConsumer:
+      return "consumer";
+    case InstanceRole::kBoth:
+      return "both";
   }
   return "?";
 }
 
-const char* mode_name(TransferMode mode) { return mode == TransferMode::kRead ? "read" : "write"; }
+const char* mode_name(TransferMode mode) {
+  return mode == TransferMode::kRead ? "read" : "write";
+}
 
 Result<InstanceRole> parse_role(std::string_view text) {
   if (text == "producer") return InstanceRole::kProducer;
@@ -152,7 +157,8 @@ Result<InstanceInfo> validate_fields(const RawFields& fields, bool registration)
 
 Result<InstanceInfo> parse_registration(const void* data, size_t size) {
   if (size == 0) return invalid_argument("empty registration");
-  if (size > kMaxRegistrationBytes) return invalid_argument("registration is {} bytes, max {}", size, kMaxRegistrationBytes);
+  if (size > kMaxRegistrationBytes)
+    return invalid_argument("registration is {} bytes, max {}", size, kMaxRegistrationBytes);
   RawFields fields;
   try {
     // Limits bound what a hostile message can make the unpacker allocate;

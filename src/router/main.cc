@@ -44,9 +44,12 @@ int main(int argc, char** argv) {
   app.add_option("--decode-policy", consumer_policy, "round_robin|least_outstanding|power_of_two")
       ->capture_default_str();
   app.add_option("--mode", mode, "auto (each consumer's registered mode)|read|write")->capture_default_str();
-  app.add_option("--io-threads", config.num_io_threads, "HTTP io threads")->capture_default_str()->check(CLI::Range(1, 256));
+  app.add_option("--io-threads", config.num_io_threads, "HTTP io threads")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
   app.add_option("--connect-timeout-ms", config.connect_timeout_ms)->capture_default_str();
-  app.add_option("--prefill-timeout-ms", config.prefill_timeout_ms, "deadline of a producer leg")->capture_default_str();
+  app.add_option("--prefill-timeout-ms", config.prefill_timeout_ms, "deadline of a producer leg")
+      ->capture_default_str();
   app.add_option("--decode-timeout-ms", config.decode_timeout_ms, "deadline of a consumer/collocated leg")
       ->capture_default_str();
   app.add_option("--max-prefill-retries", config.max_prefill_retries,

@@ -19,7 +19,9 @@ Result<ClientRequest> parse_client_request(std::string_view body) {
   return request;
 }
 
-std::string format_transfer_id(uint64_t high, uint64_t low) { return fmt::format("{:016x}{:016x}", high, low); }
+std::string format_transfer_id(uint64_t high, uint64_t low) {
+  return fmt::format("{:016x}{:016x}", high, low);
+}
 
 bool is_transfer_id(std::string_view text) {
   if (text.size() != 32) return false;
@@ -80,17 +82,20 @@ Result<nlohmann::json> make_read_consumer_body(const nlohmann::json& body, std::
   }
   auto require = [&](const char* key, auto check, const char* what) -> Status {
     auto it = params.find(key);
-    if (it == params.end() || !check(*it)) return invalid_argument("producer kv_transfer_params.{} must be {}", key, what);
+    if (it == params.end() || !check(*it))
+      return invalid_argument("producer kv_transfer_params.{} must be {}", key, what);
     return Status::Ok();
   };
-  PD_RETURN_IF_ERROR(require("remote_instance_id", [](const nlohmann::json& v) { return v.is_string(); }, "a string"));
-  PD_RETURN_IF_ERROR(require("remote_control", [](const nlohmann::json& v) { return v.is_string(); }, "a string"));
-  PD_RETURN_IF_ERROR(
-      require("remote_boot_nonce", is_non_negative_integer, "an unsigned integer"));
-  PD_RETURN_IF_ERROR(require("block_ids", [](const nlohmann::json& v) { return v.is_array(); }, "an array"));
-  PD_RETURN_IF_ERROR(
-      require("num_tokens", is_non_negative_integer, "an unsigned integer"));
-  if (!expected_producer_id.empty() && params["remote_instance_id"].get_ref<const std::string&>() != expected_producer_id) {
+  PD_RETURN_IF_ERROR(require(
+      "remote_instance_id", [](const nlohmann::json& v) { return v.is_string(); }, "a string"));
+  PD_RETURN_IF_ERROR(require(
+      "remote_control", [](const nlohmann::json& v) { return v.is_string(); }, "a string"));
+  PD_RETURN_IF_ERROR(require("remote_boot_nonce", is_non_negative_integer, "an unsigned integer"));
+  PD_RETURN_IF_ERROR(require(
+      "block_ids", [](const nlohmann::json& v) { return v.is_array(); }, "an array"));
+  PD_RETURN_IF_ERROR(require("num_tokens", is_non_negative_integer, "an unsigned integer"));
+  if (!expected_producer_id.empty() &&
+      params["remote_instance_id"].get_ref<const std::string&>() != expected_producer_id) {
     return invalid_argument("producer kv_transfer_params.remote_instance_id '{}' is not the chosen producer '{}'",
                             params["remote_instance_id"].get<std::string>(), expected_producer_id);
   }

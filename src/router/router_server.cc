@@ -63,10 +63,14 @@ void count_leg_failure(const char* leg, const char* reason) {
 const char* failure_reason(const LegResult& result) {
   if (result.transport.ok()) return "http_status";
   switch (result.transport.code()) {
-    case ErrorCode::kDeadlineExceeded: return "deadline";
-    case ErrorCode::kAborted: return "cancelled";
-    case ErrorCode::kInvalidArgument: return "bad_response";
-    default: return "transport";
+    case ErrorCode::kDeadlineExceeded:
+      return "deadline";
+    case ErrorCode::kAborted:
+      return "cancelled";
+    case ErrorCode::kInvalidArgument:
+      return "bad_response";
+    default:
+      return "transport";
   }
 }
 
@@ -80,7 +84,9 @@ uint64_t thread_random() {
   return engine();
 }
 
-std::string mint_transfer_id() { return format_transfer_id(thread_random(), thread_random()); }
+std::string mint_transfer_id() {
+  return format_transfer_id(thread_random(), thread_random());
+}
 
 std::string error_json(std::string_view message, std::string_view type, int status) {
   nlohmann::json body = {{"error", {{"message", message}, {"type", type}, {"param", nullptr}, {"code", status}}}};
@@ -91,7 +97,9 @@ std::string content_type_or_json(const LegResult& result) {
   return result.content_type.empty() ? std::string("application/json") : result.content_type;
 }
 
-int status_for_transport(const Status& status) { return status.code() == ErrorCode::kDeadlineExceeded ? 504 : 502; }
+int status_for_transport(const Status& status) {
+  return status.code() == ErrorCode::kDeadlineExceeded ? 504 : 502;
+}
 
 // ---------------------------------------------------------------- per-request state
 
@@ -129,7 +137,8 @@ void watch_client(const std::shared_ptr<Exchange>& exchange) {
     if (exchange->finished || ec) return;
     char byte = 0;
     beast::error_code peek_ec;
-    const size_t num_bytes = exchange->client.socket().receive(net::buffer(&byte, 1), tcp::socket::message_peek, peek_ec);
+    const size_t num_bytes =
+        exchange->client.socket().receive(net::buffer(&byte, 1), tcp::socket::message_peek, peek_ec);
     if (peek_ec || num_bytes == 0) {
       exchange->client_gone = true;
       cached_counter("pd_router_client_disconnects_total", "Clients that went away before their answer was complete",
@@ -171,7 +180,7 @@ struct RouterServer::Impl {
   awaitable<void> handle(std::shared_ptr<Exchange> exchange, http::request<http::string_body>& request);
 
   // Client responses.
-    // Callers pass named values: g++ 12 mishandles some temporaries inside co_await expressions.
+  // Callers pass named values: g++ 12 mishandles some temporaries inside co_await expressions.
   awaitable<void> respond(Exchange& ex, int status, std::string content_type, std::string body);
   awaitable<void> respond_error(Exchange& ex, int status, std::string message, std::string type = "server_error") {
     std::string body = error_json(message, type, status);
@@ -380,9 +389,9 @@ awaitable<void> RouterServer::Impl::answer_from_consumer(Exchange& ex, Leg& leg,
   if (!result.transport.ok()) {
     count_leg_failure("decode", failure_reason(result));
     leg.cancel();
-    co_await respond_error(ex, status_for_transport(result.transport),
-                           fmt::format("decode instance {} failed: {}", leg.backend().info().instance_id,
-                                       result.transport.message()));
+    co_await respond_error(
+        ex, status_for_transport(result.transport),
+        fmt::format("decode instance {} failed: {}", leg.backend().info().instance_id, result.transport.message()));
     co_return;
   }
   if (result.http_status == 200 && !head_bytes.empty()) {
@@ -432,8 +441,7 @@ awaitable<void> RouterServer::Impl::producer_task(std::shared_ptr<Leg> producer,
 }
 
 awaitable<FlowOutcome> RouterServer::Impl::run_single(std::shared_ptr<Exchange> ex, std::shared_ptr<Leg> leg,
-                                                      const std::string& target, const std::string& body,
-                                                      bool stream) {
+                                                      const std::string& target, const std::string& body, bool stream) {
   if (Status connected = co_await leg->connect(config_.connect_timeout_ms); !connected.ok()) {
     if (ex->client_gone) co_return FlowOutcome::kAnswered;
     PD_LOG_WARN("pdrouter: {}", connected.message());
@@ -516,12 +524,12 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
       auto state = std::make_shared<ProducerState>();
       const std::string consumer_body = make_write_consumer_body(request.body, transfer_id, producer->info()).dump();
       net::co_spawn(co_await net::this_coro::executor,
-                    producer_task(producer_leg, consumer_leg, state, target, producer_body,
-                                  config_.connect_timeout_ms, prefill_deadline),
+                    producer_task(producer_leg, consumer_leg, state, target, producer_body, config_.connect_timeout_ms,
+                                  prefill_deadline),
                     net::detached);
       std::string head_bytes;
-      LegResult result =
-          co_await start_consumer(*ex, *consumer_leg, target, consumer_body, request.stream, decode_deadline, head_bytes);
+      LegResult result = co_await start_consumer(*ex, *consumer_leg, target, consumer_body, request.stream,
+                                                 decode_deadline, head_bytes);
       if (ex->client_gone) {
         ex->cancel_legs();
         co_return FlowOutcome::kAnswered;
@@ -612,9 +620,9 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     const FlowPlan plan = plan_flow(candidates, plan_request);
     if (plan.kind == FlowKind::kNone) {
       if (plan.model_unknown) {
-        co_await respond(*ex, 404, "application/json",
-                         error_json(fmt::format("The model `{}` does not exist.", request.model),
-                                    "NotFoundError", 404));
+        co_await respond(
+            *ex, 404, "application/json",
+            error_json(fmt::format("The model `{}` does not exist.", request.model), "NotFoundError", 404));
       } else {
         std::string message = "no reachable instance";
         if (candidates.empty()) message = "no instances discovered";
@@ -685,7 +693,8 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
   if (!config_.api_key.empty() && target.rfind("/v1/", 0) == 0) {
     const auto authorization = request[http::field::authorization];
     if (authorization != "Bearer " + config_.api_key) {
-      co_await respond(*ex, 401, "application/json", error_json("invalid or missing API key", "AuthenticationError", 401));
+      co_await respond(*ex, 401, "application/json",
+                       error_json("invalid or missing API key", "AuthenticationError", 401));
     }
   }
   if (ex->status == 0) {
@@ -700,9 +709,10 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
     } else if (target == "/metrics" && is_get) {
       co_await respond(*ex, 200, "text/plain; version=0.0.4", metrics::Registry::global().render_prometheus());
     } else if (is_generation || target == "/v1/models" || target == "/health" || target == "/metrics") {
-      co_await respond(*ex, 405, "application/json",
-                       error_json(fmt::format("method {} not allowed on {}", std::string(request.method_string()), target),
-                                  "invalid_request_error", 405));
+      co_await respond(
+          *ex, 405, "application/json",
+          error_json(fmt::format("method {} not allowed on {}", std::string(request.method_string()), target),
+                     "invalid_request_error", 405));
     } else {
       co_await respond(*ex, 404, "application/json",
                        error_json(fmt::format("no route {}", target), "invalid_request_error", 404));
@@ -736,7 +746,9 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
 RouterServer::RouterServer(RouterConfig config)
     : config_(std::move(config)), discovery_(config_, static_cast<size_t>(std::max(1, config_.num_io_threads))) {}
 
-RouterServer::~RouterServer() { stop(); }
+RouterServer::~RouterServer() {
+  stop();
+}
 
 Status RouterServer::start() {
   const int num_threads = std::max(1, config_.num_io_threads);

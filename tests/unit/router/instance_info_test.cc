@@ -24,10 +24,17 @@ std::string pack(const std::map<std::string, Value>& fields) {
 }
 
 std::map<std::string, Value> valid_fields() {
-  return {{"v", uint64_t{1}},          {"type", "register"},       {"role", "producer"},
-          {"http", "127.0.0.1:8100"},  {"control", "127.0.0.1:9100"}, {"instance_id", "p0"},
-          {"boot_nonce", uint64_t{42}}, {"tp_size", uint64_t{1}},   {"dp_size", uint64_t{1}},
-          {"mode", "write"},           {"model", "builtin:tiny"}};
+  return {{"v", uint64_t{1}},
+          {"type", "register"},
+          {"role", "producer"},
+          {"http", "127.0.0.1:8100"},
+          {"control", "127.0.0.1:9100"},
+          {"instance_id", "p0"},
+          {"boot_nonce", uint64_t{42}},
+          {"tp_size", uint64_t{1}},
+          {"dp_size", uint64_t{1}},
+          {"mode", "write"},
+          {"model", "builtin:tiny"}};
 }
 
 Result<InstanceInfo> parse(const std::map<std::string, Value>& fields) {
@@ -67,16 +74,26 @@ TEST(RegistrationParse, RejectsEachMissingField) {
 
 TEST(RegistrationParse, RejectsWrongTypesAndRanges) {
   const std::vector<std::pair<std::string, Value>> bad = {
-      {"v", uint64_t{2}},          {"v", "1"},
-      {"type", "hello"},           {"role", "P"},
-      {"role", uint64_t{1}},       {"http", "127.0.0.1"},
-      {"http", "127.0.0.1:0"},     {"http", "127.0.0.1:70000"},
-      {"http", ":80"},             {"control", "nohostport"},
-      {"instance_id", ""},         {"instance_id", std::string(129, 'a')},
-      {"instance_id", "has space"}, {"boot_nonce", int64_t{-1}},
-      {"boot_nonce", 1.5},         {"tp_size", uint64_t{0}},
-      {"dp_size", uint64_t{5000}}, {"mode", "push"},
-      {"model", ""},               {"model", std::string(300, 'm')},
+      {"v", uint64_t{2}},
+      {"v", "1"},
+      {"type", "hello"},
+      {"role", "P"},
+      {"role", uint64_t{1}},
+      {"http", "127.0.0.1"},
+      {"http", "127.0.0.1:0"},
+      {"http", "127.0.0.1:70000"},
+      {"http", ":80"},
+      {"control", "nohostport"},
+      {"instance_id", ""},
+      {"instance_id", std::string(129, 'a')},
+      {"instance_id", "has space"},
+      {"boot_nonce", int64_t{-1}},
+      {"boot_nonce", 1.5},
+      {"tp_size", uint64_t{0}},
+      {"dp_size", uint64_t{5000}},
+      {"mode", "push"},
+      {"model", ""},
+      {"model", std::string(300, 'm')},
   };
   for (const auto& [key, value] : bad) {
     auto fields = valid_fields();
@@ -128,9 +145,9 @@ TEST(RegistrationParse, RejectsTrailingBytesAndRepeatedKeys) {
 }
 
 TEST(InstanceInfoJson, ParsesPdInfoWithoutHeaderFields) {
-  nlohmann::json info = {{"role", "consumer"},     {"http", "127.0.0.1:8200"}, {"control", "127.0.0.1:9200"},
-                         {"instance_id", "d0"},    {"boot_nonce", 7},          {"tp_size", 1},
-                         {"dp_size", 1},           {"mode", "read"},           {"model", "m"}};
+  nlohmann::json info = {{"role", "consumer"},  {"http", "127.0.0.1:8200"}, {"control", "127.0.0.1:9200"},
+                         {"instance_id", "d0"}, {"boot_nonce", 7},          {"tp_size", 1},
+                         {"dp_size", 1},        {"mode", "read"},           {"model", "m"}};
   auto parsed = parse_instance_info_json(info);
   ASSERT_TRUE(parsed.ok()) << parsed.status().to_string();
   EXPECT_EQ(parsed->role, InstanceRole::kConsumer);

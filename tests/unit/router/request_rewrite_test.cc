@@ -37,12 +37,9 @@ TEST(TransferId, FormatsAs32LowercaseHex) {
 }
 
 TEST(ProducerBody, IsOneTokenNonStreamingWithRouterParams) {
-  nlohmann::json body = {{"model", "m"},
-                         {"prompt", "hi"},
-                         {"max_tokens", 50},
-                         {"max_completion_tokens", 50},
-                         {"stream", true},
-                         {"stream_options", {{"include_usage", true}}}};
+  nlohmann::json body = {{"model", "m"},     {"prompt", "hi"},
+                         {"max_tokens", 50}, {"max_completion_tokens", 50},
+                         {"stream", true},   {"stream_options", {{"include_usage", true}}}};
   nlohmann::json leg = make_producer_body(body, kTransferId, TransferMode::kRead);
   EXPECT_EQ(leg["max_tokens"], 1);
   EXPECT_EQ(leg["max_completion_tokens"], 1);
@@ -70,11 +67,11 @@ TEST(WriteConsumerBody, KeepsClientStreamingAndNamesTheProducer) {
   EXPECT_EQ(leg["stream"], true);
   EXPECT_EQ(leg["max_tokens"], 8);
   EXPECT_EQ(leg["kv_transfer_params"], (nlohmann::json{{"transfer_id", kTransferId},
-                                                        {"do_remote_prefill", true},
-                                                        {"mode", "write"},
-                                                        {"remote_instance_id", "p0"},
-                                                        {"remote_control", "127.0.0.1:9100"},
-                                                        {"remote_boot_nonce", 77}}));
+                                                       {"do_remote_prefill", true},
+                                                       {"mode", "write"},
+                                                       {"remote_instance_id", "p0"},
+                                                       {"remote_control", "127.0.0.1:9100"},
+                                                       {"remote_boot_nonce", 77}}));
 }
 
 nlohmann::json producer_response(std::string_view transfer_id) {
