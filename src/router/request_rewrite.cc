@@ -1,11 +1,48 @@
 #include "router/request_rewrite.h"
 
+#include <algorithm>
+
 namespace pd::router {
+
+size_t json_nesting_depth(std::string_view text) {
+  size_t depth = 0;
+  size_t max_depth = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      max_depth = std::max(max_depth, ++depth);
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return max_depth;
+}
+
+Result<nlohmann::json> parse_json_bounded(std::string_view text, size_t max_depth) {
+  if (json_nesting_depth(text) > max_depth) return invalid_argument("JSON nests deeper than {} levels", max_depth);
+  nlohmann::json value = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (value.is_discarded()) return invalid_argument("not valid JSON");
+  return value;
+}
 
 Result<ClientRequest> parse_client_request(std::string_view body) {
   ClientRequest request;
-  request.body = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (request.body.is_discarded()) return invalid_argument("request body is not valid JSON");
+  Result<nlohmann::json> parsed = parse_json_bounded(body);
+  if (!parsed.ok()) return invalid_argument("request body: {}", parsed.status().message());
+  request.body = std::move(parsed).value();
   if (!request.body.is_object()) return invalid_argument("request body must be a JSON object");
   if (auto it = request.body.find("stream"); it != request.body.end() && !it->is_null()) {
     if (!it->is_boolean()) return invalid_argument("'stream' must be a boolean");

@@ -21,9 +21,25 @@ struct ClientRequest {
   bool dropped_kv_transfer_params = false;
 };
 
+// The deepest [ / { nesting the router accepts in a JSON text, the same limit
+// as pdserve (server::RequestLimits::max_json_depth). nlohmann parses
+// iteratively but copies and serialises recursively, one stack frame per
+// level, so a 2 MB body of brackets would overflow the stack on the P/D path.
+inline constexpr size_t kMaxJsonDepth = 64;
+
+// Deepest [ / { nesting in a JSON text (the outermost value is level 1),
+// ignoring brackets inside strings. Linear and non-recursive, so it is safe on
+// any input; exact for valid JSON.
+size_t json_nesting_depth(std::string_view text);
+
+// Parses JSON text that nests at most `max_depth` levels; deeper text is
+// refused before a value exists, so nothing downstream can recurse through it.
+Result<nlohmann::json> parse_json_bounded(std::string_view text, size_t max_depth = kMaxJsonDepth);
+
 // Parses a completions / chat completions body. Only what the router relies
-// on is checked (an object; "stream" a bool; "model" a string); the engine
-// validates the rest and its 400 reaches the client unchanged.
+// on is checked (an object nested at most kMaxJsonDepth levels; "stream" a
+// bool; "model" a string); the engine validates the rest and its 400 reaches
+// the client unchanged.
 Result<ClientRequest> parse_client_request(std::string_view body);
 
 // 32 lowercase hex chars from 128 random bits.

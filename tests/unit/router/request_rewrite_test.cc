@@ -28,6 +28,45 @@ TEST(ParseClientRequest, RejectsWhatTheRouterCannotRoute) {
   EXPECT_FALSE(plain->dropped_kv_transfer_params);
 }
 
+// {"prompt":"a","x":[[...]]} nesting `depth` levels in all (the outer object is level 1).
+std::string body_nested(size_t depth) {
+  const size_t num_arrays = depth - 1;
+  return R"({"prompt":"a","x":)" + std::string(num_arrays, '[') + std::string(num_arrays, ']') + "}";
+}
+
+TEST(ParseClientRequest, AcceptsNestingUpToPdservesLimit) {
+  auto shallow = parse_client_request(body_nested(60));
+  ASSERT_TRUE(shallow.ok()) << shallow.status().to_string();
+  auto at_limit = parse_client_request(body_nested(kMaxJsonDepth));
+  ASSERT_TRUE(at_limit.ok()) << at_limit.status().to_string();
+  // The P/D path copies and re-serialises what was accepted.
+  EXPECT_FALSE(make_producer_body(at_limit->body, kTransferId, TransferMode::kWrite).dump().empty());
+}
+
+TEST(ParseClientRequest, RefusesNestingBeyondPdservesLimit) {
+  for (size_t depth : {kMaxJsonDepth + 1, size_t{100}}) {
+    auto request = parse_client_request(body_nested(depth));
+    ASSERT_FALSE(request.ok()) << "depth " << depth << " was accepted";
+    EXPECT_EQ(request.status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(request.status().message().find("deeper than 64"), std::string::npos) << request.status().message();
+  }
+}
+
+TEST(ParseClientRequest, RefusesAHugelyNestedBodyWithoutRecursing) {
+  // 400 KB of brackets: copying or dumping this as a value would overflow the stack.
+  auto request = parse_client_request(body_nested(200'000));
+  EXPECT_FALSE(request.ok());
+}
+
+TEST(JsonNestingDepth, IgnoresBracketsInsideStrings) {
+  const std::string brackets(100, '[');
+  EXPECT_EQ(json_nesting_depth(R"({"prompt":")" + brackets + R"("})"), 1u);
+  EXPECT_EQ(json_nesting_depth(R"({"prompt":"\")" + brackets + R"("})"), 1u) << "an escaped quote ends nothing";
+  EXPECT_EQ(json_nesting_depth(R"({"a":[{"b":[]}],"c":{}})"), 4u);
+  EXPECT_EQ(json_nesting_depth("7"), 0u);
+  EXPECT_TRUE(parse_client_request(R"({"prompt":")" + brackets + R"("})").ok());
+}
+
 TEST(TransferId, FormatsAs32LowercaseHex) {
   std::string id = format_transfer_id(0xfedcba9876543210ull, 1);
   EXPECT_EQ(id, "fedcba98765432100000000000000001");
