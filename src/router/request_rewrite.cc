@@ -105,8 +105,11 @@ bool is_non_negative_integer(const nlohmann::json& value) {
 }  // namespace
 
 Result<nlohmann::json> make_read_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
-                                               const nlohmann::json& producer_response,
+                                               std::string_view producer_response_text,
                                                std::string_view expected_producer_id) {
+  Result<nlohmann::json> parsed = parse_json_bounded(producer_response_text);
+  if (!parsed.ok()) return invalid_argument("producer response: {}", parsed.status().message());
+  const nlohmann::json& producer_response = *parsed;
   if (!producer_response.is_object()) return invalid_argument("producer response is not a JSON object");
   auto params_it = producer_response.find("kv_transfer_params");
   if (params_it == producer_response.end() || !params_it->is_object()) {

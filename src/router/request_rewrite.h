@@ -55,13 +55,14 @@ nlohmann::json make_producer_body(const nlohmann::json& body, std::string_view t
 nlohmann::json make_write_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
                                         const InstanceInfo& producer);
 
-// READ consumer leg from the producer's response: its kv_transfer_params must
-// be an object with transfer_id == `transfer_id` and the fields the consumer
-// needs to pull (remote_instance_id, remote_control, remote_boot_nonce,
-// block_ids, num_tokens). When `expected_producer_id` is not empty, the
-// response must name that producer.
+// READ consumer leg from the producer's response text: a JSON object nested
+// at most kMaxJsonDepth levels (its kv_transfer_params are copied into the
+// leg), whose kv_transfer_params must be an object with transfer_id ==
+// `transfer_id` and the fields the consumer needs to pull (remote_instance_id,
+// remote_control, remote_boot_nonce, block_ids, num_tokens). When
+// `expected_producer_id` is not empty, the response must name that producer.
 Result<nlohmann::json> make_read_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
-                                               const nlohmann::json& producer_response,
+                                               std::string_view producer_response,
                                                std::string_view expected_producer_id);
 
 }  // namespace pd::router

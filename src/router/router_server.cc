@@ -500,9 +500,8 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
         co_return FlowOutcome::kAnswered;
       }
       if (producer_result.ok()) {
-        nlohmann::json parsed = nlohmann::json::parse(producer_result.body, nullptr, false);
         Result<nlohmann::json> consumer_body =
-            make_read_consumer_body(request.body, transfer_id, parsed, producer->info().instance_id);
+            make_read_consumer_body(request.body, transfer_id, producer_result.body, producer->info().instance_id);
         if (!consumer_body.ok()) {
           // The contract: a producer answer that does not carry our transfer fails the request.
           count_leg_failure("prefill", "bad_kv_transfer_params");

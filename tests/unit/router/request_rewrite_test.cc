@@ -126,7 +126,7 @@ nlohmann::json producer_response(std::string_view transfer_id) {
 }
 
 TEST(ReadConsumerBody, CarriesTheProducersParamsPlusRemotePrefill) {
-  auto leg = make_read_consumer_body({{"prompt", "hi"}}, kTransferId, producer_response(kTransferId), "p0");
+  auto leg = make_read_consumer_body({{"prompt", "hi"}}, kTransferId, producer_response(kTransferId).dump(), "p0");
   ASSERT_TRUE(leg.ok()) << leg.status().to_string();
   const nlohmann::json& params = (*leg)["kv_transfer_params"];
   EXPECT_EQ(params["transfer_id"], kTransferId);
@@ -139,15 +139,26 @@ TEST(ReadConsumerBody, CarriesTheProducersParamsPlusRemotePrefill) {
 
 TEST(ReadConsumerBody, FailsOnAnotherTransferIdOrMissingFields) {
   EXPECT_FALSE(
-      make_read_consumer_body({}, kTransferId, producer_response("ffffffffffffffffffffffffffffffff"), "").ok());
-  EXPECT_FALSE(make_read_consumer_body({}, kTransferId, producer_response(kTransferId), "p1").ok());
+      make_read_consumer_body({}, kTransferId, producer_response("ffffffffffffffffffffffffffffffff").dump(), "").ok());
+  EXPECT_FALSE(make_read_consumer_body({}, kTransferId, producer_response(kTransferId).dump(), "p1").ok());
   for (const char* key : {"remote_instance_id", "remote_control", "remote_boot_nonce", "block_ids", "num_tokens"}) {
     nlohmann::json response = producer_response(kTransferId);
     response["kv_transfer_params"].erase(key);
-    EXPECT_FALSE(make_read_consumer_body({}, kTransferId, response, "").ok()) << key;
+    EXPECT_FALSE(make_read_consumer_body({}, kTransferId, response.dump(), "").ok()) << key;
   }
-  EXPECT_FALSE(make_read_consumer_body({}, kTransferId, nlohmann::json{{"choices", 1}}, "").ok());
-  EXPECT_FALSE(make_read_consumer_body({}, kTransferId, nlohmann::json::array(), "").ok());
+  EXPECT_FALSE(make_read_consumer_body({}, kTransferId, R"({"choices":1})", "").ok());
+  EXPECT_FALSE(make_read_consumer_body({}, kTransferId, "[]", "").ok());
+}
+
+TEST(ReadConsumerBody, RefusesAProducerAnswerNestedBeyondTheLimit) {
+  // The producer's kv_transfer_params are copied into the consumer leg: 200,000 levels would overflow the stack.
+  std::string response = producer_response(kTransferId).dump();
+  const std::string deep = std::string(200'000, '[') + std::string(200'000, ']');
+  response.insert(response.size() - 2, R"(,"extra":)" + deep);
+  auto leg = make_read_consumer_body({{"prompt", "hi"}}, kTransferId, response, "p0");
+  ASSERT_FALSE(leg.ok());
+  EXPECT_NE(leg.status().message().find("deeper than 64"), std::string::npos) << leg.status().message();
+  EXPECT_FALSE(make_read_consumer_body({}, kTransferId, "{not json", "").ok());
 }
 
 }  // namespace
