@@ -51,6 +51,43 @@ bool is_printable_ascii(std::string_view text) {
   return true;
 }
 
+// Well-formed UTF-8 (RFC 3629): no overlong forms, no surrogates, nothing above U+10FFFF.
+bool is_valid_utf8(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto lead = static_cast<unsigned char>(text[i]);
+    size_t num_continuation = 0;
+    unsigned char second_min = 0x80;
+    unsigned char second_max = 0xbf;
+    if (lead < 0x80) {
+      ++i;
+      continue;
+    }
+    if (lead >= 0xc2 && lead <= 0xdf) {
+      num_continuation = 1;
+    } else if (lead >= 0xe0 && lead <= 0xef) {
+      num_continuation = 2;
+      if (lead == 0xe0) second_min = 0xa0;  // overlong
+      if (lead == 0xed) second_max = 0x9f;  // surrogates
+    } else if (lead >= 0xf0 && lead <= 0xf4) {
+      num_continuation = 3;
+      if (lead == 0xf0) second_min = 0x90;  // overlong
+      if (lead == 0xf4) second_max = 0x8f;  // above U+10FFFF
+    } else {
+      return false;
+    }
+    if (text.size() - i <= num_continuation) return false;
+    for (size_t k = 1; k <= num_continuation; ++k) {
+      const auto byte = static_cast<unsigned char>(text[i + k]);
+      const unsigned char min = k == 1 ? second_min : 0x80;
+      const unsigned char max = k == 1 ? second_max : 0xbf;
+      if (byte < min || byte > max) return false;
+    }
+    i += num_continuation + 1;
+  }
+  return true;
+}
+
 }  // namespace
 
 Result<HostPort> parse_host_port(std::string_view text) {
@@ -108,6 +145,8 @@ Result<std::string> get_string(const RawFields& fields, std::string_view key, si
   if (text == nullptr) return invalid_argument("field '{}' must be a string", key);
   if (text->size() > max_bytes) return invalid_argument("field '{}' is {} bytes, max {}", key, text->size(), max_bytes);
   if (!allow_empty && text->empty()) return invalid_argument("field '{}' is empty", key);
+  // Every field may end up in JSON the router serves (/health, /v1/models), which must be UTF-8.
+  if (!is_valid_utf8(*text)) return invalid_argument("field '{}' is not valid UTF-8", key);
   return *text;
 }
 

@@ -102,6 +102,33 @@ TEST(RegistrationParse, RejectsWrongTypesAndRanges) {
   }
 }
 
+TEST(RegistrationParse, RejectsStringsThatAreNotUtf8) {
+  const std::vector<std::string> not_utf8 = {
+      "model-\xff",              // never valid
+      "model-\xc3",              // truncated sequence
+      "model-\xc0\xaf",          // overlong '/'
+      "model-\xed\xa0\x80",      // UTF-16 surrogate
+      "model-\xf4\x90\x80\x80",  // above U+10FFFF
+  };
+  for (const std::string& model : not_utf8) {
+    auto fields = valid_fields();
+    fields["model"] = model;
+    auto info = parse(fields);
+    EXPECT_FALSE(info.ok()) << "model of " << model.size() << " bytes was accepted";
+  }
+  auto fields = valid_fields();
+  fields["role"] = "producer\xff";
+  EXPECT_FALSE(parse(fields).ok());
+}
+
+TEST(RegistrationParse, AcceptsNonAsciiUtf8ModelNames) {
+  auto fields = valid_fields();
+  fields["model"] = "caf\xc3\xa9-\xe6\xa8\xa1\xe5\x9e\x8b-\xf0\x9f\x98\x80";  // café-模型-😀
+  auto info = parse(fields);
+  ASSERT_TRUE(info.ok()) << info.status().to_string();
+  EXPECT_EQ(info->model, "caf\xc3\xa9-\xe6\xa8\xa1\xe5\x9e\x8b-\xf0\x9f\x98\x80");
+}
+
 TEST(RegistrationParse, CollocatedInstanceMayOmitControlAddressValue) {
   auto fields = valid_fields();
   fields["role"] = "both";

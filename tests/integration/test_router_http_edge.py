@@ -1,0 +1,61 @@
+"""pdrouter's HTTP edge against oversized, hostile or odd input. No engine is needed: the router
+answers these itself. Body size limit (413, --max-body-bytes), deeply nested JSON (400, the
+router survives), non-UTF-8 request paths (404) and registrations (refused and counted;
+/health and /v1/models keep answering)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import msgpack
+
+from conftest import bin_path, wait_for
+from router_fixtures import Heartbeat, Registrar, registration_record, start_router
+
+MIB = 1024 * 1024
+
+
+def json_body_of_size(num_bytes: int) -> bytes:
+    """A valid completions body of exactly num_bytes bytes."""
+    head, tail = b'{"prompt":"', b'"}'
+    return head + b"a" * (num_bytes - len(head) - len(tail)) + tail
+
+
+def raw_exchange(router, request: bytes, timeout_s: float = 30.0) -> bytes:
+    """Sends raw request bytes and reads until the router closes the connection."""
+    with socket.create_connection((router.host, router.port), timeout=timeout_s) as sock:
+        sock.sendall(request)
+        received = b""
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return received
+            received += data
+
+
+def assert_openai_error(body: bytes, status: int) -> dict:
+    error = json.loads(body)["error"]
+    assert error["code"] == status and error["message"], error
+    return error
+
+
+def test_non_utf8_registration_is_refused_and_health_and_models_keep_answering(procs):
+    router = start_router(procs)
+    registrar = Registrar(router.registration_port)
+    try:
+        bad = registration_record("bad", "consumer", "127.0.0.1:12", control="127.0.0.1:13")
+        # use_bin_type=False packs bytes as a msgpack str, so the model is a str holding invalid UTF-8.
+        registrar.send_frames([msgpack.packb({**bad, "model": b"tiny-\xff"}, use_bin_type=False)])
+        wait_for(lambda: router.metric("pd_router_registrations_malformed_total") == 1, 10,
+                 "the non-UTF-8 registration counted as malformed")
+        assert router.instance_ids() == set()
+        registrar.send_record(registration_record("good", "consumer", "127.0.0.1:14", control="127.0.0.1:15",
+                                                  model="caf\u00e9-\u6a21\u578b"))
+        wait_for(lambda: router.instance_ids() == {"good"}, 10, "a UTF-8 model name admitted")
+        status, body, _ = router.get("/v1/models")
+        assert status == 200
+        assert [m["id"] for m in json.loads(body)["data"]] == ["caf\u00e9-\u6a21\u578b"]
+        assert router.get("/health")[0] == 200
+    finally:
+        registrar.close()
