@@ -88,9 +88,16 @@ std::string mint_transfer_id() {
   return format_transfer_id(thread_random(), thread_random());
 }
 
+// Serialises JSON the router answers with. Its text may come from outside (a request path, an
+// instance's registration), and the strict dump() throws on invalid UTF-8, which would end the
+// connection without an answer: invalid bytes become U+FFFD instead.
+std::string dump_response_json(const nlohmann::json& value) {
+  return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 std::string error_json(std::string_view message, std::string_view type, int status) {
   nlohmann::json body = {{"error", {{"message", message}, {"type", type}, {"param", nullptr}, {"code", status}}}};
-  return body.dump();
+  return dump_response_json(body);
 }
 
 std::string content_type_or_json(const LegResult& result) {
@@ -665,7 +672,7 @@ std::string RouterServer::Impl::health_json(const Snapshot& snapshot, bool& heal
                          {"outstanding", backend->outstanding()}});
   }
   healthy = !snapshot.backends.empty();
-  return nlohmann::json{{"status", healthy ? "ok" : "no_instances"}, {"instances", instances}}.dump();
+  return dump_response_json({{"status", healthy ? "ok" : "no_instances"}, {"instances", instances}});
 }
 
 std::string RouterServer::Impl::models_json(const Snapshot& snapshot) const {
@@ -678,7 +685,7 @@ std::string RouterServer::Impl::models_json(const Snapshot& snapshot) const {
   for (const std::string& model : models) {
     data.push_back({{"id", model}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "pdserve"}});
   }
-  return nlohmann::json{{"object", "list"}, {"data", data}}.dump();
+  return dump_response_json({{"object", "list"}, {"data", data}});
 }
 
 awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::request<http::string_body>& request) {

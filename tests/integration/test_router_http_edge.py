@@ -40,6 +40,33 @@ def assert_openai_error(body: bytes, status: int) -> dict:
     return error
 
 
+def test_deeply_nested_body_is_400_and_the_router_survives(procs):
+    router = start_router(procs)
+    # A collocated instance (nothing listens there): the body would be re-serialised for it,
+    # since the router removes the client's kv_transfer_params.
+    heartbeat = Heartbeat(router.registration_port,
+                          registration_record("c0", "both", "127.0.0.1:9", control="127.0.0.1:10"))
+    try:
+        router.wait_for_instances(1)
+        levels = 1_000_000
+        body = (b'{"prompt":"a","kv_transfer_params":{},"x":' + b"[" * levels + b"]" * levels + b"}")
+        status, answer, _ = router.post("/v1/completions", body, timeout_s=60)
+        assert status == 400
+        assert "deeper than 64" in assert_openai_error(answer, 400)["message"]
+        assert router.get("/health")[0] == 200, "the router is still up"
+    finally:
+        heartbeat.stop()
+
+
+def test_non_utf8_request_path_is_a_404(procs):
+    router = start_router(procs)
+    answer = raw_exchange(router, b"GET /v1/\xff\xfe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404"), answer[:200]
+    assert_openai_error(body, 404)
+    assert router.get("/health")[0] == 503, "the router is still up"
+
+
 def test_non_utf8_registration_is_refused_and_health_and_models_keep_answering(procs):
     router = start_router(procs)
     registrar = Registrar(router.registration_port)
