@@ -35,8 +35,8 @@ struct RouterConfig {
   int64_t client_write_timeout_ms = 60000;
   int max_prefill_retries = 1;  // other producers tried before falling back to collocated decode
   int64_t instance_ttl_ms = 5000;
-  int64_t probe_interval_ms = 1000;  // static instances: GET /pd/info period
-  size_t max_body_bytes = 64 * 1024 * 1024;
+  int64_t probe_interval_ms = 1000;                // static instances: GET /pd/info period
+  size_t max_body_bytes = 8u << 20;                // --max-body-bytes: larger client bodies get 413 (pdserve's default)
   size_t max_idle_connections_per_backend = 1024;  // per io thread
   std::string api_key;                             // clients must send "Authorization: Bearer <key>" on /v1/*
 };

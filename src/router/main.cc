@@ -5,6 +5,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <limits>
 #include <thread>
 
 #include "common/log.h"
@@ -59,6 +60,9 @@ int main(int argc, char** argv) {
   app.add_option("--instance-ttl-ms", config.instance_ttl_ms, "expiry of a silent instance")->capture_default_str();
   app.add_option("--probe-interval-ms", config.probe_interval_ms, "GET /pd/info period for static instances")
       ->capture_default_str();
+  app.add_option("--max-body-bytes", config.max_body_bytes, "largest client request body accepted (413 beyond)")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1024}, std::numeric_limits<size_t>::max()));
   app.add_option("--api-key", config.api_key, "require 'Authorization: Bearer KEY' on /v1/*");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")->capture_default_str();
   CLI11_PARSE(app, argc, argv);

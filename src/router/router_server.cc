@@ -108,6 +108,21 @@ int status_for_transport(const Status& status) {
   return status.code() == ErrorCode::kDeadlineExceeded ? 504 : 502;
 }
 
+// Lingering close after answering a request early (a body over the limit): a client still
+// sending would otherwise get a connection reset instead of the answer. Reads and discards
+// for a bounded time and byte count; the caller then closes.
+awaitable<void> drain_before_close(beast::tcp_stream& stream, size_t max_body_bytes) {
+  beast::error_code ec;
+  stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+  const size_t max_drain_bytes = std::max<size_t>(4 * max_body_bytes, 16u << 20);
+  std::vector<char> sink(64 * 1024);
+  size_t num_drained = 0;
+  stream.expires_after(std::chrono::seconds(2));
+  while (!ec && num_drained < max_drain_bytes) {
+    num_drained += co_await stream.async_read_some(net::buffer(sink), with_ec(ec));
+  }
+}
+
 // ---------------------------------------------------------------- per-request state
 
 // The state of one client request. Lives on one io thread; legs are owned
@@ -255,12 +270,18 @@ awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_in
         // Malformed or oversized request: answer it, then close (the stream position is unknown).
         exchange->keep_alive = false;
         exchange->route = "invalid";
-        const int status = ec == http::error::body_limit ? 413 : 400;
-        co_await respond_error(*exchange, status, fmt::format("malformed HTTP request: {}", ec.message()),
-                               "invalid_request_error");
+        const bool too_large = ec == http::error::body_limit;
+        const int status = too_large ? 413 : 400;
+        std::string message = fmt::format("malformed HTTP request: {}", ec.message());
+        if (too_large) {
+          message = fmt::format("request body is larger than the limit of {} bytes (--max-body-bytes)",
+                                config_.max_body_bytes);
+        }
+        co_await respond_error(*exchange, status, std::move(message), "invalid_request_error");
         cached_counter("pd_router_requests_total", "Requests by route and status",
                        {{"route", "invalid"}, {"status", std::to_string(status)}})
             .inc();
+        if (too_large && !exchange->client_gone) co_await drain_before_close(stream, config_.max_body_bytes);
         break;
       }
       stream.expires_never();

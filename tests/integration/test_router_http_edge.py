@@ -40,6 +40,29 @@ def assert_openai_error(body: bytes, status: int) -> dict:
     return error
 
 
+def test_body_over_the_default_limit_of_8_mib_is_413(procs):
+    router = start_router(procs)  # no instance: a body within the limit gets the router's 503
+    status, body, _ = router.post("/v1/completions", json_body_of_size(8 * MIB + 1), timeout_s=60)
+    assert status == 413
+    assert "8388608" in assert_openai_error(body, 413)["message"]
+    status, body, _ = router.post("/v1/completions", json_body_of_size(8 * MIB), timeout_s=60)
+    assert status == 503, body[:200]
+    assert router.metric("pd_router_requests_total", {"route": "invalid", "status": "413"}) == 1
+
+
+def test_max_body_bytes_flag_sets_the_limit(procs):
+    router = start_router(procs, "--max-body-bytes", "4096")
+    status, body, _ = router.post("/v1/completions", json_body_of_size(4097))
+    assert status == 413
+    assert_openai_error(body, 413)
+    assert router.post("/v1/completions", json_body_of_size(4096))[0] == 503
+
+
+def test_max_body_bytes_below_1024_is_refused_at_startup(procs):
+    managed = procs.spawn([bin_path("pdrouter"), "--port", "0", "--registration-port", "0", "--max-body-bytes", "100"])
+    assert managed.proc.wait(timeout=30) != 0
+
+
 def test_deeply_nested_body_is_400_and_the_router_survives(procs):
     router = start_router(procs)
     # A collocated instance (nothing listens there): the body would be re-serialised for it,
