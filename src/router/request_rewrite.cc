@@ -1,6 +1,7 @@
 #include "router/request_rewrite.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace pd::router {
 
@@ -68,10 +69,31 @@ bool is_transfer_id(std::string_view text) {
   return true;
 }
 
+namespace {
+
+// An integer (or a float with an integral value, which pdserve also takes as one) above 1.
+bool is_integral_above_one(const nlohmann::json& value) {
+  if (value.is_number_unsigned()) return value.get<uint64_t>() > 1;
+  if (value.is_number_integer()) return value.get<int64_t>() > 1;
+  if (value.is_number_float()) {
+    const double number = value.get<double>();
+    return std::isfinite(number) && std::floor(number) == number && number > 1;
+  }
+  return false;
+}
+
+}  // namespace
+
 nlohmann::json make_producer_body(const nlohmann::json& body, std::string_view transfer_id, TransferMode mode) {
   nlohmann::json leg = body;
   leg["max_tokens"] = 1;
   if (leg.contains("max_completion_tokens")) leg["max_completion_tokens"] = 1;
+  // pdserve refuses min_tokens > max_tokens, so min_tokens >= 2 would fail every P/D request.
+  // On this one-token leg only min_tokens > 0 matters: it makes the first token be drawn with
+  // EOS and stop ids suppressed, and engine::first_token_sampling_key hashes exactly that
+  // bool, so clamping to 1 keeps the producer's key equal to the consumer's. Anything that is
+  // not an integral number is left for the engine to refuse, as the consumer will.
+  if (auto it = leg.find("min_tokens"); it != leg.end() && is_integral_above_one(*it)) *it = 1;
   leg["stream"] = false;
   leg.erase("stream_options");
   leg["kv_transfer_params"] = {

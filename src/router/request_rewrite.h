@@ -46,8 +46,9 @@ Result<ClientRequest> parse_client_request(std::string_view body);
 std::string format_transfer_id(uint64_t high, uint64_t low);
 bool is_transfer_id(std::string_view text);
 
-// Producer leg: max_tokens (and max_completion_tokens) = 1, stream = false,
-// no stream_options, kv_transfer_params = {transfer_id, do_remote_decode, mode}.
+// Producer leg: max_tokens (and max_completion_tokens) = 1, min_tokens at
+// most 1, stream = false, no stream_options, kv_transfer_params =
+// {transfer_id, do_remote_decode, mode}.
 nlohmann::json make_producer_body(const nlohmann::json& body, std::string_view transfer_id, TransferMode mode);
 
 // WRITE consumer leg: the body as the client sent it plus the producer's address.

@@ -91,6 +91,17 @@ def test_pd_completion_equals_collocated_greedy(deployment, reference, stream):
     assert router.metric("pd_router_fallbacks_total", {"reason": "prefill_failed"}) == fallbacks_before
 
 
+def test_pd_serves_min_tokens_above_one_with_the_collocated_answer(deployment, reference):
+    """The producer leg has max_tokens=1: the router must not send it a min_tokens pdserve refuses."""
+    mode, router, producer, consumer = deployment
+    expected = client_for(reference.base_url).completions.create(model=TINY_MODEL, prompt=PROMPT, max_tokens=8,
+                                                                 temperature=0, extra_body={"min_tokens": 4})
+    answer = client_for(router.base_url).completions.create(model=TINY_MODEL, prompt=PROMPT, max_tokens=8,
+                                                            temperature=0, extra_body={"min_tokens": 4})
+    assert answer.choices[0].text == expected.choices[0].text
+    assert answer.usage.completion_tokens == expected.usage.completion_tokens >= 4
+
+
 def test_pd_chat_stream(deployment, reference):
     mode, router, producer, consumer = deployment
     messages = [{"role": "user", "content": "Hello there"}]

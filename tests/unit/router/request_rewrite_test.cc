@@ -96,6 +96,26 @@ TEST(ProducerBody, DoesNotInventMaxCompletionTokens) {
   EXPECT_EQ(leg["kv_transfer_params"]["mode"], "write");
 }
 
+TEST(ProducerBody, ClampsMinTokensToOneSoTheOneTokenLegIsValid) {
+  // pdserve refuses min_tokens > max_tokens; the first-token sampling key only sees min_tokens > 0.
+  for (const nlohmann::json& min_tokens : {nlohmann::json(5), nlohmann::json(2u), nlohmann::json(7.0)}) {
+    nlohmann::json body = {{"prompt", "x"}, {"max_tokens", 8}, {"min_tokens", min_tokens}};
+    nlohmann::json leg = make_producer_body(body, kTransferId, TransferMode::kWrite);
+    EXPECT_EQ(leg["min_tokens"], 1) << min_tokens;
+    EXPECT_EQ(body["min_tokens"], min_tokens) << "the client's body (and so the consumer leg) keeps its value";
+  }
+}
+
+TEST(ProducerBody, LeavesMinTokensThatNeedNoClampOrAreInvalid) {
+  for (const nlohmann::json& min_tokens : {nlohmann::json(0), nlohmann::json(1), nlohmann::json(-3),
+                                           nlohmann::json(2.5), nlohmann::json("4"), nlohmann::json(nullptr)}) {
+    nlohmann::json leg =
+        make_producer_body({{"prompt", "x"}, {"min_tokens", min_tokens}}, kTransferId, TransferMode::kRead);
+    EXPECT_EQ(leg["min_tokens"], min_tokens);
+  }
+  EXPECT_FALSE(make_producer_body({{"prompt", "x"}}, kTransferId, TransferMode::kRead).contains("min_tokens"));
+}
+
 TEST(WriteConsumerBody, KeepsClientStreamingAndNamesTheProducer) {
   InstanceInfo producer;
   producer.instance_id = "p0";
