@@ -23,10 +23,12 @@ Status status_from_error(const beast::error_code& ec, std::string_view what) {
   return unavailable("{}: {}", what, ec.message());
 }
 
-Backend::Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_threads, size_t max_idle_per_thread)
+Backend::Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_threads, size_t max_idle_per_thread,
+                 std::string authorization)
     : info_(std::move(info)),
       endpoint_(std::move(endpoint)),
       host_header_(info_.http.to_string()),
+      authorization_(std::move(authorization)),
       max_idle_per_thread_(max_idle_per_thread),
       outstanding_gauge_(metrics::Registry::global().gauge(
           "pd_router_instance_outstanding", "Legs in flight per instance (a stream counts until its end)",
@@ -96,6 +98,7 @@ awaitable<LegResult> Leg::send_and_read_header(const std::string& target, const 
   http::request<http::string_body> request{http::verb::post, target, 11};
   request.set(http::field::host, backend_->host_header());
   request.set(http::field::content_type, "application/json");
+  if (!backend_->authorization().empty()) request.set(http::field::authorization, backend_->authorization());
   request.keep_alive(true);
   request.body() = body;
   request.prepare_payload();
@@ -200,8 +203,12 @@ void Leg::release() {
   stream_->socket().close(ec);
 }
 
+std::string bearer_authorization(const std::string& api_key) {
+  return api_key.empty() ? std::string() : "Bearer " + api_key;
+}
+
 awaitable<LegResult> http_get(const tcp::endpoint& endpoint, const std::string& host_header, const std::string& target,
-                              int64_t timeout_ms) {
+                              const std::string& authorization, int64_t timeout_ms) {
   LegResult result;
   auto executor = co_await net::this_coro::executor;
   beast::tcp_stream stream(executor);
@@ -210,6 +217,7 @@ awaitable<LegResult> http_get(const tcp::endpoint& endpoint, const std::string& 
   co_await stream.async_connect(endpoint, with_ec(ec));
   http::request<http::empty_body> request{http::verb::get, target, 11};
   request.set(http::field::host, host_header);
+  if (!authorization.empty()) request.set(http::field::authorization, authorization);
   request.keep_alive(false);
   if (!ec) co_await http::async_write(stream, request, with_ec(ec));
   beast::flat_buffer buffer;

@@ -22,12 +22,15 @@ namespace pd::router {
 
 class Backend {
  public:
-  Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_threads, size_t max_idle_per_thread);
+  // `authorization`: the Authorization header value every leg to this backend carries; empty for none.
+  Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_threads, size_t max_idle_per_thread,
+          std::string authorization);
   ~Backend();
 
   const InstanceInfo& info() const { return info_; }
   const tcp::endpoint& endpoint() const { return endpoint_; }
   const std::string& host_header() const { return host_header_; }
+  const std::string& authorization() const { return authorization_; }
   int64_t outstanding() const { return outstanding_.load(std::memory_order_relaxed); }
   void add_outstanding(int64_t delta);
 
@@ -41,6 +44,7 @@ class Backend {
   InstanceInfo info_;
   tcp::endpoint endpoint_;
   std::string host_header_;
+  std::string authorization_;
   size_t max_idle_per_thread_;
   std::atomic<int64_t> outstanding_{0};
   metrics::Gauge& outstanding_gauge_;
@@ -114,9 +118,13 @@ class Leg {
   std::vector<char> piece_;
 };
 
-// A plain GET with a deadline, for discovery probes (no pooling).
+// A plain GET with a deadline, for discovery probes (no pooling). `authorization`: the
+// Authorization header value to send; empty for none.
 awaitable<LegResult> http_get(const tcp::endpoint& endpoint, const std::string& host_header, const std::string& target,
-                              int64_t timeout_ms);
+                              const std::string& authorization, int64_t timeout_ms);
+
+// The Authorization header value for an engine API key ("Bearer <key>"); empty for an empty key.
+std::string bearer_authorization(const std::string& api_key);
 
 // Maps an Asio/Beast error to a Status (deadline -> kDeadlineExceeded, else kUnavailable).
 Status status_from_error(const beast::error_code& ec, std::string_view what);

@@ -39,6 +39,9 @@ struct RouterConfig {
   size_t max_body_bytes = 8u << 20;                // --max-body-bytes: larger client bodies get 413 (pdserve's default)
   size_t max_idle_connections_per_backend = 1024;  // per io thread
   std::string api_key;                             // clients must send "Authorization: Bearer <key>" on /v1/*
+  // Sent as "Authorization: Bearer <key>" on every request to an engine (legs and probes), for
+  // engines started with --api-key. Empty: no Authorization header.
+  std::string backend_api_key;
 };
 
 }  // namespace pd::router

@@ -47,6 +47,7 @@ struct Discovery::ZmqState {
 
 Discovery::Discovery(const RouterConfig& config, size_t num_io_threads)
     : config_(config),
+      backend_authorization_(bearer_authorization(config.backend_api_key)),
       num_io_threads_(num_io_threads),
       registry_(std::chrono::milliseconds(config.instance_ttl_ms)),
       snapshot_(std::make_shared<const Snapshot>()) {}
@@ -171,7 +172,8 @@ void Discovery::admit(InstanceInfo info, bool from_probe) {
               outcome == UpsertOutcome::kAdded ? "added" : "replaced", role_name(info.role), mode_name(info.mode),
               info.http.to_string(), info.control ? info.control->to_string() : "-", info.boot_nonce, info.model,
               from_probe ? ", static" : "");
-  auto backend = std::make_shared<Backend>(info, *endpoint, num_io_threads_, config_.max_idle_connections_per_backend);
+  auto backend = std::make_shared<Backend>(info, *endpoint, num_io_threads_, config_.max_idle_connections_per_backend,
+                                           backend_authorization_);
   every_backend_.push_back(backend);
   backends_[info.instance_id] = std::move(backend);
   publish();
@@ -224,7 +226,7 @@ awaitable<void> Discovery::expiry_loop() {
 awaitable<Result<InstanceInfo>> Discovery::probe_once(const StaticTarget& target) {
   const std::string host = target.http.to_string();
   const int64_t timeout_ms = std::max<int64_t>(200, config_.probe_interval_ms);
-  LegResult info_reply = co_await http_get(target.endpoint, host, "/pd/info", timeout_ms);
+  LegResult info_reply = co_await http_get(target.endpoint, host, "/pd/info", backend_authorization_, timeout_ms);
   if (!info_reply.transport.ok()) co_return info_reply.transport;
   if (info_reply.http_status == 200) {
     nlohmann::json parsed = nlohmann::json::parse(info_reply.body, nullptr, false);
@@ -236,7 +238,7 @@ awaitable<Result<InstanceInfo>> Discovery::probe_once(const StaticTarget& target
     co_return info;
   }
   // No /pd/info (an engine without a connector): admit it with what /v1/models says.
-  LegResult models_reply = co_await http_get(target.endpoint, host, "/v1/models", timeout_ms);
+  LegResult models_reply = co_await http_get(target.endpoint, host, "/v1/models", backend_authorization_, timeout_ms);
   if (!models_reply.transport.ok()) co_return models_reply.transport;
   if (models_reply.http_status != 200)
     co_return unavailable("{} answered /v1/models with {}", host, models_reply.http_status);

@@ -58,6 +58,7 @@ class Discovery {
   awaitable<Result<InstanceInfo>> probe_once(const StaticTarget& target);
 
   const RouterConfig config_;
+  const std::string backend_authorization_;  // Authorization header value for engines; empty for none
   const size_t num_io_threads_;
   net::io_context control_;
   std::optional<net::executor_work_guard<net::io_context::executor_type>> control_work_;

@@ -3,6 +3,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <limits>
@@ -64,6 +65,9 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(size_t{1024}, std::numeric_limits<size_t>::max()));
   app.add_option("--api-key", config.api_key, "require 'Authorization: Bearer KEY' on /v1/*");
+  app.add_option("--backend-api-key", config.backend_api_key,
+                 "send 'Authorization: Bearer KEY' on every request to an engine (engines run with --api-key KEY)")
+      ->envname("PDROUTER_BACKEND_API_KEY");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
@@ -85,6 +89,12 @@ int main(int argc, char** argv) {
       return 2;
     }
     config.forced_mode = *parsed_mode;
+  }
+  // The key goes into a header line: a CR or LF would let it add headers of its own.
+  if (std::any_of(config.backend_api_key.begin(), config.backend_api_key.end(),
+                  [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {
+    std::fprintf(stderr, "pdrouter: --backend-api-key must not contain control characters\n");
+    return 2;
   }
   if (config.prefill_urls.empty() && config.decode_urls.empty() && config.collocated_urls.empty() &&
       config.registration_port < 0) {

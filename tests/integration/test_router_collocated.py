@@ -128,6 +128,27 @@ def test_api_key_guards_v1_routes(procs, engines):
     assert router.get("/health")[0] == 200
 
 
+def test_backend_api_key_is_sent_on_probes_and_legs(procs):
+    """An engine run with --api-key: a collocated engine has no /pd/info, so the router discovers it
+    through GET /v1/models, which needs the key, and every completion leg needs it too."""
+    engine = start_pdserve(procs, *ENGINE_FLAGS, "--api-key", "engine-key")
+
+    def engine_requests(route: str, status: int) -> float:
+        return metric_value(engine.metrics(), "pd_http_requests_total", {"route": route, "status": str(status)}) or 0.0
+
+    unkeyed = start_router(procs, "--collocated", engine.base_url, registration=False)
+    wait_for(lambda: engine_requests("/v1/models", 401) >= 1, 15, "the keyless probe refused by the engine")
+    assert unkeyed.instances() == [], "an engine that refused the probe was admitted"
+
+    keyed = start_router(procs, "--collocated", engine.base_url, "--backend-api-key", "engine-key",
+                         registration=False)
+    keyed.wait_for_instances(1)
+    assert engine_requests("/v1/models", 200) >= 1
+    answer = client_for(keyed.base_url).completions.create(model=TINY_MODEL, prompt="x", max_tokens=2)
+    assert answer.choices
+    assert engine_requests("/v1/completions", 200) == 1
+
+
 def blocks_used(engine) -> float:
     return metric_value(engine.metrics(), "pd_kv_blocks_used") or 0.0
 

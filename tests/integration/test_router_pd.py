@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from conftest import metric_value, start_pdserve, wait_for
-from router_fixtures import TINY_MODEL, Registrar, pdserve_flags, registration_record, start_router
+from router_fixtures import TINY_MODEL, Heartbeat, Registrar, pdserve_flags, registration_record, start_router
 
 PROMPT = "The capital of the land of tiny models is"
 
@@ -37,11 +37,11 @@ def reference(module_procs):
 CONNECTOR_TIMEOUTS = {"defer_timeout": 5, "transfer_timeout": 10}
 
 
-def deploy(procs, mode: str):
-    router = start_router(procs)
-    producer = start_pdserve(procs, "--kv-role", "kv_producer",
+def deploy(procs, mode: str, router_flags: tuple = (), engine_flags: tuple = ()):
+    router = start_router(procs, *router_flags)
+    producer = start_pdserve(procs, "--kv-role", "kv_producer", *engine_flags,
                              *pdserve_flags("producer", router=router, mode=mode, extra=CONNECTOR_TIMEOUTS))
-    consumer = start_pdserve(procs, "--kv-role", "kv_consumer",
+    consumer = start_pdserve(procs, "--kv-role", "kv_consumer", *engine_flags,
                              *pdserve_flags("consumer", router=router, mode=mode, extra=CONNECTOR_TIMEOUTS))
     wait_for(lambda: {i["role"] for i in router.instances()} >= {"producer", "consumer"}, 20,
              "producer and consumer registered through their heartbeats")
@@ -183,3 +183,29 @@ def test_consumer_error_reaches_the_client_as_an_error_status_not_a_200_stream(d
     wait_for(lambda: all(i["outstanding"] == 0 for i in router.instances()), 10, "legs released")
     wait_for(lambda: blocks_used(producer) == 0 and blocks_used(consumer) == 0, 30,
              "no blocks left held (the producer's hold ends at defer_timeout)")
+
+
+@pytest.mark.parametrize("mode", ["write", "read"])
+def test_backend_api_key_serves_engines_run_with_api_key(procs, reference, mode):
+    router, producer, consumer = deploy(procs, mode, router_flags=("--backend-api-key", "engine-key"),
+                                        engine_flags=("--api-key", "engine-key"))
+    expected = client_for(reference.base_url).completions.create(model=TINY_MODEL, prompt=PROMPT, max_tokens=8,
+                                                                 temperature=0, extra_body={"ignore_eos": True})
+    answer = client_for(router.base_url).completions.create(model=TINY_MODEL, prompt=PROMPT, max_tokens=8,
+                                                            temperature=0, extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == expected.choices[0].text
+    assert router.metric("pd_router_fallbacks_total", {"reason": "prefill_failed"}) == 0
+
+    # The same engines behind a router without the key: the engine's 401 reaches the client.
+    keyless = start_router(procs)
+    heartbeats = [Heartbeat(keyless.registration_port,
+                            registration_record(i["instance_id"], i["role"], i["http"], control=i["control"],
+                                                boot_nonce=i["boot_nonce"], mode=i["mode"], model=i["model"]))
+                  for i in router.instances()]
+    try:
+        keyless.wait_for_instances(2)
+        with pytest.raises(openai.AuthenticationError):
+            client_for(keyless.base_url).completions.create(model=TINY_MODEL, prompt=PROMPT, max_tokens=8)
+    finally:
+        for heartbeat in heartbeats:
+            heartbeat.stop()
