@@ -32,16 +32,16 @@ size_t json_nesting_depth(std::string_view text) {
   return max_depth;
 }
 
-Result<nlohmann::json> parse_json_bounded(std::string_view text, size_t max_depth) {
+Result<nlohmann::ordered_json> parse_json_bounded(std::string_view text, size_t max_depth) {
   if (json_nesting_depth(text) > max_depth) return invalid_argument("JSON nests deeper than {} levels", max_depth);
-  nlohmann::json value = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  nlohmann::ordered_json value = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (value.is_discarded()) return invalid_argument("not valid JSON");
   return value;
 }
 
 Result<ClientRequest> parse_client_request(std::string_view body) {
   ClientRequest request;
-  Result<nlohmann::json> parsed = parse_json_bounded(body);
+  Result<nlohmann::ordered_json> parsed = parse_json_bounded(body);
   if (!parsed.ok()) return invalid_argument("request body: {}", parsed.status().message());
   request.body = std::move(parsed).value();
   if (!request.body.is_object()) return invalid_argument("request body must be a JSON object");
@@ -72,7 +72,7 @@ bool is_transfer_id(std::string_view text) {
 namespace {
 
 // An integer (or a float with an integral value, which pdserve also takes as one) above 1.
-bool is_integral_above_one(const nlohmann::json& value) {
+bool is_integral_above_one(const nlohmann::ordered_json& value) {
   if (value.is_number_unsigned()) return value.get<uint64_t>() > 1;
   if (value.is_number_integer()) return value.get<int64_t>() > 1;
   if (value.is_number_float()) {
@@ -84,8 +84,9 @@ bool is_integral_above_one(const nlohmann::json& value) {
 
 }  // namespace
 
-nlohmann::json make_producer_body(const nlohmann::json& body, std::string_view transfer_id, TransferMode mode) {
-  nlohmann::json leg = body;
+nlohmann::ordered_json make_producer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
+                                          TransferMode mode) {
+  nlohmann::ordered_json leg = body;
   leg["max_tokens"] = 1;
   if (leg.contains("max_completion_tokens")) leg["max_completion_tokens"] = 1;
   // pdserve refuses min_tokens > max_tokens, so min_tokens >= 2 would fail every P/D request.
@@ -104,9 +105,9 @@ nlohmann::json make_producer_body(const nlohmann::json& body, std::string_view t
   return leg;
 }
 
-nlohmann::json make_write_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
-                                        const InstanceInfo& producer) {
-  nlohmann::json leg = body;
+nlohmann::ordered_json make_write_consumer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
+                                                const InstanceInfo& producer) {
+  nlohmann::ordered_json leg = body;
   leg["kv_transfer_params"] = {
       {"transfer_id", transfer_id},
       {"do_remote_prefill", true},
@@ -120,24 +121,24 @@ nlohmann::json make_write_consumer_body(const nlohmann::json& body, std::string_
 
 namespace {
 
-bool is_non_negative_integer(const nlohmann::json& value) {
+bool is_non_negative_integer(const nlohmann::ordered_json& value) {
   return value.is_number_unsigned() || (value.is_number_integer() && value.get<int64_t>() >= 0);
 }
 
 }  // namespace
 
-Result<nlohmann::json> make_read_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
-                                               std::string_view producer_response_text,
-                                               std::string_view expected_producer_id) {
-  Result<nlohmann::json> parsed = parse_json_bounded(producer_response_text);
+Result<nlohmann::ordered_json> make_read_consumer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
+                                                       std::string_view producer_response_text,
+                                                       std::string_view expected_producer_id) {
+  Result<nlohmann::ordered_json> parsed = parse_json_bounded(producer_response_text);
   if (!parsed.ok()) return invalid_argument("producer response: {}", parsed.status().message());
-  const nlohmann::json& producer_response = *parsed;
+  const nlohmann::ordered_json& producer_response = *parsed;
   if (!producer_response.is_object()) return invalid_argument("producer response is not a JSON object");
   auto params_it = producer_response.find("kv_transfer_params");
   if (params_it == producer_response.end() || !params_it->is_object()) {
     return invalid_argument("producer response has no kv_transfer_params object");
   }
-  const nlohmann::json& params = *params_it;
+  const nlohmann::ordered_json& params = *params_it;
   auto id_it = params.find("transfer_id");
   if (id_it == params.end() || !id_it->is_string() || id_it->get_ref<const std::string&>() != transfer_id) {
     return invalid_argument("producer kv_transfer_params.transfer_id does not match the minted {}", transfer_id);
@@ -149,20 +150,20 @@ Result<nlohmann::json> make_read_consumer_body(const nlohmann::json& body, std::
     return Status::Ok();
   };
   PD_RETURN_IF_ERROR(require(
-      "remote_instance_id", [](const nlohmann::json& v) { return v.is_string(); }, "a string"));
+      "remote_instance_id", [](const nlohmann::ordered_json& v) { return v.is_string(); }, "a string"));
   PD_RETURN_IF_ERROR(require(
-      "remote_control", [](const nlohmann::json& v) { return v.is_string(); }, "a string"));
+      "remote_control", [](const nlohmann::ordered_json& v) { return v.is_string(); }, "a string"));
   PD_RETURN_IF_ERROR(require("remote_boot_nonce", is_non_negative_integer, "an unsigned integer"));
   PD_RETURN_IF_ERROR(require(
-      "block_ids", [](const nlohmann::json& v) { return v.is_array(); }, "an array"));
+      "block_ids", [](const nlohmann::ordered_json& v) { return v.is_array(); }, "an array"));
   PD_RETURN_IF_ERROR(require("num_tokens", is_non_negative_integer, "an unsigned integer"));
   if (!expected_producer_id.empty() &&
       params["remote_instance_id"].get_ref<const std::string&>() != expected_producer_id) {
     return invalid_argument("producer kv_transfer_params.remote_instance_id '{}' is not the chosen producer '{}'",
                             params["remote_instance_id"].get<std::string>(), expected_producer_id);
   }
-  nlohmann::json leg = body;
-  nlohmann::json consumer_params = params;
+  nlohmann::ordered_json leg = body;
+  nlohmann::ordered_json consumer_params = params;
   consumer_params["do_remote_prefill"] = true;
   consumer_params["mode"] = "read";
   consumer_params.erase("do_remote_decode");

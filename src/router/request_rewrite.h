@@ -1,6 +1,13 @@
 // Request rewriting for the P/D legs (pd_contract.md "Request legs"). Pure
 // JSON in, JSON out. The client's own kv_transfer_params are removed when the
 // request is parsed, so no later step can forward them by accident.
+//
+// Bodies are nlohmann::ordered_json, so every leg keeps the client's key order
+// at every depth: chat templates (Qwen2.5 and others) render `tools` and JSON
+// schemas with tojson in the order given, and pdserve keeps that order, so a
+// sorted body would render a different prompt from the same request sent
+// collocated (its bytes pass through) or to vLLM. A key the router sets keeps
+// its place when the client sent it and is appended otherwise.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -15,7 +22,7 @@
 namespace pd::router {
 
 struct ClientRequest {
-  nlohmann::json body;  // a JSON object, never containing "kv_transfer_params"
+  nlohmann::ordered_json body;  // a JSON object in the client's key order, never containing "kv_transfer_params"
   bool stream = false;
   std::string model;  // empty when the client sent none
   bool dropped_kv_transfer_params = false;
@@ -34,7 +41,8 @@ size_t json_nesting_depth(std::string_view text);
 
 // Parses JSON text that nests at most `max_depth` levels; deeper text is
 // refused before a value exists, so nothing downstream can recurse through it.
-Result<nlohmann::json> parse_json_bounded(std::string_view text, size_t max_depth = kMaxJsonDepth);
+// Objects keep the order of their keys in `text`.
+Result<nlohmann::ordered_json> parse_json_bounded(std::string_view text, size_t max_depth = kMaxJsonDepth);
 
 // Parses a completions / chat completions body. Only what the router relies
 // on is checked (an object nested at most kMaxJsonDepth levels; "stream" a
@@ -49,21 +57,23 @@ bool is_transfer_id(std::string_view text);
 // Producer leg: max_tokens (and max_completion_tokens) = 1, min_tokens at
 // most 1, stream = false, no stream_options, kv_transfer_params =
 // {transfer_id, do_remote_decode, mode}.
-nlohmann::json make_producer_body(const nlohmann::json& body, std::string_view transfer_id, TransferMode mode);
+nlohmann::ordered_json make_producer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
+                                          TransferMode mode);
 
 // WRITE consumer leg: the body as the client sent it plus the producer's address.
 // Precondition: producer.control is set (a P/D producer always has one).
-nlohmann::json make_write_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
-                                        const InstanceInfo& producer);
+nlohmann::ordered_json make_write_consumer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
+                                                const InstanceInfo& producer);
 
 // READ consumer leg from the producer's response text: a JSON object nested
 // at most kMaxJsonDepth levels (its kv_transfer_params are copied into the
-// leg), whose kv_transfer_params must be an object with transfer_id ==
-// `transfer_id` and the fields the consumer needs to pull (remote_instance_id,
-// remote_control, remote_boot_nonce, block_ids, num_tokens). When
-// `expected_producer_id` is not empty, the response must name that producer.
-Result<nlohmann::json> make_read_consumer_body(const nlohmann::json& body, std::string_view transfer_id,
-                                               std::string_view producer_response,
-                                               std::string_view expected_producer_id);
+// leg, in the producer's key order), whose kv_transfer_params must be an
+// object with transfer_id == `transfer_id` and the fields the consumer needs
+// to pull (remote_instance_id, remote_control, remote_boot_nonce, block_ids,
+// num_tokens). When `expected_producer_id` is not empty, the response must
+// name that producer.
+Result<nlohmann::ordered_json> make_read_consumer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
+                                                       std::string_view producer_response,
+                                                       std::string_view expected_producer_id);
 
 }  // namespace pd::router

@@ -528,7 +528,7 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
         co_return FlowOutcome::kAnswered;
       }
       if (producer_result.ok()) {
-        Result<nlohmann::json> consumer_body =
+        Result<nlohmann::ordered_json> consumer_body =
             make_read_consumer_body(request.body, transfer_id, producer_result.body, producer->info().instance_id);
         if (!consumer_body.ok()) {
           // The contract: a producer answer that does not carry our transfer fails the request.

@@ -5,9 +5,12 @@
 // promise (checked below). The input is split by FuzzedDataProvider into those pieces.
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
+#include <string_view>
 
 #include "router/instance_info.h"
 #include "router/request_rewrite.h"
@@ -49,6 +52,26 @@ void check_sse(const std::string& stream) {
   }
 }
 
+// A leg keeps the client's keys in the client's order (chat templates render tools / JSON schemas
+// in the order given), less `dropped_keys`, with whatever the router adds after them; every value
+// the router does not rewrite is equal to the client's, nested key order included (ordered_json
+// compares objects in order).
+bool keeps_client_key_order(const nlohmann::ordered_json& client, const nlohmann::ordered_json& leg,
+                            std::initializer_list<std::string_view> rewritten_keys,
+                            std::initializer_list<std::string_view> dropped_keys) {
+  auto is_one_of = [](std::string_view key, std::initializer_list<std::string_view> keys) {
+    return std::find(keys.begin(), keys.end(), key) != keys.end();
+  };
+  auto leg_it = leg.begin();
+  for (auto client_it = client.begin(); client_it != client.end(); ++client_it) {
+    if (is_one_of(client_it.key(), dropped_keys)) continue;
+    if (leg_it == leg.end() || leg_it.key() != client_it.key()) return false;
+    if (!is_one_of(client_it.key(), rewritten_keys) && leg_it.value() != client_it.value()) return false;
+    ++leg_it;
+  }
+  return true;
+}
+
 void check_legs(const std::string& client_body, const std::string& producer_text) {
   auto request = pd::router::parse_client_request(client_body);
   if (!request.ok()) return;
@@ -65,6 +88,10 @@ void check_legs(const std::string& client_body, const std::string& producer_text
         leg["kv_transfer_params"]["transfer_id"] != kTransferId) {
       fail("producer leg does not carry what the contract says");
     }
+    if (!keeps_client_key_order(request->body, leg, {"max_tokens", "max_completion_tokens", "min_tokens", "stream"},
+                                {"stream_options"})) {
+      fail("producer leg reorders or changes the client's keys");
+    }
   }
   for (const char* expected : {"", "prefill-0"}) {
     auto leg = pd::router::make_read_consumer_body(request->body, kTransferId, producer_text, expected);
@@ -75,6 +102,7 @@ void check_legs(const std::string& client_body, const std::string& producer_text
       fail("READ consumer leg does not carry what the contract says");
     }
     if (*expected != '\0' && params["remote_instance_id"] != expected) fail("READ leg names another producer");
+    if (!keeps_client_key_order(request->body, *leg, {}, {})) fail("READ consumer leg reorders the client's keys");
   }
 }
 

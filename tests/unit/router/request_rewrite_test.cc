@@ -76,40 +76,42 @@ TEST(TransferId, FormatsAs32LowercaseHex) {
 }
 
 TEST(ProducerBody, IsOneTokenNonStreamingWithRouterParams) {
-  nlohmann::json body = {{"model", "m"},     {"prompt", "hi"},
-                         {"max_tokens", 50}, {"max_completion_tokens", 50},
-                         {"stream", true},   {"stream_options", {{"include_usage", true}}}};
-  nlohmann::json leg = make_producer_body(body, kTransferId, TransferMode::kRead);
+  nlohmann::ordered_json body = {{"model", "m"},     {"prompt", "hi"},
+                                 {"max_tokens", 50}, {"max_completion_tokens", 50},
+                                 {"stream", true},   {"stream_options", {{"include_usage", true}}}};
+  nlohmann::ordered_json leg = make_producer_body(body, kTransferId, TransferMode::kRead);
   EXPECT_EQ(leg["max_tokens"], 1);
   EXPECT_EQ(leg["max_completion_tokens"], 1);
   EXPECT_EQ(leg["stream"], false);
   EXPECT_FALSE(leg.contains("stream_options"));
   EXPECT_EQ(leg["kv_transfer_params"],
-            (nlohmann::json{{"transfer_id", kTransferId}, {"do_remote_decode", true}, {"mode", "read"}}));
+            (nlohmann::ordered_json{{"transfer_id", kTransferId}, {"do_remote_decode", true}, {"mode", "read"}}));
   EXPECT_EQ(leg["prompt"], "hi");
   EXPECT_EQ(body["max_tokens"], 50) << "the client's body is not modified";
 }
 
 TEST(ProducerBody, DoesNotInventMaxCompletionTokens) {
-  nlohmann::json leg = make_producer_body({{"prompt", "x"}}, kTransferId, TransferMode::kWrite);
+  nlohmann::ordered_json leg = make_producer_body({{"prompt", "x"}}, kTransferId, TransferMode::kWrite);
   EXPECT_FALSE(leg.contains("max_completion_tokens"));
   EXPECT_EQ(leg["kv_transfer_params"]["mode"], "write");
 }
 
 TEST(ProducerBody, ClampsMinTokensToOneSoTheOneTokenLegIsValid) {
   // pdserve refuses min_tokens > max_tokens; the first-token sampling key only sees min_tokens > 0.
-  for (const nlohmann::json& min_tokens : {nlohmann::json(5), nlohmann::json(2u), nlohmann::json(7.0)}) {
-    nlohmann::json body = {{"prompt", "x"}, {"max_tokens", 8}, {"min_tokens", min_tokens}};
-    nlohmann::json leg = make_producer_body(body, kTransferId, TransferMode::kWrite);
+  for (const nlohmann::ordered_json& min_tokens :
+       {nlohmann::ordered_json(5), nlohmann::ordered_json(2u), nlohmann::ordered_json(7.0)}) {
+    nlohmann::ordered_json body = {{"prompt", "x"}, {"max_tokens", 8}, {"min_tokens", min_tokens}};
+    nlohmann::ordered_json leg = make_producer_body(body, kTransferId, TransferMode::kWrite);
     EXPECT_EQ(leg["min_tokens"], 1) << min_tokens;
     EXPECT_EQ(body["min_tokens"], min_tokens) << "the client's body (and so the consumer leg) keeps its value";
   }
 }
 
 TEST(ProducerBody, LeavesMinTokensThatNeedNoClampOrAreInvalid) {
-  for (const nlohmann::json& min_tokens : {nlohmann::json(0), nlohmann::json(1), nlohmann::json(-3),
-                                           nlohmann::json(2.5), nlohmann::json("4"), nlohmann::json(nullptr)}) {
-    nlohmann::json leg =
+  for (const nlohmann::ordered_json& min_tokens :
+       {nlohmann::ordered_json(0), nlohmann::ordered_json(1), nlohmann::ordered_json(-3), nlohmann::ordered_json(2.5),
+        nlohmann::ordered_json("4"), nlohmann::ordered_json(nullptr)}) {
+    nlohmann::ordered_json leg =
         make_producer_body({{"prompt", "x"}, {"min_tokens", min_tokens}}, kTransferId, TransferMode::kRead);
     EXPECT_EQ(leg["min_tokens"], min_tokens);
   }
@@ -121,20 +123,20 @@ TEST(WriteConsumerBody, KeepsClientStreamingAndNamesTheProducer) {
   producer.instance_id = "p0";
   producer.control = HostPort{"127.0.0.1", 9100};
   producer.boot_nonce = 77;
-  nlohmann::json body = {{"prompt", "hi"}, {"stream", true}, {"max_tokens", 8}};
-  nlohmann::json leg = make_write_consumer_body(body, kTransferId, producer);
+  nlohmann::ordered_json body = {{"prompt", "hi"}, {"stream", true}, {"max_tokens", 8}};
+  nlohmann::ordered_json leg = make_write_consumer_body(body, kTransferId, producer);
   EXPECT_EQ(leg["stream"], true);
   EXPECT_EQ(leg["max_tokens"], 8);
-  EXPECT_EQ(leg["kv_transfer_params"], (nlohmann::json{{"transfer_id", kTransferId},
-                                                       {"do_remote_prefill", true},
-                                                       {"mode", "write"},
-                                                       {"remote_instance_id", "p0"},
-                                                       {"remote_control", "127.0.0.1:9100"},
-                                                       {"remote_boot_nonce", 77}}));
+  EXPECT_EQ(leg["kv_transfer_params"], (nlohmann::ordered_json{{"transfer_id", kTransferId},
+                                                               {"do_remote_prefill", true},
+                                                               {"mode", "write"},
+                                                               {"remote_instance_id", "p0"},
+                                                               {"remote_control", "127.0.0.1:9100"},
+                                                               {"remote_boot_nonce", 77}}));
 }
 
-nlohmann::json producer_response(std::string_view transfer_id) {
-  return {{"choices", nlohmann::json::array()},
+nlohmann::ordered_json producer_response(std::string_view transfer_id) {
+  return {{"choices", nlohmann::ordered_json::array()},
           {"kv_transfer_params",
            {{"transfer_id", transfer_id},
             {"remote_instance_id", "p0"},
@@ -148,11 +150,11 @@ nlohmann::json producer_response(std::string_view transfer_id) {
 TEST(ReadConsumerBody, CarriesTheProducersParamsPlusRemotePrefill) {
   auto leg = make_read_consumer_body({{"prompt", "hi"}}, kTransferId, producer_response(kTransferId).dump(), "p0");
   ASSERT_TRUE(leg.ok()) << leg.status().to_string();
-  const nlohmann::json& params = (*leg)["kv_transfer_params"];
+  const nlohmann::ordered_json& params = (*leg)["kv_transfer_params"];
   EXPECT_EQ(params["transfer_id"], kTransferId);
   EXPECT_EQ(params["do_remote_prefill"], true);
   EXPECT_EQ(params["mode"], "read");
-  EXPECT_EQ(params["block_ids"], (nlohmann::json{1, 2, 3}));
+  EXPECT_EQ(params["block_ids"], (nlohmann::ordered_json{1, 2, 3}));
   EXPECT_EQ(params["num_tokens"], 40);
   EXPECT_FALSE(params.contains("do_remote_decode"));
 }
@@ -162,7 +164,7 @@ TEST(ReadConsumerBody, FailsOnAnotherTransferIdOrMissingFields) {
       make_read_consumer_body({}, kTransferId, producer_response("ffffffffffffffffffffffffffffffff").dump(), "").ok());
   EXPECT_FALSE(make_read_consumer_body({}, kTransferId, producer_response(kTransferId).dump(), "p1").ok());
   for (const char* key : {"remote_instance_id", "remote_control", "remote_boot_nonce", "block_ids", "num_tokens"}) {
-    nlohmann::json response = producer_response(kTransferId);
+    nlohmann::ordered_json response = producer_response(kTransferId);
     response["kv_transfer_params"].erase(key);
     EXPECT_FALSE(make_read_consumer_body({}, kTransferId, response.dump(), "").ok()) << key;
   }
@@ -179,6 +181,78 @@ TEST(ReadConsumerBody, RefusesAProducerAnswerNestedBeyondTheLimit) {
   ASSERT_FALSE(leg.ok());
   EXPECT_NE(leg.status().message().find("deeper than 64"), std::string::npos) << leg.status().message();
   EXPECT_FALSE(make_read_consumer_body({}, kTransferId, "{not json", "").ok());
+}
+
+// A tool-calling chat request whose keys are deliberately not in alphabetical order, at the top
+// level and inside the tool's JSON schema ("properties": city, unit, days). Chat templates such as
+// Qwen2.5's render `tools` with tojson in the order given, so any reordering changes the prompt.
+constexpr std::string_view kToolCallingBody =
+    R"({"model":"m","messages":[{"role":"user","content":"weather?"}],)"
+    R"("tools":[{"type":"function","function":{"name":"get_weather","description":"forecast",)"
+    R"("parameters":{"type":"object","properties":{"city":{"type":"string"},)"
+    R"("unit":{"type":"string","enum":["c","f"]},"days":{"type":"integer"}},"required":["city"]}}}],)"
+    R"("tool_choice":"auto","max_tokens":64,"stream":true,"stream_options":{"include_usage":true},)"
+    R"("min_tokens":3,"temperature":0})";
+
+// kToolCallingBody up to (not including) "max_tokens": what every leg must reproduce byte for byte.
+constexpr std::string_view kToolCallingPrefix =
+    R"({"model":"m","messages":[{"role":"user","content":"weather?"}],)"
+    R"("tools":[{"type":"function","function":{"name":"get_weather","description":"forecast",)"
+    R"("parameters":{"type":"object","properties":{"city":{"type":"string"},)"
+    R"("unit":{"type":"string","enum":["c","f"]},"days":{"type":"integer"}},"required":["city"]}}}],)"
+    R"("tool_choice":"auto",)";
+
+TEST(ParseClientRequest, KeepsTheClientsKeyOrderWhenKvTransferParamsAreRemoved) {
+  // The collocated leg and the prefill_failed fallback re-serialise the parsed body.
+  auto request = parse_client_request(R"({"prompt":"hi","kv_transfer_params":{"x":1},"model":"m","max_tokens":4})");
+  ASSERT_TRUE(request.ok()) << request.status().to_string();
+  EXPECT_EQ(request->body.dump(), R"({"prompt":"hi","model":"m","max_tokens":4})");
+  auto tool_calling = parse_client_request(kToolCallingBody);
+  ASSERT_TRUE(tool_calling.ok()) << tool_calling.status().to_string();
+  EXPECT_EQ(tool_calling->body.dump(), kToolCallingBody);
+}
+
+TEST(ProducerBody, KeepsTheClientsKeyOrderAndReplacesKeysInPlace) {
+  auto request = parse_client_request(kToolCallingBody);
+  ASSERT_TRUE(request.ok()) << request.status().to_string();
+  for (TransferMode mode : {TransferMode::kWrite, TransferMode::kRead}) {
+    const std::string leg = make_producer_body(request->body, kTransferId, mode).dump();
+    EXPECT_EQ(leg, std::string(kToolCallingPrefix) +
+                       R"("max_tokens":1,"stream":false,"min_tokens":1,"temperature":0,)" +
+                       R"("kv_transfer_params":{"transfer_id":")" + std::string(kTransferId) +
+                       R"(","do_remote_decode":true,"mode":")" + std::string(mode_name(mode)) + R"("}})");
+  }
+}
+
+TEST(WriteConsumerBody, KeepsTheClientsKeyOrder) {
+  auto request = parse_client_request(kToolCallingBody);
+  ASSERT_TRUE(request.ok()) << request.status().to_string();
+  InstanceInfo producer;
+  producer.instance_id = "p0";
+  producer.control = HostPort{"127.0.0.1", 9100};
+  producer.boot_nonce = 77;
+  const std::string leg = make_write_consumer_body(request->body, kTransferId, producer).dump();
+  EXPECT_EQ(leg, std::string(kToolCallingBody.substr(0, kToolCallingBody.size() - 1)) +
+                     R"(,"kv_transfer_params":{"transfer_id":")" + std::string(kTransferId) +
+                     R"(","do_remote_prefill":true,"mode":"write","remote_instance_id":"p0",)" +
+                     R"("remote_control":"127.0.0.1:9100","remote_boot_nonce":77}})");
+}
+
+TEST(ReadConsumerBody, KeepsTheClientsKeyOrderAndTheProducersParamsOrder) {
+  auto request = parse_client_request(kToolCallingBody);
+  ASSERT_TRUE(request.ok()) << request.status().to_string();
+  const std::string producer_text = R"({"id":"cmpl-1","kv_transfer_params":{"transfer_id":")" +
+                                    std::string(kTransferId) +
+                                    R"(","remote_instance_id":"p0","remote_control":"127.0.0.1:9100",)"
+                                    R"("remote_boot_nonce":5,"block_ids":[3,1,2],"num_tokens":40,)"
+                                    R"("do_remote_decode":true,"mode":"read"}})";
+  auto leg = make_read_consumer_body(request->body, kTransferId, producer_text, "p0");
+  ASSERT_TRUE(leg.ok()) << leg.status().to_string();
+  EXPECT_EQ(leg->dump(), std::string(kToolCallingBody.substr(0, kToolCallingBody.size() - 1)) +
+                             R"(,"kv_transfer_params":{"transfer_id":")" + std::string(kTransferId) +
+                             R"(","remote_instance_id":"p0","remote_control":"127.0.0.1:9100",)"
+                             R"("remote_boot_nonce":5,"block_ids":[3,1,2],"num_tokens":40,)"
+                             R"("mode":"read","do_remote_prefill":true}})");
 }
 
 }  // namespace
