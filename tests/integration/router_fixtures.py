@@ -5,9 +5,9 @@
 - `Registrar`: a real ZMQ DEALER client of the router's registration listener
   (pyzmq + msgpack), for discovery tests that do not need an engine's own heartbeat.
 - `RecordingBackend`: a tiny HTTP/1.1 server that records every request body it
-  receives. It is used ONLY to assert what reaches an engine (client-supplied
-  kv_transfer_params must never arrive); every other router test runs against
-  real pdserve processes.
+  receives, parsed and as raw bytes. It is used ONLY to assert what reaches an engine
+  (client-supplied kv_transfer_params must never arrive, the client's key order must
+  survive); every other router test runs against real pdserve processes.
 """
 
 from __future__ import annotations
@@ -129,13 +129,16 @@ def free_port() -> int:
 
 class RecordingBackend:
     """An HTTP/1.1 server (keep-alive, Content-Length and chunked SSE answers) that records
-    every POST body. ONLY for asserting what the router forwards to engines."""
+    every POST body, parsed in `bodies` and byte for byte in `raw_bodies` (a parsed dict
+    cannot show key order, which chat templates render). ONLY for asserting what the router
+    forwards to engines."""
 
     def __init__(self, role: str, instance_id: str, mode: str = "write"):
         self.role = role
         self.instance_id = instance_id
         self.mode = mode
         self.bodies: list[dict] = []
+        self.raw_bodies: list[bytes] = []
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.port = 0
@@ -203,6 +206,7 @@ class RecordingBackend:
                         False, "application/json"
                 else:
                     body = json.loads(raw)
+                    self.raw_bodies.append(raw)
                     self.bodies.append(body)
                     payload, stream = self._answer(body)
                     ctype = "text/event-stream" if stream else "application/json"

@@ -5,6 +5,7 @@ use a stand-in, because the assertion is about exactly what arrives at an engine
 
 from __future__ import annotations
 
+import json
 import re
 
 import openai
@@ -107,6 +108,66 @@ def test_pd_legs_carry_only_router_minted_params(procs, backends, mode, stream):
     assert d_body.get("stream", False) is stream
     if stream:
         assert d_body["stream_options"] == {"include_usage": True}
+
+
+# A tool-calling request whose keys are not in alphabetical order, at the top level and in the
+# tool's JSON schema ("properties": city, unit, days). Chat templates (Qwen2.5 and others) render
+# tools with tojson in the order given, and pdserve keeps that order, so an engine must receive
+# the client's order on every leg or the P/D prompt differs from the collocated one. ASCII only
+# and no floats, so the router's compact serialisation matches json.dumps byte for byte.
+TOOL_CALLING_REQUEST = {
+    "model": TINY_MODEL,
+    "messages": [{"role": "user", "content": "weather in Paris?"}],
+    "tools": [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather",
+        "parameters": {"type": "object",
+                       "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]},
+                                      "days": {"type": "integer"}},
+                       "required": ["city"]}}}],
+    "tool_choice": "auto",
+    "max_tokens": 5,
+    "stream": False,
+    "temperature": 0,
+}
+
+
+def compact(body: dict) -> bytes:
+    """The bytes of `body` in its insertion order, without spaces, as the router serialises JSON."""
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def with_router_params(body: dict) -> bytes:
+    """What a leg starts with when the router appends kv_transfer_params to `body`."""
+    return compact(body)[:-1] + b',"kv_transfer_params":'
+
+
+@pytest.mark.parametrize("mode", ["write", "read"])
+def test_pd_legs_keep_the_clients_key_order(procs, backends, mode):
+    producer = backends("producer", "p0", mode)
+    consumer = backends("consumer", "d0", mode)
+    router = start_router(procs, "--prefill", producer.url, "--decode", consumer.url, registration=False)
+    router.wait_for_instances(2)
+    status, answer, _ = router.post("/v1/chat/completions", compact(TOOL_CALLING_REQUEST))
+    assert status == 200, answer
+    wait_for(lambda: len(producer.raw_bodies) == 1 and len(consumer.raw_bodies) == 1, 10, "both legs recorded")
+
+    # Keys the router sets on the producer leg keep the client's place for them.
+    producer_expected = with_router_params({**TOOL_CALLING_REQUEST, "max_tokens": 1, "stream": False})
+    assert producer.raw_bodies[0][:len(producer_expected)] == producer_expected
+    consumer_expected = with_router_params(TOOL_CALLING_REQUEST)
+    assert consumer.raw_bodies[0][:len(consumer_expected)] == consumer_expected
+
+
+def test_collocated_leg_keeps_the_clients_key_order_when_it_drops_kv_transfer_params(procs, backends):
+    engine = backends("both", "c0")
+    router = start_router(procs, "--collocated", engine.url, registration=False)
+    router.wait_for_instances(1)
+    # The dropped key sits mid-body, so the router must re-serialise rather than pass the bytes through.
+    with_client_params = dict(list(TOOL_CALLING_REQUEST.items())[:3] + [("kv_transfer_params", EVIL)] +
+                              list(TOOL_CALLING_REQUEST.items())[3:])
+    status, answer, _ = router.post("/v1/chat/completions", compact(with_client_params))
+    assert status == 200, answer
+    assert engine.raw_bodies == [compact(TOOL_CALLING_REQUEST)]
 
 
 def test_transfer_ids_are_fresh_per_request(procs, backends):
