@@ -1,36 +1,8 @@
 #include "router/request_rewrite.h"
 
-#include <algorithm>
 #include <cmath>
 
 namespace pd::router {
-
-size_t json_nesting_depth(std::string_view text) {
-  size_t depth = 0;
-  size_t max_depth = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      max_depth = std::max(max_depth, ++depth);
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
-    }
-  }
-  return max_depth;
-}
 
 Result<nlohmann::ordered_json> parse_json_bounded(std::string_view text, size_t max_depth) {
   if (json_nesting_depth(text) > max_depth) return invalid_argument("JSON nests deeper than {} levels", max_depth);

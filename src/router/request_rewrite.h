@@ -16,6 +16,7 @@
 #include <string>
 #include <string_view>
 
+#include "common/json_depth.h"
 #include "common/status.h"
 #include "router/instance_info.h"
 
@@ -33,11 +34,6 @@ struct ClientRequest {
 // iteratively but copies and serialises recursively, one stack frame per
 // level, so a 2 MB body of brackets would overflow the stack on the P/D path.
 inline constexpr size_t kMaxJsonDepth = 64;
-
-// Deepest [ / { nesting in a JSON text (the outermost value is level 1),
-// ignoring brackets inside strings. Linear and non-recursive, so it is safe on
-// any input; exact for valid JSON.
-size_t json_nesting_depth(std::string_view text);
 
 // Parses JSON text that nests at most `max_depth` levels; deeper text is
 // refused before a value exists, so nothing downstream can recurse through it.

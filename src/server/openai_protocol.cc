@@ -5,39 +5,13 @@
 #include <cmath>
 #include <limits>
 
+#include "common/json_depth.h"
+
 namespace pd::server {
 namespace {
 
 using nlohmann::json;
 using ojson = nlohmann::ordered_json;  // requests keep their key order for chat templates
-
-// Deepest [ / { nesting in a JSON text, ignoring brackets inside strings.
-// Checked before parsing so a hostile body cannot make the parser or the
-// value's destructor work through millions of levels.
-size_t json_nesting_depth(std::string_view text) {
-  size_t depth = 0;
-  size_t max_depth = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped)
-        escaped = false;
-      else if (c == '\\')
-        escaped = true;
-      else if (c == '"')
-        in_string = false;
-      continue;
-    }
-    if (c == '"')
-      in_string = true;
-    else if (c == '[' || c == '{')
-      max_depth = std::max(max_depth, ++depth);
-    else if ((c == ']' || c == '}') && depth > 0)
-      --depth;
-  }
-  return max_depth;
-}
 
 const char* json_type_name(const ojson& value) {
   switch (value.type()) {

@@ -79,7 +79,7 @@ void check_legs(const std::string& client_body, const std::string& producer_text
     fail("a parsed client body is not an object free of kv_transfer_params");
   }
   // Copies and dumps of nlohmann values recurse: the body must be shallow enough for them.
-  if (pd::router::json_nesting_depth(request->body.dump()) > pd::router::kMaxJsonDepth) {
+  if (pd::json_nesting_depth(request->body.dump()) > pd::router::kMaxJsonDepth) {
     fail("a body nested deeper than kMaxJsonDepth was accepted");
   }
   for (auto mode : {pd::router::TransferMode::kWrite, pd::router::TransferMode::kRead}) {
