@@ -100,6 +100,11 @@ Result<HostPort> parse_host_port(std::string_view text) {
     }
     host = text.substr(1, close - 1);
     port_text = text.substr(close + 2);
+    // Brackets hold an IPv6 address only: "[name]:port" would print back as "name:port", and
+    // "[[1]:9" as "[1:9", which no longer parses.
+    if (host.find(':') == std::string_view::npos) {
+      return invalid_argument("address '{}': brackets are for IPv6 hosts only", text.substr(0, 64));
+    }
   } else {
     size_t colon = text.rfind(':');
     if (colon == std::string_view::npos) return invalid_argument("address '{}' has no :port", text.substr(0, 64));
@@ -109,7 +114,8 @@ Result<HostPort> parse_host_port(std::string_view text) {
       return invalid_argument("address '{}': IPv6 hosts need brackets", text.substr(0, 64));
     }
   }
-  if (host.empty() || host.size() > 253 || !is_printable_ascii(host) || host.find('/') != std::string_view::npos) {
+  if (host.empty() || host.size() > 253 || !is_printable_ascii(host) ||
+      host.find_first_of("/[]") != std::string_view::npos) {
     return invalid_argument("address '{}' has an invalid host", text.substr(0, 64));
   }
   unsigned port = 0;

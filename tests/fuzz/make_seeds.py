@@ -5,7 +5,9 @@ The seeds are committed (tests/fuzz/corpus/<fuzzer>/); rerun this after a protoc
     python3 tests/fuzz/make_seeds.py
 Control frames follow src/connector/messages.h (protocol version 2) and the descriptors
 src/xfer/descriptors.cc (version 1); request bodies follow the OpenAI API as the server parses
-it. Each seed is a valid input, so the fuzzer starts past the outer checks.
+it. Each seed is a valid input, so the fuzzer starts past the outer checks. Files named
+regress_* are inputs the fuzzers once failed on, kept by hand as regression seeds; this script
+leaves them alone.
 """
 import json
 import pathlib

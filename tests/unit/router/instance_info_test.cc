@@ -197,5 +197,21 @@ TEST(HostPortParse, HandlesUrlsAndIpv6) {
   EXPECT_FALSE(parse_host_port("::1:9000").ok());
 }
 
+// Found by fuzz_router_input: "[[1]:9" parsed (host "[1") and printed back as "[1:9", which
+// does not parse. Whatever parses must print back to the same address.
+TEST(HostPortParse, WhatParsesPrintsBackToTheSameAddress) {
+  EXPECT_FALSE(parse_host_port("[[1]:9").ok());
+  EXPECT_FALSE(parse_host_port("[host]:9").ok()) << "brackets are for IPv6 only";
+  EXPECT_FALSE(parse_host_port("ho[st:9").ok());
+  EXPECT_FALSE(parse_host_port("host]:9").ok());
+  for (const char* text : {"127.0.0.1:1", "[::1]:65535", "[fe80::1%eth0]:80", "decode-0.local:8000"}) {
+    auto parsed = parse_host_port(text);
+    ASSERT_TRUE(parsed.ok()) << text;
+    auto again = parse_host_port(parsed->to_string());
+    ASSERT_TRUE(again.ok()) << text;
+    EXPECT_EQ(*again, *parsed) << text;
+  }
+}
+
 }  // namespace
 }  // namespace pd::router
