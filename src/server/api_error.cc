@@ -34,6 +34,13 @@ ApiError body_too_large(size_t max_body_bytes) {
                   "invalid_request_error", "", "request_too_large"};
 }
 
+ApiError too_many_connections(int64_t max_connections) {
+  return ApiError{503,
+                  fmt::format("The server is serving its limit of {} connections (--max-connections); retry shortly",
+                              max_connections),
+                  "service_unavailable", "", "too_many_connections"};
+}
+
 ApiError unauthorized() {
   return ApiError{401, "Missing or invalid API key (expected 'Authorization: Bearer <key>')", "authentication_error",
                   "", "invalid_api_key"};

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <string>
 
 #include "common/status.h"
@@ -26,6 +27,8 @@ ApiError model_not_found(const std::string& model);
 ApiError route_not_found(const std::string& target);
 ApiError method_not_allowed(const std::string& method, const std::string& target);
 ApiError body_too_large(size_t max_body_bytes);
+// The connection arrived while --max-connections others were open (503).
+ApiError too_many_connections(int64_t max_connections);
 ApiError unauthorized();
 ApiError overloaded(std::string message);
 ApiError internal(std::string message);

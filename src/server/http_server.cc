@@ -20,6 +20,7 @@
 #include <chrono>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/log.h"
 #include "common/metrics.h"
 
@@ -285,51 +286,86 @@ net::awaitable<void> HttpServer::accept_loop() {
     co_await acceptor_.async_accept(socket, net::redirect_error(use_awaitable, ec));
     if (ec == net::error::operation_aborted || !acceptor_.is_open()) break;
     if (ec) {
-      // e.g. EMFILE: back off briefly instead of spinning on the error.
-      PD_LOG_WARN("accept failed: {}", ec.message());
+      // EMFILE/ENFILE (or any other failure) must not end the loop: back off briefly
+      // instead of spinning on the error, then accept again.
+      if (accept_error_log_.admit(now_ns()))
+        PD_LOG_WARN("accept failed: {} (retrying every 50 ms; {} more failures since the last report)", ec.message(),
+                    accept_error_log_.num_held_back());
       backoff.expires_after(std::chrono::milliseconds(50));
       co_await backoff.async_wait(net::redirect_error(use_awaitable, ec));
       continue;
     }
-    socket.set_option(tcp::no_delay(true), ec);
     auto executor = socket.get_executor();
-    net::co_spawn(executor, serve_connection(std::move(socket)), [](std::exception_ptr error) {
+    auto log_failure = [](std::exception_ptr error) {
       if (!error) return;
       try {
         std::rethrow_exception(error);
       } catch (const std::exception& e) {
         PD_LOG_WARN("connection ended with: {}", e.what());
       }
-    });
+    };
+    // Only this loop adds connections, so the count cannot pass the cap between check and add.
+    if (num_connections_.load(std::memory_order_relaxed) >= options_.max_connections) {
+      metrics::Registry::global()
+          .counter("pd_http_connections_refused_total",
+                   "Connections answered 503 (or closed) because --max-connections were open")
+          .inc();
+      if (refusal_log_.admit(now_ns()))
+        PD_LOG_WARN(
+            "{} connections open, the limit (--max-connections): answering new ones 503 ({} more refused "
+            "since the last report)",
+            options_.max_connections, refusal_log_.num_held_back());
+      if (num_refusals_in_flight_.load(std::memory_order_relaxed) >= kMaxRefusalsInFlight) {
+        socket.close(ec);  // a flood: answering it would cost descriptors the cap exists to save
+        continue;
+      }
+      net::co_spawn(executor, refuse_connection(std::move(socket), ConnectionSlot(num_refusals_in_flight_)),
+                    log_failure);
+      continue;
+    }
+    socket.set_option(tcp::no_delay(true), ec);
+    net::co_spawn(executor, serve_connection(std::move(socket), ConnectionSlot(num_connections_)), log_failure);
   }
 }
 
 namespace {
 
-// A minimal error response written when there is no exchange to own it
-// (the request never parsed). The connection closes afterwards.
-net::awaitable<void> write_raw_error(beast::tcp_stream& stream, const ApiError& error, int64_t timeout_ms) {
+// A minimal error response for when there is no exchange to own it (the
+// request never parsed, or was never read). The connection closes afterwards.
+http::response<http::string_body> raw_error_response(const ApiError& error) {
   http::response<http::string_body> response{static_cast<http::status>(error.http_status), 11};
   response.set(http::field::server, "pdserve");
   response.set(http::field::content_type, "application/json");
   response.keep_alive(false);
   response.body() = error.to_json().dump();
   response.prepare_payload();
+  return response;
+}
+
+net::awaitable<void> write_raw_response(beast::tcp_stream& stream, const http::response<http::string_body>& response,
+                                        int64_t timeout_ms) {
   stream.expires_after(std::chrono::milliseconds(timeout_ms));
   error_code ec;
   co_await http::async_write(stream, response, net::redirect_error(use_awaitable, ec));
 }
 
+net::awaitable<void> write_raw_error(beast::tcp_stream& stream, const ApiError& error, int64_t timeout_ms) {
+  http::response<http::string_body> response = raw_error_response(error);
+  co_await write_raw_response(stream, response, timeout_ms);
+}
+
 // Lingering close after an early error response: a client still sending its
-// (too large) body would otherwise get a reset instead of our answer. Reads
-// and discards for a bounded time and byte count, then the caller closes.
-net::awaitable<void> drain_before_close(beast::tcp_stream& stream, size_t max_body_bytes) {
+// request would otherwise get a reset instead of our answer (unread bytes at
+// close() make the kernel send RST, and the client's next send or read fails
+// before it sees the response). Reads and discards for a bounded time and byte
+// count, then the caller closes.
+net::awaitable<void> drain_before_close(beast::tcp_stream& stream, size_t max_drain_bytes,
+                                        std::chrono::milliseconds max_drain_time) {
   error_code ec;
   stream.socket().shutdown(tcp::socket::shutdown_send, ec);
-  const size_t max_drain_bytes = std::max<size_t>(4 * max_body_bytes, 16u << 20);
-  std::vector<char> sink(64 * 1024);
+  std::vector<char> sink(std::min<size_t>(max_drain_bytes, 64 * 1024));
   size_t drained = 0;
-  stream.expires_after(std::chrono::seconds(2));
+  stream.expires_after(max_drain_time);
   while (!ec && drained < max_drain_bytes) {
     drained += co_await stream.async_read_some(net::buffer(sink), net::redirect_error(use_awaitable, ec));
   }
@@ -337,7 +373,22 @@ net::awaitable<void> drain_before_close(beast::tcp_stream& stream, size_t max_bo
 
 }  // namespace
 
-net::awaitable<void> HttpServer::serve_connection(tcp::socket socket) {
+// refusal_slot (like serve_connection's slot) lives in the coroutine frame: released when it ends.
+net::awaitable<void> HttpServer::refuse_connection(tcp::socket socket, [[maybe_unused]] ConnectionSlot refusal_slot) {
+  beast::tcp_stream stream(std::move(socket));
+  ApiError error = too_many_connections(options_.max_connections);
+  http::response<http::string_body> response = raw_error_response(error);
+  response.set(http::field::retry_after, "1");
+  // Answered before the request is read (its route does not matter: /health is refused too).
+  co_await write_raw_response(stream, response, options_.write_timeout_ms);
+  // The request the client sends meanwhile is discarded, bounded well below a body limit: a
+  // refused connection must stay cheap. A client sending more than this may see a reset.
+  co_await drain_before_close(stream, 64 * 1024, std::chrono::seconds(1));
+  error_code ec;
+  stream.socket().close(ec);
+}
+
+net::awaitable<void> HttpServer::serve_connection(tcp::socket socket, [[maybe_unused]] ConnectionSlot slot) {
   auto connection = std::make_shared<Connection>(std::move(socket));
   auto& stream = connection->stream;
   beast::flat_buffer buffer;
@@ -363,7 +414,8 @@ net::awaitable<void> HttpServer::serve_connection(tcp::socket socket) {
       count_request("invalid", 413);
       ApiError error = body_too_large(options_.max_body_bytes);
       co_await write_raw_error(stream, error, options_.write_timeout_ms);
-      co_await drain_before_close(stream, options_.max_body_bytes);
+      co_await drain_before_close(stream, std::max<size_t>(4 * options_.max_body_bytes, 16u << 20),
+                                  std::chrono::seconds(2));
       break;
     }
     if (ec == http::error::end_of_stream || ec == net::error::eof || ec == beast::error::timeout ||

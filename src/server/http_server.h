@@ -8,8 +8,9 @@
 //
 // Owns: the listening socket, connections, routing (404/405), auth on routes
 // that ask for it, body limits (413), malformed HTTP (400), keep-alive and
-// write timeouts, and the pd_http_requests_total counter. Knows nothing about
-// OpenAI or the engine.
+// write timeouts, the connection cap (503 beyond it), and the
+// pd_http_requests_total / pd_http_connections_refused_total counters. Knows
+// nothing about OpenAI or the engine.
 #pragma once
 
 // g++ 12 + Boost 1.74: <utility> must precede the Asio headers.
@@ -33,6 +34,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/connection_limit.h"
+#include "common/log_throttle.h"
 #include "common/status.h"
 #include "server/api_error.h"
 
@@ -53,6 +56,12 @@ struct HttpServerOptions {
   int64_t keep_alive_timeout_ms = 60'000;  // idle wait for the next request
   int64_t write_timeout_ms = 30'000;       // one write to a slow client
   std::string api_key;                     // checked on routes registered with requires_auth
+  // Connections served at once. Each holds a file descriptor, a coroutine and its buffers;
+  // without a cap, clients that keep sockets open exhaust RLIMIT_NOFILE and accept() then
+  // fails for everyone, health checks included. A connection beyond the cap is answered 503
+  // at once and closed. pdserve derives its default from the engine's capacity
+  // (server_config.h) and checks it against RLIMIT_NOFILE at start-up.
+  int64_t max_connections = 1024;
 };
 
 struct Connection;
@@ -118,6 +127,10 @@ using Handler = std::function<net::awaitable<void>(HttpExchange&)>;
 
 class HttpServer {
  public:
+  // Refused connections being answered at once; more are closed without an answer, so
+  // a flood of them costs at most this many file descriptors beyond the cap.
+  static constexpr int64_t kMaxRefusalsInFlight = 64;
+
   explicit HttpServer(HttpServerOptions options);
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
@@ -142,17 +155,24 @@ class HttpServer {
     bool requires_auth;
   };
   net::awaitable<void> accept_loop();
-  net::awaitable<void> serve_connection(net::ip::tcp::socket socket);
+  net::awaitable<void> serve_connection(net::ip::tcp::socket socket, ConnectionSlot slot);
+  net::awaitable<void> refuse_connection(net::ip::tcp::socket socket, ConnectionSlot refusal_slot);
   net::awaitable<void> dispatch(HttpExchange& exchange);
   bool authorized(const HttpRequest& request) const;
 
   HttpServerOptions options_;
+  // Declared before io_context_: connection coroutines destroyed with it release their slots here.
+  std::atomic<int64_t> num_connections_{0};
+  std::atomic<int64_t> num_refusals_in_flight_{0};
   net::io_context io_context_;
   net::ip::tcp::acceptor acceptor_;
   std::vector<Route> routes_;
   std::vector<std::thread> threads_;
   uint16_t bound_port_ = 0;
   std::atomic<bool> stopped_{false};
+  // Touched by the accept loop only.
+  LogThrottle refusal_log_{1'000'000'000};
+  LogThrottle accept_error_log_{1'000'000'000};
 };
 
 }  // namespace pd::server

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "common/connection_limit.h"
 #include "common/log.h"
 #include "connector/pd_connector.h"
 #include "engine/engine.h"
@@ -23,6 +24,10 @@
 namespace {
 
 constexpr int64_t kShutdownDrainMs = 3000;
+// Files pdserve holds besides its connections: model and log files, epoll/event/timer fds,
+// the listener, and with --device cuda and a P/D connector, device handles and the
+// transfer's sockets (a CPU instance holds about 10).
+constexpr int64_t kReservedFds = 256;
 
 int run(pd::server::ServerConfig config) {
   using namespace pd;
@@ -94,6 +99,7 @@ int run(pd::server::ServerConfig config) {
   http_options.num_io_threads = config.num_io_threads;
   http_options.max_body_bytes = config.max_body_bytes;
   http_options.keep_alive_timeout_ms = config.keep_alive_timeout_ms;
+  http_options.max_connections = config.max_connections_or_default();
   http_options.api_key = config.api_key;
   // The service outlives the HTTP server: coroutine frames that the server
   // destroys at the end still refer to it.
@@ -172,5 +178,15 @@ int main(int argc, char** argv) {
     PD_LOG_ERROR("{}", status.to_string());
     return 2;
   }
+  // Before the model loads: a cap the open-file limit cannot honour fails fast.
+  pd::server::ServerConfig& config = *outcome.config;
+  const pd::ConnectionFdBudget budget{1, kReservedFds + pd::server::HttpServer::kMaxRefusalsInFlight};
+  auto max_connections = pd::fit_connection_limit_to_open_files(
+      "--max-connections", config.max_connections_or_default(), config.max_connections.has_value(), budget);
+  if (!max_connections.ok()) {
+    PD_LOG_ERROR("{}", max_connections.status().to_string());
+    return 2;
+  }
+  config.max_connections = *max_connections;
   return run(std::move(*outcome.config));
 }

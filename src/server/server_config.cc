@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "common/connection_limit.h"
+
 namespace pd::server {
 
 bool ServerConfig::serves_model(const std::string& name) const {
@@ -14,6 +16,7 @@ bool ServerConfig::serves_model(const std::string& name) const {
 CliOutcome parse_server_cli(int argc, const char* const* argv) {
   ServerConfig config;
   int32_t max_model_len = 0;
+  int64_t max_connections = 0;
   CLI::App app{"pdserve: OpenAI-compatible LLM server (one engine instance)", "pdserve"};
   app.add_option("--model", config.model, "HF model directory or builtin:tiny")->capture_default_str();
   app.add_option("--host", config.host, "address to listen on")->capture_default_str();
@@ -49,6 +52,9 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
       ->capture_default_str();
   app.add_option("--keep-alive-timeout-ms", config.keep_alive_timeout_ms, "idle connection lifetime")
       ->capture_default_str();
+  app.add_option("--max-connections", max_connections,
+                 "open connections served at once; more are answered 503 (default: --max-num-seqs + "
+                 "--max-waiting-requests + 1024)");
   app.add_option("--kv-role", config.kv_transfer.kv_role, "P/D role: kv_producer|kv_consumer|kv_both");
   app.add_option("--kv-transfer-config", config.kv_transfer.config_json, "P/D connector config (JSON object)");
 
@@ -61,6 +67,7 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
     return outcome;
   }
   if (max_model_len != 0) config.max_model_len = max_model_len;
+  if (app.count("--max-connections") > 0) config.max_connections = max_connections;
   return CliOutcome{std::move(config), 0, {}};
 }
 
@@ -92,6 +99,8 @@ Status validate_server_config(ServerConfig& config) {
     return invalid_argument("--io-threads must be 1..256, got {}", config.num_io_threads);
   if (config.request_timeout_ms < 1) return invalid_argument("--request-timeout-ms must be >= 1");
   if (config.keep_alive_timeout_ms < 1) return invalid_argument("--keep-alive-timeout-ms must be >= 1");
+  if (config.max_connections && (*config.max_connections < 1 || *config.max_connections > kMaxConnectionsCeiling))
+    return invalid_argument("--max-connections must be 1..{}, got {}", kMaxConnectionsCeiling, *config.max_connections);
   for (const auto& name : config.served_model_names)
     if (name.empty()) return invalid_argument("--served-model-name must not be empty");
 

@@ -37,7 +37,7 @@ struct ServerConfig {
   std::vector<std::string> served_model_names;  // first is the name responses carry
   std::string api_key;                          // empty = no auth
   std::string device = "cpu";
-  int32_t cuda_device = 0;  // CUDA device ordinal (all GPUs stay visible so CUDA IPC can reach peers)
+  int32_t cuda_device = 0;    // CUDA device ordinal (all GPUs stay visible so CUDA IPC can reach peers)
   int64_t num_kv_blocks = 0;  // 0 = derive from --kv-cache-bytes / device memory
   int64_t kv_cache_bytes = 0;
   size_t max_body_bytes = 8u << 20;
@@ -46,6 +46,9 @@ struct ServerConfig {
   int32_t num_io_threads = 2;
   int64_t request_timeout_ms = 600'000;  // bound on one request's whole life
   int64_t keep_alive_timeout_ms = 60'000;
+  // --max-connections: open connections served at once (503 beyond). Absent: see
+  // max_connections_or_default(). Checked against RLIMIT_NOFILE at start-up (main.cc).
+  std::optional<int64_t> max_connections;
   KvTransferSettings kv_transfer;
 
   // The name a request's "model" must match (first served name, else --model).
@@ -53,6 +56,15 @@ struct ServerConfig {
     return served_model_names.empty() ? model : served_model_names.front();
   }
   bool serves_model(const std::string& name) const;
+
+  // Without --max-connections: one connection for every request the engine can hold
+  // (--max-num-seqs running + --max-waiting-requests queued), else the cap would answer 503
+  // before the queue is full, plus kIdleConnectionAllowance for idle keep-alive clients,
+  // routers' pooled connections, health checks and /metrics. 5376 with the defaults.
+  static constexpr int64_t kIdleConnectionAllowance = 1024;
+  int64_t max_connections_or_default() const {
+    return max_connections.value_or(int64_t{max_num_seqs} + max_waiting_requests + kIdleConnectionAllowance);
+  }
 };
 
 // Outcome of parsing argv: a config, or a request to exit (e.g. --help) with

@@ -8,6 +8,8 @@ which kills it on teardown. Helpers:
   "pdserve listening on http://HOST:PORT" line and waits for GET /health == 200, each with a deadline.
 - `wait_for(predicate, timeout_s, what)`: polls a real condition until it holds or the deadline passes.
 - `http_request(...)`, `metric_value(text, name, labels)`: plain HTTP and Prometheus parsing.
+- `open_keep_alive_connection(endpoint, path)`: a connection the server has accepted (one request
+  answered 200 on it) and keeps open, for tests of --max-connections.
 
 Other suites add their own fixtures in their own files and reuse these helpers.
 """
@@ -149,6 +151,26 @@ def http_request(base_url: str, method: str, path: str, body=None, headers: dict
         return resp.status, resp.read(), dict(resp.getheaders())
     finally:
         conn.close()
+
+
+def open_keep_alive_connection(endpoint: "HttpEndpoint", path: str,
+                               timeout_s: float = 10.0) -> http.client.HTTPConnection:
+    """Opens a connection and completes GET path on it, so the server has accepted and counted it;
+    the connection stays open (keep-alive) until the caller closes it. A connection turned away
+    (e.g. while the server still counts one a client just closed) is retried until timeout_s."""
+    def attempt():
+        conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout_s)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            response.read()
+            if response.status == 200 and not response.will_close:
+                return conn
+        except OSError:
+            pass
+        conn.close()
+        return None
+    return wait_for(attempt, timeout_s, f"a keep-alive connection answered 200 on {path}")
 
 
 class HttpEndpoint:

@@ -8,11 +8,12 @@ from pathlib import Path
 import signal
 import socket
 import subprocess
+import time
 
 import openai
 import pytest
 
-from conftest import bin_path, metric_value, start_pdserve, wait_for
+from conftest import bin_path, metric_value, open_keep_alive_connection, start_pdserve, wait_for
 
 
 def run_to_exit(*flags: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
@@ -34,6 +35,9 @@ def test_help_lists_vllm_flags():
     (["--kv-transfer-config", "{not json"], "--kv-transfer-config must be a JSON object"),
     (["--model", "/nonexistent/model/dir"], "/nonexistent/model/dir"),
     (["--no-such-flag"], "no-such-flag"),
+    (["--max-connections", "0"], "--max-connections must be"),
+    # More than any open-file limit allows (Linux caps RLIMIT_NOFILE at fs.nr_open, 1048576 by default).
+    (["--max-connections", "16000000"], "--max-connections 16000000 needs"),
 ])
 def test_bad_start_up_flags_exit_non_zero_with_a_clear_message(flags, needle):
     result = run_to_exit(*flags)
@@ -132,3 +136,45 @@ def test_model_without_tokenizer_streams_a_chunk_per_token(procs):
     # One chunk per generated token (the last one also carries finish_reason).
     assert len(with_choices) == 6, chunks
     assert with_choices[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_connections_beyond_max_connections_get_503_until_one_closes(procs):
+    # The contract: the cap counts open connections, and one beyond it is answered 503 before its
+    # request is read, so while the cap is reached /health is refused too (a load balancer sees
+    # the instance as full, which it is). Connections already open keep being served.
+    server = start_pdserve(procs, "--model", "builtin:tiny", "--max-model-len", "128", "--max-connections", "4")
+    idle = [open_keep_alive_connection(server, "/health") for _ in range(4)]
+    first_refusal_s = time.monotonic()
+    status, raw, headers = server.post("/v1/completions", {"prompt": "a", "max_tokens": 1})
+    assert status == 503, raw
+    assert headers.get("Retry-After") == "1"
+    error = json.loads(raw)["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == "too_many_connections", error
+    assert "--max-connections" in error["message"]
+    status, raw, headers = server.get("/health")
+    assert status == 503 and headers.get("Retry-After") == "1"
+    assert json.loads(raw)["error"]["code"] == "too_many_connections"
+
+    idle[0].request("GET", "/health")
+    response = idle[0].getresponse()
+    response.read()
+    assert response.status == 200, "a connection opened before the cap was reached is still served"
+
+    idle.pop().close()
+    wait_for(server.healthy, 10, "a new connection admitted once an idle one closed")
+    for conn in idle:
+        conn.close()
+
+    def refused_connections():
+        try:
+            status, body, _ = server.get("/metrics", timeout_s=5)
+        except OSError:
+            return None
+        return status == 200 and metric_value(body.decode(), "pd_http_connections_refused_total")
+    assert wait_for(refused_connections, 10, "/metrics with the refusals counted") >= 2
+    last_refusal_s = time.monotonic()  # the polls above may have been refused too
+    # Logged at most once per second, however many were refused.
+    log_lines = wait_for(lambda: [line for line in server.process.text().splitlines()
+                                  if "answering new ones 503" in line], 10, "the refusals logged")
+    assert len(log_lines) <= 1 + int(last_refusal_s - first_refusal_s), log_lines
+

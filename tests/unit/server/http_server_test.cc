@@ -250,5 +250,52 @@ TEST_F(HttpServerTest, RequestsAreCountedByRouteAndStatus) {
   EXPECT_EQ(counter.value(), before + 1);
 }
 
+TEST_F(HttpServerTest, ConnectionBeyondTheCapIs503WithRetryAfterAndExistingOnesKeepServing) {
+  HttpServerOptions options;
+  options.max_connections = 2;
+  start(options);
+  auto& refused = metrics::Registry::global().counter("pd_http_connections_refused_total", "");
+  const double refused_before = refused.value();
+  const std::string ping = "GET /ping HTTP/1.1\r\nHost: x\r\n\r\n";
+  // Each completes a request, so both are accepted and counted before the third arrives.
+  auto first = connect();
+  net::write(first, net::buffer(ping));
+  ASSERT_EQ(read_response(first).rfind("HTTP/1.1 200", 0), 0u);
+  auto second = connect();
+  net::write(second, net::buffer(ping));
+  ASSERT_EQ(read_response(second).rfind("HTTP/1.1 200", 0), 0u);
+
+  auto third = exchange(ping);
+  EXPECT_EQ(third.rfind("HTTP/1.1 503", 0), 0u) << third;
+  EXPECT_NE(third.find("Retry-After: 1\r\n"), std::string::npos) << third;
+  EXPECT_NE(third.find("Connection: close\r\n"), std::string::npos) << third;
+  auto body = nlohmann::json::parse(third.substr(third.find("\r\n\r\n") + 4));
+  EXPECT_EQ(body["error"]["type"], "service_unavailable") << third;
+  EXPECT_EQ(body["error"]["code"], "too_many_connections") << third;
+  EXPECT_EQ(refused.value(), refused_before + 1);
+
+  net::write(first, net::buffer(ping));
+  EXPECT_EQ(read_response(first).rfind("HTTP/1.1 200", 0), 0u) << "an existing connection is unaffected";
+}
+
+TEST_F(HttpServerTest, ClosingAConnectionAtTheCapLetsTheNextOneIn) {
+  HttpServerOptions options;
+  options.max_connections = 1;
+  start(options);
+  const std::string ping = "GET /ping HTTP/1.1\r\nHost: x\r\n\r\n";
+  auto held = connect();
+  net::write(held, net::buffer(ping));
+  ASSERT_EQ(read_response(held).rfind("HTTP/1.1 200", 0), 0u);
+  ASSERT_EQ(exchange(ping).rfind("HTTP/1.1 503", 0), 0u);
+  held.close();
+  // The server releases the slot when it reads the EOF: poll, with a deadline, until it has.
+  std::string response;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  do {
+    response = exchange(ping);
+  } while (response.rfind("HTTP/1.1 200", 0) != 0 && std::chrono::steady_clock::now() < deadline);
+  EXPECT_EQ(response.rfind("HTTP/1.1 200", 0), 0u) << response;
+}
+
 }  // namespace
 }  // namespace pd::server

@@ -74,6 +74,24 @@ TEST(ServerConfigValidation, ContradictoryKvRolesAreRefused) {
   EXPECT_FALSE(validate_server_config(*outcome.config).ok());
 }
 
+TEST(ServerCli, MaxConnectionsIsReadWhenGiven) {
+  auto outcome = parse({"--max-connections", "4"});
+  ASSERT_TRUE(outcome.config);
+  EXPECT_EQ(outcome.config->max_connections, 4);
+  EXPECT_EQ(outcome.config->max_connections_or_default(), 4);
+  EXPECT_TRUE(validate_server_config(*outcome.config).ok());
+}
+
+TEST(ServerCli, DefaultMaxConnectionsHoldsEveryRequestTheEngineCanQueue) {
+  auto defaults = parse({});
+  ASSERT_TRUE(defaults.config);
+  EXPECT_FALSE(defaults.config->max_connections);
+  EXPECT_EQ(defaults.config->max_connections_or_default(), 256 + 4096 + ServerConfig::kIdleConnectionAllowance);
+  auto small = parse({"--max-num-seqs", "8", "--max-waiting-requests", "100"});
+  ASSERT_TRUE(small.config);
+  EXPECT_EQ(small.config->max_connections_or_default(), 8 + 100 + ServerConfig::kIdleConnectionAllowance);
+}
+
 TEST(ServerConfigValidation, RangesAreChecked) {
   for (std::vector<const char*> args : std::vector<std::vector<const char*>>{{"--port", "70000"},
                                                                              {"--max-num-seqs", "0"},
@@ -82,7 +100,9 @@ TEST(ServerConfigValidation, RangesAreChecked) {
                                                                              {"--device", "tpu"},
                                                                              {"--max-model-len", "1"},
                                                                              {"--io-threads", "0"},
-                                                                             {"--max-waiting-requests", "0"}}) {
+                                                                             {"--max-waiting-requests", "0"},
+                                                                             {"--max-connections", "0"},
+                                                                             {"--max-connections", "-3"}}) {
     auto outcome = parse(args);
     ASSERT_TRUE(outcome.config) << args[0];
     EXPECT_FALSE(validate_server_config(*outcome.config).ok()) << args[0];
