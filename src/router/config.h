@@ -38,7 +38,14 @@ struct RouterConfig {
   int64_t probe_interval_ms = 1000;                // static instances: GET /pd/info period
   size_t max_body_bytes = 8u << 20;                // --max-body-bytes: larger client bodies get 413 (pdserve's default)
   size_t max_idle_connections_per_backend = 1024;  // per io thread
-  std::string api_key;                             // clients must send "Authorization: Bearer <key>" on /v1/*
+  // --max-connections: client connections served at once; one more is answered 503 at once and
+  // closed. Without a cap, clients holding sockets open exhaust RLIMIT_NOFILE and accept() fails
+  // for everyone, health checks included. 4096: about the requests one pdserve with its defaults
+  // holds (256 running + 4096 queued, one leg each), and at 3 descriptors per client connection
+  // (RouterServer::kFdsPerClientConnection) well within common hard limits (systemd 524288,
+  // Docker 1048576). Checked against RLIMIT_NOFILE at start-up (main.cc).
+  int64_t max_connections = 4096;
+  std::string api_key;  // clients must send "Authorization: Bearer <key>" on /v1/*
   // Sent as "Authorization: Bearer <key>" on every request to an engine (legs and probes), for
   // engines started with --api-key. Empty: no Authorization header.
   std::string backend_api_key;

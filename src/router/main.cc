@@ -9,8 +9,18 @@
 #include <limits>
 #include <thread>
 
+#include "common/connection_limit.h"
 #include "common/log.h"
 #include "router/router_server.h"
+
+namespace {
+
+// Files pdrouter holds besides its client connections and their legs: the listener, epoll and
+// event fds of each io thread and the control thread, the ZMQ context and registration socket,
+// static-instance probes and a margin for idle pooled backend connections.
+constexpr int64_t kReservedFds = 256;
+
+}  // namespace
 
 int main(int argc, char** argv) {
   // SIGINT/SIGTERM are blocked in every thread (threads inherit the mask) and taken by sigwait below.
@@ -68,6 +78,10 @@ int main(int argc, char** argv) {
   app.add_option("--backend-api-key", config.backend_api_key,
                  "send 'Authorization: Bearer KEY' on every request to an engine (engines run with --api-key KEY)")
       ->envname("PDROUTER_BACKEND_API_KEY");
+  app.add_option("--max-connections", config.max_connections,
+                 "client connections served at once; more are answered 503 (checked against RLIMIT_NOFILE)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, pd::kMaxConnectionsCeiling));
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
@@ -101,6 +115,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "pdrouter: no discovery: give --prefill/--decode/--collocated URLs or --registration-port\n");
     return 2;
   }
+
+  const pd::ConnectionFdBudget budget{pd::router::RouterServer::kFdsPerClientConnection,
+                                      kReservedFds + pd::router::RouterServer::kMaxRefusalsInFlight};
+  auto max_connections = pd::fit_connection_limit_to_open_files("--max-connections", config.max_connections,
+                                                                app.count("--max-connections") > 0, budget);
+  if (!max_connections.ok()) {
+    std::fprintf(stderr, "pdrouter: %s\n", max_connections.status().to_string().c_str());
+    return 2;
+  }
+  config.max_connections = *max_connections;
 
   pd::router::RouterServer server(config);
   if (pd::Status started = server.start(); !started.ok()) {

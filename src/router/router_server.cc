@@ -6,7 +6,9 @@
 #include <unordered_map>
 
 #include "common/clock.h"
+#include "common/connection_limit.h"
 #include "common/log.h"
+#include "common/log_throttle.h"
 #include "common/metrics.h"
 #include "router/policy.h"
 #include "router/request_rewrite.h"
@@ -108,16 +110,17 @@ int status_for_transport(const Status& status) {
   return status.code() == ErrorCode::kDeadlineExceeded ? 504 : 502;
 }
 
-// Lingering close after answering a request early (a body over the limit): a client still
-// sending would otherwise get a connection reset instead of the answer. Reads and discards
-// for a bounded time and byte count; the caller then closes.
-awaitable<void> drain_before_close(beast::tcp_stream& stream, size_t max_body_bytes) {
+// Lingering close after answering a request early (a body over the limit, a connection over
+// the cap): a client still sending would otherwise get a connection reset instead of the answer
+// (unread bytes at close() make the kernel send RST). Reads and discards for a bounded time and
+// byte count; the caller then closes.
+awaitable<void> drain_before_close(beast::tcp_stream& stream, size_t max_drain_bytes,
+                                   std::chrono::milliseconds max_drain_time) {
   beast::error_code ec;
   stream.socket().shutdown(tcp::socket::shutdown_send, ec);
-  const size_t max_drain_bytes = std::max<size_t>(4 * max_body_bytes, 16u << 20);
-  std::vector<char> sink(64 * 1024);
+  std::vector<char> sink(std::min<size_t>(max_drain_bytes, 64 * 1024));
   size_t num_drained = 0;
-  stream.expires_after(std::chrono::seconds(2));
+  stream.expires_after(max_drain_time);
   while (!ec && num_drained < max_drain_bytes) {
     num_drained += co_await stream.async_read_some(net::buffer(sink), with_ec(ec));
   }
@@ -196,9 +199,17 @@ struct RouterServer::Impl {
   std::atomic<uint64_t> producer_ticket_{0};
   std::atomic<uint64_t> consumer_ticket_{0};
   std::atomic<size_t> next_context_{0};
+  // Slots of --max-connections and of answered refusals. Sessions destroyed with their
+  // io_context release theirs here: RouterServer::stop() clears the io_contexts before Impl dies.
+  std::atomic<int64_t> num_connections_{0};
+  std::atomic<int64_t> num_refusals_in_flight_{0};
+  // Touched by the accept loop only.
+  LogThrottle refusal_log_{1'000'000'000};
+  LogThrottle accept_error_log_{1'000'000'000};
 
   awaitable<void> accept_loop();
-  awaitable<void> session(tcp::socket socket, size_t thread_index);
+  awaitable<void> session(tcp::socket socket, size_t thread_index, ConnectionSlot slot);
+  awaitable<void> refuse(tcp::socket socket, ConnectionSlot refusal_slot);
   awaitable<void> handle(std::shared_ptr<Exchange> exchange, http::request<http::string_body>& request);
 
   // Client responses.
@@ -238,17 +249,62 @@ awaitable<void> RouterServer::Impl::accept_loop() {
     tcp::socket socket = co_await acceptor_->async_accept(target, with_ec(ec));
     if (ec == net::error::operation_aborted || !acceptor_->is_open()) co_return;
     if (ec) {
-      // EMFILE and friends: back off briefly instead of spinning.
-      PD_LOG_WARN("pdrouter: accept failed: {}", ec.message());
+      // EMFILE/ENFILE and friends must not end the loop: back off briefly instead of spinning.
+      if (accept_error_log_.admit(now_ns())) {
+        PD_LOG_WARN("pdrouter: accept failed: {} (retrying every 10 ms; {} more failures since the last report)",
+                    ec.message(), accept_error_log_.num_held_back());
+      }
       net::steady_timer timer(co_await net::this_coro::executor, std::chrono::milliseconds(10));
       co_await timer.async_wait(with_ec(ec));
       continue;
     }
-    net::co_spawn(target, session(std::move(socket), index), net::detached);
+    // Only this loop adds connections, so the count cannot pass the cap between check and add.
+    if (num_connections_.load(std::memory_order_relaxed) >= config_.max_connections) {
+      cached_counter("pd_router_connections_refused_total",
+                     "Client connections answered 503 (or closed) because --max-connections were open", {})
+          .inc();
+      if (refusal_log_.admit(now_ns())) {
+        PD_LOG_WARN(
+            "pdrouter: {} client connections open, the limit (--max-connections): answering new ones 503 "
+            "({} more refused since the last report)",
+            config_.max_connections, refusal_log_.num_held_back());
+      }
+      if (num_refusals_in_flight_.load(std::memory_order_relaxed) >= kMaxRefusalsInFlight) {
+        socket.close(ec);  // a flood: answering it would cost descriptors the cap exists to save
+        continue;
+      }
+      net::co_spawn(target, refuse(std::move(socket), ConnectionSlot(num_refusals_in_flight_)), net::detached);
+      continue;
+    }
+    net::co_spawn(target, session(std::move(socket), index, ConnectionSlot(num_connections_)), net::detached);
   }
 }
 
-awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_index) {
+// The slot lives in the coroutine frame: released when the answer is written and drained.
+awaitable<void> RouterServer::Impl::refuse(tcp::socket socket, [[maybe_unused]] ConnectionSlot refusal_slot) {
+  beast::tcp_stream stream(std::move(socket));
+  http::response<http::string_body> response{http::status::service_unavailable, 11};
+  response.set(http::field::content_type, "application/json");
+  response.set(http::field::retry_after, "1");
+  response.keep_alive(false);
+  // Answered before the request is read (its route does not matter: /health is refused too).
+  response.body() = error_json(
+      fmt::format("the router is serving its limit of {} client connections (--max-connections); retry shortly",
+                  config_.max_connections),
+      "server_error", 503);
+  response.prepare_payload();
+  beast::error_code ec;
+  stream.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
+  co_await http::async_write(stream, response, with_ec(ec));
+  // The request the client sends meanwhile is discarded, bounded well below a body limit: a
+  // refused connection must stay cheap. A client sending more than this may see a reset.
+  if (!ec) co_await drain_before_close(stream, 64 * 1024, std::chrono::seconds(1));
+  stream.socket().close(ec);
+}
+
+// The slot lives in the coroutine frame: released when the session ends.
+awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_index,
+                                            [[maybe_unused]] ConnectionSlot slot) {
   beast::error_code ec;
   socket.set_option(tcp::no_delay(true), ec);
   beast::tcp_stream stream(std::move(socket));
@@ -281,7 +337,10 @@ awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_in
         cached_counter("pd_router_requests_total", "Requests by route and status",
                        {{"route", "invalid"}, {"status", std::to_string(status)}})
             .inc();
-        if (too_large && !exchange->client_gone) co_await drain_before_close(stream, config_.max_body_bytes);
+        if (too_large && !exchange->client_gone) {
+          co_await drain_before_close(stream, std::max<size_t>(4 * config_.max_body_bytes, 16u << 20),
+                                      std::chrono::seconds(2));
+        }
         break;
       }
       stream.expires_never();

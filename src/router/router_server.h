@@ -19,6 +19,13 @@ namespace pd::router {
 
 class RouterServer {
  public:
+  // A client connection holds its own socket and, during a P/D request, a producer and a
+  // consumer leg's connections.
+  static constexpr int64_t kFdsPerClientConnection = 3;
+  // Refused connections being answered at once; more are closed without an answer, so a
+  // flood of them costs at most this many file descriptors beyond the cap.
+  static constexpr int64_t kMaxRefusalsInFlight = 64;
+
   explicit RouterServer(RouterConfig config);
   ~RouterServer();
   RouterServer(const RouterServer&) = delete;

@@ -1,7 +1,7 @@
 """pdrouter's HTTP edge against oversized, hostile or odd input. No engine is needed: the router
 answers these itself. Body size limit (413, --max-body-bytes), deeply nested JSON (400, the
 router survives), non-UTF-8 request paths (404) and registrations (refused and counted;
-/health and /v1/models keep answering)."""
+/health and /v1/models keep answering), connections beyond --max-connections (503)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import socket
 
 import msgpack
 
-from conftest import bin_path, wait_for
+from conftest import bin_path, metric_value, open_keep_alive_connection, wait_for
 from router_fixtures import Heartbeat, Registrar, registration_record, start_router
 
 MIB = 1024 * 1024
@@ -109,3 +109,49 @@ def test_non_utf8_registration_is_refused_and_health_and_models_keep_answering(p
         assert router.get("/health")[0] == 200
     finally:
         registrar.close()
+
+
+def test_connections_beyond_max_connections_get_503_until_one_closes(procs):
+    # The contract: the cap counts open client connections, and one beyond it is answered 503 before
+    # its request is read, so while the cap is reached /health is refused too. Connections already
+    # open keep being served. (No instance: /v1/models answers 200 with an empty list.)
+    router = start_router(procs, "--max-connections", "4")
+    idle = [open_keep_alive_connection(router, "/v1/models") for _ in range(4)]
+    status, body, headers = router.post("/v1/completions", {"model": "m", "prompt": "a"})
+    assert status == 503 and headers.get("Retry-After") == "1"
+    assert "--max-connections" in assert_openai_error(body, 503)["message"]
+    status, body, headers = router.get("/health")
+    assert status == 503 and headers.get("Retry-After") == "1"
+    assert "--max-connections" in assert_openai_error(body, 503)["message"]
+
+    idle[0].request("GET", "/v1/models")
+    response = idle[0].getresponse()
+    response.read()
+    assert response.status == 200, "a connection opened before the cap was reached is still served"
+
+    idle.pop().close()
+    def models_answered():
+        try:
+            return router.get("/v1/models", timeout_s=5)[0] == 200
+        except OSError:
+            return False
+    wait_for(models_answered, 10, "a new connection admitted once an idle one closed")
+    for conn in idle:
+        conn.close()
+
+    def refused_connections():
+        try:
+            status, body, _ = router.get("/metrics", timeout_s=5)
+        except OSError:
+            return None
+        return status == 200 and metric_value(body.decode(), "pd_router_connections_refused_total")
+    assert wait_for(refused_connections, 10, "/metrics with the refusals counted") >= 2
+    wait_for(lambda: "answering new ones 503" in router.process.text(), 10, "the refusals logged")
+
+
+def test_max_connections_beyond_the_open_file_limit_is_refused_at_startup(procs):
+    managed = procs.spawn([bin_path("pdrouter"), "--port", "0", "--registration-port", "0",
+                           "--max-connections", "16000000"])
+    assert managed.proc.wait(timeout=30) != 0
+    wait_for(lambda: "--max-connections 16000000 needs" in managed.text(), 10, "the reason on stderr")
+
