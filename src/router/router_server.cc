@@ -840,7 +840,14 @@ Status RouterServer::start() {
   const int num_threads = std::max(1, config_.num_io_threads);
   for (int i = 0; i < num_threads; ++i) io_contexts_.push_back(std::make_unique<net::io_context>(1));
   impl_ = std::make_unique<Impl>(config_, discovery_);
-  for (auto& context : io_contexts_) impl_->contexts_.push_back(context.get());
+  for (auto& context : io_contexts_) {
+    impl_->contexts_.push_back(context.get());
+    // Asio creates an io_context's reactor (an epoll, an eventfd and a timerfd) with its first
+    // socket or timer. The first socket of an io thread is made inside the initiation of the
+    // accept that targets it, which must not throw: a reactor that cannot be created there
+    // because the process is out of descriptors (EMFILE) terminates the process. Create it now.
+    tcp::socket creates_the_reactor(*context);
+  }
 
   beast::error_code ec;
   const net::ip::address address = net::ip::make_address(config_.host, ec);

@@ -10,6 +10,8 @@ which kills it on teardown. Helpers:
 - `http_request(...)`, `metric_value(text, name, labels)`: plain HTTP and Prometheus parsing.
 - `open_keep_alive_connection(endpoint, path)`: a connection the server has accepted (one request
   answered 200 on it) and keeps open, for tests of --max-connections.
+- `assert_accept_survives_fd_exhaustion(endpoint, process, path)`: runs a server out of file
+  descriptors and shows it accepts again once descriptors are free.
 
 Other suites add their own fixtures in their own files and reuse these helpers.
 """
@@ -22,6 +24,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -171,6 +174,37 @@ def open_keep_alive_connection(endpoint: "HttpEndpoint", path: str,
         conn.close()
         return None
     return wait_for(attempt, timeout_s, f"a keep-alive connection answered 200 on {path}")
+
+
+def assert_accept_survives_fd_exhaustion(endpoint: "HttpEndpoint", process: "ManagedProcess", path: str,
+                                         num_connections: int = 8):
+    """Lowers the server's RLIMIT_NOFILE below what it already holds, so accept() fails with EMFILE,
+    sends GET path on num_connections connections (the kernel completes them into the listen
+    backlog), waits until the server has reported failed accepts twice, restores the limit and
+    expects every one of those requests to be answered 200: the accept loop backed off and retried
+    instead of ending."""
+    import resource
+    pid = process.proc.pid
+    limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    # Below the descriptors it holds: those keep working, every new one fails with EMFILE.
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, limits[1]))
+    pending = []
+    try:
+        for _ in range(num_connections):
+            sock = socket.create_connection((endpoint.host, endpoint.port), timeout=30)
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+            pending.append(sock)
+        # Failures are reported at most once a second: a second report means the loop backed off,
+        # retried (and failed) again, and is still running.
+        wait_for(lambda: process.text().count("accept failed") >= 2, 10, "a second report of failed accepts")
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+    for sock in pending:
+        with sock:
+            answer = b""
+            while data := sock.recv(65536):  # Connection: close: the server closes after answering
+                answer += data
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
 
 
 class HttpEndpoint:

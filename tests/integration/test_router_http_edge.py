@@ -10,7 +10,8 @@ import socket
 
 import msgpack
 
-from conftest import bin_path, metric_value, open_keep_alive_connection, wait_for
+from conftest import (assert_accept_survives_fd_exhaustion, bin_path, metric_value, open_keep_alive_connection,
+                      wait_for)
 from router_fixtures import Heartbeat, Registrar, registration_record, start_router
 
 MIB = 1024 * 1024
@@ -155,3 +156,8 @@ def test_max_connections_beyond_the_open_file_limit_is_refused_at_startup(procs)
     assert managed.proc.wait(timeout=30) != 0
     wait_for(lambda: "--max-connections 16000000 needs" in managed.text(), 10, "the reason on stderr")
 
+
+def test_accept_loop_survives_running_out_of_file_descriptors(procs):
+    router = start_router(procs)  # no instance: /v1/models answers 200 with an empty list
+    assert_accept_survives_fd_exhaustion(router, router.process, "/v1/models")
+    assert router.get("/v1/models")[0] == 200

@@ -13,7 +13,8 @@ import time
 import openai
 import pytest
 
-from conftest import bin_path, metric_value, open_keep_alive_connection, start_pdserve, wait_for
+from conftest import (assert_accept_survives_fd_exhaustion, bin_path, metric_value, open_keep_alive_connection,
+                      start_pdserve, wait_for)
 
 
 def run_to_exit(*flags: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
@@ -178,3 +179,8 @@ def test_connections_beyond_max_connections_get_503_until_one_closes(procs):
                                   if "answering new ones 503" in line], 10, "the refusals logged")
     assert len(log_lines) <= 1 + int(last_refusal_s - first_refusal_s), log_lines
 
+
+def test_accept_loop_survives_running_out_of_file_descriptors(procs):
+    server = start_pdserve(procs, "--model", "builtin:tiny", "--max-model-len", "128")
+    assert_accept_survives_fd_exhaustion(server, server.process, "/health")
+    assert server.healthy()
