@@ -55,11 +55,11 @@ class Router(HttpEndpoint):
 
 
 def start_router(factory: ProcessFactory, *flags: str, registration: bool = True,
-                 ready_timeout_s: float = 30.0) -> Router:
+                 ready_timeout_s: float = 30.0, env: dict | None = None) -> Router:
     argv = [bin_path("pdrouter"), "--port", "0", *flags]
     if registration and "--registration-port" not in flags:
         argv += ["--registration-port", "0"]
-    managed = factory.spawn(argv)
+    managed = factory.spawn(argv, env=env)
     registration_port = None
     if registration:
         registration_port = int(managed.wait_for_line(ROUTER_REGISTRATION_RE, ready_timeout_s).group(2))

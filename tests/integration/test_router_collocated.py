@@ -148,6 +148,13 @@ def test_backend_api_key_is_sent_on_probes_and_legs(procs):
     assert answer.choices
     assert engine_requests("/v1/completions", 200) == 1
 
+    # The same key from the environment (kept out of the process list) works the same way.
+    from_env = start_router(procs, "--collocated", engine.base_url, registration=False,
+                            env={"PDROUTER_BACKEND_API_KEY": "engine-key"})
+    from_env.wait_for_instances(1)
+    assert client_for(from_env.base_url).completions.create(model=TINY_MODEL, prompt="x", max_tokens=2).choices
+    assert engine_requests("/v1/completions", 200) == 2
+
 
 def blocks_used(engine) -> float:
     return metric_value(engine.metrics(), "pd_kv_blocks_used") or 0.0
