@@ -10,10 +10,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 
+#include "common/log_throttle.h"
 #include "common/status.h"
 
 namespace pd {
@@ -68,6 +70,50 @@ class ConnectionSlot {
 
  private:
   std::atomic<int64_t>* num_held_;
+};
+
+// The accept loop's decision for each new connection under --max-connections, shared by
+// pdserve and pdrouter: serve it (a connection slot), answer it 503 (a refusal slot: the
+// answer costs a descriptor for a moment), or, when kMaxRefusalsInFlight answers are already
+// being written, close it at once (a flood must not cost the descriptors the cap saves).
+// admit() is called by the accept loop only, so the count cannot pass the cap between check
+// and add; slots are released on any thread. The gate must outlive every slot it handed out.
+class ConnectionGate {
+ public:
+  static constexpr int64_t kMaxRefusalsInFlight = 64;
+  enum class Verdict : uint8_t { kServe, kRefuse, kDrop };
+  struct Admission {
+    Verdict verdict = Verdict::kDrop;
+    std::optional<ConnectionSlot> slot;  // kServe: a connection slot; kRefuse: a refusal slot
+    bool log_now = false;                // kRefuse / kDrop: the one refusal per second worth a log line
+    int64_t num_held_back = 0;           // with log_now: refusals not logged since the last line
+  };
+
+  explicit ConnectionGate(int64_t max_connections) : max_connections_(max_connections) {}
+
+  Admission admit(int64_t now_ns) {
+    Admission admission;
+    if (num_connections_.load(std::memory_order_relaxed) < max_connections_) {
+      admission.verdict = Verdict::kServe;
+      admission.slot.emplace(num_connections_);
+      return admission;
+    }
+    admission.log_now = refusal_log_.admit(now_ns);
+    admission.num_held_back = refusal_log_.num_held_back();
+    if (num_refusals_in_flight_.load(std::memory_order_relaxed) >= kMaxRefusalsInFlight) return admission;
+    admission.verdict = Verdict::kRefuse;
+    admission.slot.emplace(num_refusals_in_flight_);
+    return admission;
+  }
+
+  int64_t max_connections() const { return max_connections_; }
+  int64_t num_connections() const { return num_connections_.load(std::memory_order_relaxed); }
+
+ private:
+  const int64_t max_connections_;
+  std::atomic<int64_t> num_connections_{0};
+  std::atomic<int64_t> num_refusals_in_flight_{0};
+  LogThrottle refusal_log_{1'000'000'000};
 };
 
 }  // namespace pd

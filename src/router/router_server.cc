@@ -190,7 +190,8 @@ enum class FlowOutcome { kAnswered, kConnectFailed };
 // ---------------------------------------------------------------- Impl
 
 struct RouterServer::Impl {
-  Impl(const RouterConfig& config, Discovery& discovery) : config_(config), discovery_(discovery) {}
+  Impl(const RouterConfig& config, Discovery& discovery)
+      : config_(config), discovery_(discovery), connection_gate_(config.max_connections) {}
 
   const RouterConfig& config_;
   Discovery& discovery_;
@@ -201,11 +202,8 @@ struct RouterServer::Impl {
   std::atomic<size_t> next_context_{0};
   // Slots of --max-connections and of answered refusals. Sessions destroyed with their
   // io_context release theirs here: RouterServer::stop() clears the io_contexts before Impl dies.
-  std::atomic<int64_t> num_connections_{0};
-  std::atomic<int64_t> num_refusals_in_flight_{0};
-  // Touched by the accept loop only.
-  LogThrottle refusal_log_{1'000'000'000};
-  LogThrottle accept_error_log_{1'000'000'000};
+  ConnectionGate connection_gate_;
+  LogThrottle accept_error_log_{1'000'000'000};  // touched by the accept loop only
 
   awaitable<void> accept_loop();
   awaitable<void> session(tcp::socket socket, size_t thread_index, ConnectionSlot slot);
@@ -258,25 +256,25 @@ awaitable<void> RouterServer::Impl::accept_loop() {
       co_await timer.async_wait(with_ec(ec));
       continue;
     }
-    // Only this loop adds connections, so the count cannot pass the cap between check and add.
-    if (num_connections_.load(std::memory_order_relaxed) >= config_.max_connections) {
+    ConnectionGate::Admission admission = connection_gate_.admit(now_ns());
+    if (admission.verdict != ConnectionGate::Verdict::kServe) {
       cached_counter("pd_router_connections_refused_total",
                      "Client connections answered 503 (or closed) because --max-connections were open", {})
           .inc();
-      if (refusal_log_.admit(now_ns())) {
+      if (admission.log_now) {
         PD_LOG_WARN(
             "pdrouter: {} client connections open, the limit (--max-connections): answering new ones 503 "
             "({} more refused since the last report)",
-            config_.max_connections, refusal_log_.num_held_back());
+            config_.max_connections, admission.num_held_back);
       }
-      if (num_refusals_in_flight_.load(std::memory_order_relaxed) >= kMaxRefusalsInFlight) {
-        socket.close(ec);  // a flood: answering it would cost descriptors the cap exists to save
+      if (admission.verdict == ConnectionGate::Verdict::kDrop) {
+        socket.close(ec);
         continue;
       }
-      net::co_spawn(target, refuse(std::move(socket), ConnectionSlot(num_refusals_in_flight_)), net::detached);
+      net::co_spawn(target, refuse(std::move(socket), std::move(*admission.slot)), net::detached);
       continue;
     }
-    net::co_spawn(target, session(std::move(socket), index, ConnectionSlot(num_connections_)), net::detached);
+    net::co_spawn(target, session(std::move(socket), index, std::move(*admission.slot)), net::detached);
   }
 }
 

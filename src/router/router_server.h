@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/connection_limit.h"
 #include "common/status.h"
 #include "router/asio.h"
 #include "router/config.h"
@@ -24,7 +25,7 @@ class RouterServer {
   static constexpr int64_t kFdsPerClientConnection = 3;
   // Refused connections being answered at once; more are closed without an answer, so a
   // flood of them costs at most this many file descriptors beyond the cap.
-  static constexpr int64_t kMaxRefusalsInFlight = 64;
+  static constexpr int64_t kMaxRefusalsInFlight = ConnectionGate::kMaxRefusalsInFlight;
 
   explicit RouterServer(RouterConfig config);
   ~RouterServer();

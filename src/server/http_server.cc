@@ -215,7 +215,8 @@ net::awaitable<void> HttpExchange::stop_watching() {
 
 // ---- HttpServer ----
 
-HttpServer::HttpServer(HttpServerOptions options) : options_(std::move(options)), acceptor_(io_context_) {}
+HttpServer::HttpServer(HttpServerOptions options)
+    : options_(std::move(options)), connection_gate_(options_.max_connections), acceptor_(io_context_) {}
 
 HttpServer::~HttpServer() {
   stop();
@@ -280,6 +281,8 @@ void HttpServer::stop() {
 
 net::awaitable<void> HttpServer::accept_loop() {
   net::steady_timer backoff(acceptor_.get_executor());
+  metrics::Counter& refused_connections = metrics::Registry::global().counter(
+      "pd_http_connections_refused_total", "Connections answered 503 (or closed) because --max-connections were open");
   while (acceptor_.is_open()) {
     error_code ec;
     tcp::socket socket(net::make_strand(io_context_));
@@ -304,27 +307,23 @@ net::awaitable<void> HttpServer::accept_loop() {
         PD_LOG_WARN("connection ended with: {}", e.what());
       }
     };
-    // Only this loop adds connections, so the count cannot pass the cap between check and add.
-    if (num_connections_.load(std::memory_order_relaxed) >= options_.max_connections) {
-      metrics::Registry::global()
-          .counter("pd_http_connections_refused_total",
-                   "Connections answered 503 (or closed) because --max-connections were open")
-          .inc();
-      if (refusal_log_.admit(now_ns()))
+    ConnectionGate::Admission admission = connection_gate_.admit(now_ns());
+    if (admission.verdict != ConnectionGate::Verdict::kServe) {
+      refused_connections.inc();
+      if (admission.log_now)
         PD_LOG_WARN(
             "{} connections open, the limit (--max-connections): answering new ones 503 ({} more refused "
             "since the last report)",
-            options_.max_connections, refusal_log_.num_held_back());
-      if (num_refusals_in_flight_.load(std::memory_order_relaxed) >= kMaxRefusalsInFlight) {
-        socket.close(ec);  // a flood: answering it would cost descriptors the cap exists to save
+            options_.max_connections, admission.num_held_back);
+      if (admission.verdict == ConnectionGate::Verdict::kDrop) {
+        socket.close(ec);
         continue;
       }
-      net::co_spawn(executor, refuse_connection(std::move(socket), ConnectionSlot(num_refusals_in_flight_)),
-                    log_failure);
+      net::co_spawn(executor, refuse_connection(std::move(socket), std::move(*admission.slot)), log_failure);
       continue;
     }
     socket.set_option(tcp::no_delay(true), ec);
-    net::co_spawn(executor, serve_connection(std::move(socket), ConnectionSlot(num_connections_)), log_failure);
+    net::co_spawn(executor, serve_connection(std::move(socket), std::move(*admission.slot)), log_failure);
   }
 }
 

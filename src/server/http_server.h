@@ -129,7 +129,7 @@ class HttpServer {
  public:
   // Refused connections being answered at once; more are closed without an answer, so
   // a flood of them costs at most this many file descriptors beyond the cap.
-  static constexpr int64_t kMaxRefusalsInFlight = 64;
+  static constexpr int64_t kMaxRefusalsInFlight = ConnectionGate::kMaxRefusalsInFlight;
 
   explicit HttpServer(HttpServerOptions options);
   ~HttpServer();
@@ -162,17 +162,14 @@ class HttpServer {
 
   HttpServerOptions options_;
   // Declared before io_context_: connection coroutines destroyed with it release their slots here.
-  std::atomic<int64_t> num_connections_{0};
-  std::atomic<int64_t> num_refusals_in_flight_{0};
+  ConnectionGate connection_gate_;
   net::io_context io_context_;
   net::ip::tcp::acceptor acceptor_;
   std::vector<Route> routes_;
   std::vector<std::thread> threads_;
   uint16_t bound_port_ = 0;
   std::atomic<bool> stopped_{false};
-  // Touched by the accept loop only.
-  LogThrottle refusal_log_{1'000'000'000};
-  LogThrottle accept_error_log_{1'000'000'000};
+  LogThrottle accept_error_log_{1'000'000'000};  // touched by the accept loop only
 };
 
 }  // namespace pd::server

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 namespace pd {
 namespace {
 
@@ -75,6 +77,41 @@ TEST(ConnectionSlot, IsHeldUntilDestroyedAndReleasedOnceAfterAMove) {
     EXPECT_EQ(num_held.load(), 0);
   }
   EXPECT_EQ(num_held.load(), 0);
+}
+
+TEST(ConnectionGate, ServesUpToTheCapThenRefusesThenDropsAFlood) {
+  using Verdict = ConnectionGate::Verdict;
+  ConnectionGate gate(2);
+  int64_t now_ns = 0;
+  auto first = gate.admit(now_ns);
+  auto second = gate.admit(now_ns);
+  ASSERT_EQ(first.verdict, Verdict::kServe);
+  ASSERT_EQ(second.verdict, Verdict::kServe);
+  EXPECT_EQ(gate.num_connections(), 2);
+  // At the cap: refusals are answered, kMaxRefusalsInFlight at a time; beyond that, dropped.
+  std::vector<ConnectionGate::Admission> refusals;
+  for (int64_t i = 0; i < ConnectionGate::kMaxRefusalsInFlight; ++i) {
+    refusals.push_back(gate.admit(now_ns += 1'000));
+    ASSERT_EQ(refusals.back().verdict, Verdict::kRefuse) << i;
+    ASSERT_TRUE(refusals.back().slot.has_value());
+  }
+  EXPECT_TRUE(refusals.front().log_now) << "the first refusal is logged";
+  EXPECT_FALSE(refusals.back().log_now) << "then at most one line per second";
+  auto flood = gate.admit(now_ns += 1'000);
+  EXPECT_EQ(flood.verdict, Verdict::kDrop);
+  EXPECT_FALSE(flood.slot.has_value());
+  // An answered refusal frees its slot; a closed connection frees a place under the cap.
+  refusals.pop_back();
+  EXPECT_EQ(gate.admit(now_ns += 1'000).verdict, Verdict::kRefuse);
+  first.slot.reset();
+  EXPECT_EQ(gate.num_connections(), 1);
+  auto third = gate.admit(now_ns += 1'000);
+  EXPECT_EQ(third.verdict, Verdict::kServe);
+  // A second later the next refusal is logged again, with the count of those held back.
+  auto later = gate.admit(now_ns + 2'000'000'000);
+  EXPECT_EQ(later.verdict, Verdict::kRefuse);
+  EXPECT_TRUE(later.log_now);
+  EXPECT_GT(later.num_held_back, 0);
 }
 
 }  // namespace
