@@ -103,6 +103,28 @@ struct WeightPool {
   const bf16* take() { return copies[next++ % copies.size()].get(); }
 };
 
+// Decode attention of m one-token queries over ctx-token contexts in 16-token blocks; the
+// caller sets the block tables (and the partition) it wants.
+kc::AttentionArgs decode_attention_args(const bf16* q, bf16* out, const bf16* kv_cache, const int32_t* query_start,
+                                        const int32_t* context_lens, int m, int blocks_per_seq, int ctx, int hq,
+                                        int hkv, int d) {
+  kc::AttentionArgs a;
+  a.q = q;
+  a.out = out;
+  a.kv_cache = kv_cache;
+  a.query_start = query_start;
+  a.context_lens = context_lens;
+  a.max_blocks_per_seq = blocks_per_seq;
+  a.num_seqs = m;
+  a.max_query_len = 1;
+  a.max_context_len = ctx;
+  a.num_q_heads = hq;
+  a.num_kv_heads = hkv;
+  a.head_dim = d;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  return a;
+}
+
 void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::vector<int>& batches,
                bool attention_only) {
   const int h = cfg.hidden_size, inter = cfg.intermediate_size, hq = cfg.num_heads, hkv = cfg.num_kv_heads,
@@ -238,20 +260,8 @@ void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::v
         [&](cudaStream_t st) { PD_STATUS_CHECK(kc::silu_mul(act_out.get(), gate_up.get(), m, inter, st)); },
         kOpsCallsPerGraph);
     row("silu_mul", 2.0 * m * inter * 3, silu_ms);
-    kc::AttentionArgs a;
-    a.q = q.get();
-    a.out = attn_out.get();
-    a.kv_cache = kv.get();
-    a.query_start = d_qstart.get();
-    a.context_lens = d_ctx.get();
-    a.max_blocks_per_seq = blocks_per_seq;
-    a.num_seqs = m;
-    a.max_query_len = 1;
-    a.max_context_len = oc.ctx;
-    a.num_q_heads = hq;
-    a.num_kv_heads = hkv;
-    a.head_dim = d;
-    a.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    kc::AttentionArgs a = decode_attention_args(q.get(), attn_out.get(), kv.get(), d_qstart.get(), d_ctx.get(), m,
+                                                blocks_per_seq, oc.ctx, hq, hkv, d);
     const double kv_bytes = static_cast<double>(m) * oc.ctx * 2.0 * hkv * d * 2.0;
     const int runner_part = engine::CudaModelRunner::decode_partition_tokens_for(m, hkv);
     double attn_ms = 0.0;
@@ -353,21 +363,9 @@ void probe_for_profiler(const model::ModelConfig& cfg, int ctx) {
   d_qstart.upload(qstart);
   DeviceBuffer<bf16> q(static_cast<size_t>(m) * hq * d), attn_out(q.count());
   PD_STATUS_CHECK(kc::fill_uniform(q.get(), q.count(), 11, 1.0f, nullptr));
-  kc::AttentionArgs a;
-  a.q = q.get();
-  a.out = attn_out.get();
-  a.kv_cache = kv.get();
+  kc::AttentionArgs a = decode_attention_args(q.get(), attn_out.get(), kv.get(), d_qstart.get(), d_ctx.get(), m,
+                                              blocks_per_seq, ctx, hq, hkv, d);
   a.block_tables = d_table.get();
-  a.query_start = d_qstart.get();
-  a.context_lens = d_ctx.get();
-  a.max_blocks_per_seq = blocks_per_seq;
-  a.num_seqs = m;
-  a.max_query_len = 1;
-  a.max_context_len = ctx;
-  a.num_q_heads = hq;
-  a.num_kv_heads = hkv;
-  a.head_dim = d;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(d));
   a.decode_partition_tokens = engine::CudaModelRunner::decode_partition_tokens_for(m, hkv);
   a.decode_kv_stages = engine::CudaModelRunner::decode_kv_stages_for(m, hkv);
   const size_t ws_bytes = kc::decode_attention_workspace_bytes(m, hq, d, ctx, a.decode_partition_tokens);
