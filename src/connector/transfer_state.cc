@@ -34,16 +34,15 @@ Status ProducerTransfers::start(const std::string& transfer_id, const std::strin
   }
   auto early = early_blocks_.find(transfer_id);
   if (early != early_blocks_.end()) {
-    early_block_ids_ -= early->second.msg.block_ids.size();  // before the move empties it
     EarlyBlocks buffered = std::move(early->second);
-    early_blocks_.erase(early);
+    erase_early(early);
     on_blocks(buffered.from, buffered.msg, buffered.peer_num_blocks, now_ms);
   }
   return Status::Ok();
 }
 
 ProducerTransfers::EarlyBlocksMap::iterator ProducerTransfers::erase_early(EarlyBlocksMap::iterator it) {
-  early_block_ids_ -= it->second.msg.block_ids.size();
+  early_block_ids_ -= it->second.num_ids;
   return early_blocks_.erase(it);
 }
 
@@ -107,7 +106,8 @@ void ProducerTransfers::on_blocks(const PeerRef& from, const ControlMessage& msg
       return;
     }
     early_block_ids_ += msg.block_ids.size();
-    early_blocks_[msg.transfer_id] = EarlyBlocks{from, msg, peer_num_blocks, now_ms + timeouts_.defer_timeout_ms};
+    early_blocks_[msg.transfer_id] =
+        EarlyBlocks{from, msg, peer_num_blocks, now_ms + timeouts_.defer_timeout_ms, msg.block_ids.size()};
     return;
   }
   Transfer& t = it->second;

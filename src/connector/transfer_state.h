@@ -150,6 +150,7 @@ class ProducerTransfers {
     ControlMessage msg;
     int32_t peer_num_blocks = 0;
     int64_t deadline_ms = 0;
+    size_t num_ids = 0;  // msg.block_ids.size() when buffered: what erase_early gives back, moved or not
   };
 
   Status attach_destination(Transfer& t, const std::string& transfer_id, const PeerRef& from, const ControlMessage& msg,
