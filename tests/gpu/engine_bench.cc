@@ -13,6 +13,8 @@
 //        [--gemm autotune|heuristic|skinny] [--decode-only 1] [--ops 1] [--pdl 0|1] [--merge-in-attention 0|1]
 //        [--pdl-max-tokens N] [--decode-partition N] [--kv-evict-first 0|1] [--kv-stages 2|3] [--fuse-norms 0|1]
 // --ops attn: only the decode attention sweep (partition sizes; merged, no evict-first, 3 stages).
+// --ops timeline: the same plus per-CTA timelines of the runner's configuration
+// (AttentionArgs::decode_cta_clock).
 // --ops probe: launches a fixed list of kernels once each, for ncu (probe_for_profiler).
 // --merge-in-attention 1: decode attention merges its partitions in its last CTA instead of the reduce
 // kernel (CudaRunnerOptions::decode_merge_in_attention; off by default).
@@ -73,8 +75,9 @@ int g_pdl_max_tokens = 0;
 // runner's default).
 int g_decode_partition = -1;
 int g_kv_evict_first = -1;
-int g_kv_stages = -1;   // --kv-stages: CudaRunnerOptions::decode_kv_stages
-int g_fuse_norms = -1;  // --fuse-norms 0|1: CudaRunnerOptions::fuse_norms_into_gemms
+int g_kv_stages = -1;               // --kv-stages: CudaRunnerOptions::decode_kv_stages
+int g_fuse_norms = -1;              // --fuse-norms 0|1: CudaRunnerOptions::fuse_norms_into_gemms
+bool g_attention_timeline = false;  // --ops timeline: the attention sweep plus per-CTA timelines
 
 const char* policy_name(kc::GemmPolicy p) {
   return p == kc::GemmPolicy::kAutotune ? "autotune" : p == kc::GemmPolicy::kHeuristic ? "heuristic" : "skinny";
@@ -299,6 +302,60 @@ void bench_ops(const model::ModelConfig& cfg, const OpsContext& oc, const std::v
                 (runs ? " (runner)" : ""),
             kv_bytes, ms);
         if (runs) attn_ms = ms;
+      }
+    }
+    if (g_attention_timeline) {
+      // Where each CTA's time goes (AttentionArgs::decode_cta_clock), for the last of the calls
+      // in one graph: entry, prior grids done, last block consumed, exit; µs from the first entry.
+      const int64_t max_ctas = static_cast<int64_t>(m) * hkv * ((oc.ctx + 127) / 128);
+      DeviceBuffer<unsigned long long> clock(static_cast<size_t>(4 * max_ctas));
+      struct Config {
+        int part, stages;
+      };
+      std::vector<Config> configs = {{runner_part, engine::CudaModelRunner::decode_kv_stages_for(m, hkv)}, {2048, 3}};
+      for (const Config& c : configs) {
+        PD_CUDA_CHECK(cudaMemset(clock.get(), 0, clock.count() * sizeof(unsigned long long)));
+        kc::AttentionArgs args = a;
+        args.decode_partition_tokens = c.part;
+        args.decode_kv_stages = c.stages;
+        args.decode_kv_evict_first = true;
+        args.decode_cta_clock = clock.get();
+        const size_t ws_bytes = kc::decode_attention_workspace_bytes(m, hq, d, oc.ctx, c.part);
+        DeviceBuffer<uint8_t> ws(ws_bytes);
+        int call = 0;
+        const double ms = time_in_graph_ms(
+            [&](cudaStream_t st) {
+              const int first_seq = (call++ * m) % (num_seq_slots - m + 1);
+              kc::AttentionArgs per_call = args;
+              per_call.block_tables = d_table.get() + static_cast<size_t>(first_seq) * blocks_per_seq;
+              PD_STATUS_CHECK(kc::decode_attention(per_call, ws.get(), ws_bytes, st));
+            },
+            kOpsCallsPerGraph);
+        std::vector<unsigned long long> t(clock.count());
+        PD_CUDA_CHECK(cudaMemcpy(t.data(), clock.get(), t.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+        std::vector<double> entry, waited, consumed, exited;
+        unsigned long long t0 = ~0ull;
+        for (size_t i = 0; i + 3 < t.size(); i += 4) {
+          if (t[i] != 0) t0 = std::min(t0, t[i]);
+        }
+        for (size_t i = 0; i + 3 < t.size(); i += 4) {
+          if (t[i] == 0) continue;
+          entry.push_back((t[i] - t0) * 1e-3);
+          waited.push_back((t[i + 1] - t0) * 1e-3);
+          consumed.push_back((t[i + 2] - t0) * 1e-3);
+          exited.push_back((t[i + 3] - t0) * 1e-3);
+        }
+        auto pct = [](std::vector<double> v, double frac) {
+          if (v.empty()) return -1.0;
+          std::sort(v.begin(), v.end());
+          return v[std::min(v.size() - 1, static_cast<size_t>(frac * (v.size() - 1) + 0.5))];
+        };
+        std::printf(
+            "timeline b%d part %d, %d stages: %.1f us/call, %zu CTAs; us from first entry: entry p50/max "
+            "%.1f/%.1f, waited max %.1f, last block p0/p10/p50/p90/max %.1f/%.1f/%.1f/%.1f/%.1f, exit max %.1f\n",
+            m, c.part, c.stages, ms * 1e3, entry.size(), pct(entry, 0.5), pct(entry, 1.0), pct(waited, 1.0),
+            pct(consumed, 0.0), pct(consumed, 0.1), pct(consumed, 0.5), pct(consumed, 0.9), pct(consumed, 1.0),
+            pct(exited, 1.0));
       }
     }
     if (attention_only) continue;
@@ -531,7 +588,8 @@ int main(int argc, char** argv) {
     }
     if (std::strcmp(argv[i], "--decode-only") == 0) decode_only = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--ops") == 0) {
-      ops_attention_only = std::strcmp(argv[i + 1], "attn") == 0;
+      g_attention_timeline = std::strcmp(argv[i + 1], "timeline") == 0;
+      ops_attention_only = g_attention_timeline || std::strcmp(argv[i + 1], "attn") == 0;
       ops_probe = std::strcmp(argv[i + 1], "probe") == 0;
       ops = ops_attention_only || std::atoi(argv[i + 1]) != 0;
     }

@@ -750,23 +750,8 @@ int run_benchmarks() {
   }
   return bench_prefill_attention(gemm_tf);
 }
-}  // namespace
-}  // namespace pd::gpu_test
-
-int main(int argc, char** argv) {
-  using namespace pd::gpu_test;
-  int device_count = 0;
-  PD_CUDA_CHECK(cudaGetDeviceCount(&device_count));
-  cudaDeviceProp prop{};
-  PD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  PD_CUDA_CHECK(cudaSetDevice(0));
-  // The decode-path kernels run as the runner runs them: with programmatic dependent launch.
-  const bool pdl =
-      !(argc > 2 && std::string(argv[2]) == "--no-pdl") && !(argc > 1 && std::string(argv[1]) == "--no-pdl");
-  pd::kernels::cuda::set_programmatic_launch(pdl);
-  std::printf("device: %s (sm_%d%d, %d SMs), programmatic launch %s\n", prop.name, prop.major, prop.minor,
-              prop.multiProcessorCount, pdl ? "on" : "off");
-  check_dispatch_rejects();
+// Everything but decode attention and sampling (main).
+void check_others() {
   check_embedding();
   check_rmsnorm(false, 4096);
   check_rmsnorm(true, 5120);
@@ -825,6 +810,9 @@ int main(int argc, char** argv) {
                                              {63, 63},   {65, 4001},  {130, 194}};
   check_attention(false, 128, 32, 8, chunked_seqs);
   check_attention(false, 64, 14, 2, chunked_seqs);
+}
+
+void check_decode_attention() {
   std::vector<SeqSpec> decode_seqs;
   for (int c : {1, 15, 16, 17, 255, 256, 257, 1000, 2048, 0, 4097}) decode_seqs.push_back({1, c});
   for (auto variant :
@@ -847,6 +835,30 @@ int main(int argc, char** argv) {
   check_attention(true, 128, 32, 8, decode_seqs, 1024, pd::kernels::cuda::DecodeKernel::kTensorCore, true);
   check_attention(true, 128, 32, 8, decode_seqs, 1024, pd::kernels::cuda::DecodeKernel::kTensorCore, true, 3);
   check_attention(true, 64, 14, 2, decode_seqs, 128, pd::kernels::cuda::DecodeKernel::kTensorCore, false, 3);
+}
+
+}  // namespace
+}  // namespace pd::gpu_test
+
+int main(int argc, char** argv) {
+  using namespace pd::gpu_test;
+  int device_count = 0;
+  PD_CUDA_CHECK(cudaGetDeviceCount(&device_count));
+  cudaDeviceProp prop{};
+  PD_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  PD_CUDA_CHECK(cudaSetDevice(0));
+  // The decode-path kernels run as the runner runs them: with programmatic dependent launch.
+  const bool pdl =
+      !(argc > 2 && std::string(argv[2]) == "--no-pdl") && !(argc > 1 && std::string(argv[1]) == "--no-pdl");
+  pd::kernels::cuda::set_programmatic_launch(pdl);
+  std::printf("device: %s (sm_%d%d, %d SMs), programmatic launch %s\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount, pdl ? "on" : "off");
+  check_dispatch_rejects();
+  // --decode-attention-only: the decode attention (and sampling) checks alone, for a quick run.
+  bool decode_attention_only = false;
+  for (int i = 1; i < argc; ++i) decode_attention_only |= std::string(argv[i]) == "--decode-attention-only";
+  if (!decode_attention_only) check_others();
+  check_decode_attention();
   check_sampling();
 
   int failures = 0;

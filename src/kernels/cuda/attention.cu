@@ -942,55 +942,29 @@ constexpr int decode_ring_smem_bytes() {
          static_cast<int>(sizeof(bf16));
 }
 
+// One (sequence, kv head, partition) of decode attention on the calling warps' cp.async rings:
+// warp w streams the partition's blocks w, w + 4, ... (my_block: lane t holds the id of its
+// t-th) and the CTA writes the partition's partial output and log2-sum-exp (decode_mma_merge).
+// Every thread of the CTA calls it, after the wait for the prior grids.
 template <int kHeadDim, int kDecodeRingStages>
-__global__ void __launch_bounds__(kMmaDecodeWarps * 32)
-    decode_attention_mma_ring_kernel(AttentionArgs a, float* __restrict__ part_lse, float* __restrict__ part_out,
-                                     int32_t num_partitions) {
+__device__ __forceinline__ void decode_ring_partition(const AttentionArgs& a, int seq, int kv_head, int part,
+                                                      int part_begin, int part_end, int num_mine, int32_t my_block,
+                                                      unsigned char* smem,
+                                                      float (&m_s)[kMmaDecodeWarps][kMmaDecodeMaxRows],
+                                                      float (&l_s)[kMmaDecodeWarps][kMmaDecodeMaxRows],
+                                                      int32_t num_partitions, float* __restrict__ part_lse,
+                                                      float* __restrict__ part_out) {
   constexpr int kStride = kHeadDim + kSmemPad;
   constexpr int kOTiles = kHeadDim / 8;
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kBlockTileElems = kKvBlockSize * kStride;  // one K or V block in shared memory
   constexpr int kCopiesPerLane = kKvBlockSize * kChunksPerRow / 32;
-  constexpr int kMaxBlocksPerWarp = kDecodeMaxPartitionTokens / kKvBlockSize / kMmaDecodeWarps;
   static_assert(kKvBlockSize * kChunksPerRow % 32 == 0, "a block splits evenly over a warp");
-  static_assert(kMaxBlocksPerWarp <= 32, "one lane per block id of a warp");
-  static_assert(decode_ring_smem_bytes<kHeadDim, kDecodeRingStages>() >=
-                    static_cast<int>(sizeof(float)) * kMmaDecodeWarps * kMmaDecodeMaxRows * kHeadDim,
-                "o_s must fit in the rings");
-  extern __shared__ __align__(16) unsigned char decode_ring_smem[];
-  __shared__ float m_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
-  __shared__ float l_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
-
-  // Before the wait (pdl.cuh): only the step inputs copied in before the step's first
-  // kernel (context lengths, block tables), so their latency overlaps the previous kernel.
-  const int seq = blockIdx.z;
-  const int kv_head = blockIdx.y;
-  const int part = blockIdx.x;
-  const int ctx = a.context_lens[seq];
-  const int part_tokens = a.decode_partition_tokens;
-  const int part_begin = part * part_tokens;
   const int group = a.num_q_heads / a.num_kv_heads;
-  if (part_begin >= ctx) {  // the merge reads only partitions below ctx
-    if (ctx == 0 && part == 0 && a.decode_merge_counters != nullptr) {
-      wait_for_prior_grids();
-      decode_write_zero_rows<kHeadDim>(a, seq, kv_head, group);  // graph padding: no partition runs
-    }
-    return;
-  }
-  const int part_end = min(ctx, part_begin + part_tokens);
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   // [kDecodeRingStages][K, V][kKvBlockSize][kStride] per warp.
-  bf16* const ring = reinterpret_cast<bf16*>(decode_ring_smem) + warp * kDecodeRingStages * 2 * kBlockTileElems;
-
-  // This warp's blocks: partition blocks warp, warp + 4, ... (part_begin is a
-  // multiple of the block size). Lane t holds the id of the t-th.
-  const int part_blocks = (part_end - part_begin + kKvBlockSize - 1) / kKvBlockSize;
-  const int num_mine = part_blocks > warp ? (part_blocks - warp + kMmaDecodeWarps - 1) / kMmaDecodeWarps : 0;
-  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
-  const int32_t my_block = lane < num_mine ? table[part_begin / kKvBlockSize + warp + lane * kMmaDecodeWarps] : 0;
-  wait_for_prior_grids();  // the KV cache and q are the previous kernel's (RoPE's) output
-  allow_dependents();
+  bf16* const ring = reinterpret_cast<bf16*>(smem) + warp * kDecodeRingStages * 2 * kBlockTileElems;
 
   const int block_elems = 2 * kKvBlockSize * a.num_kv_heads * kHeadDim;  // K and V of one paged block
   // Lane's copies: chunk lane % kChunksPerRow of slots lane / kChunksPerRow + c * (32 / kChunksPerRow).
@@ -1047,9 +1021,78 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
     cp_async_commit();
     stage = stage == kDecodeRingStages - 1 ? 0 : stage + 1;
   }
-  decode_mma_merge<kHeadDim>(o, m0, l0, reinterpret_cast<float*>(decode_ring_smem), m_s, l_s, a, group, seq, kv_head,
-                             part, num_partitions, part_lse, part_out);
-  if (a.decode_merge_counters == nullptr) return;  // decode_reduce_kernel merges
+  decode_mma_merge<kHeadDim>(o, m0, l0, reinterpret_cast<float*>(smem), m_s, l_s, a, group, seq, kv_head, part,
+                             num_partitions, part_lse, part_out);
+}
+
+// This warp's blocks of a partition: partition blocks warp, warp + 4, ... (part_begin is a
+// multiple of the block size); lane t returns the id of the t-th (0 beyond num_mine).
+__device__ __forceinline__ int32_t decode_warp_blocks(const AttentionArgs& a, int seq, int part_begin, int part_end,
+                                                      int* num_mine) {
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int part_blocks = (part_end - part_begin + kKvBlockSize - 1) / kKvBlockSize;
+  *num_mine = part_blocks > warp ? (part_blocks - warp + kMmaDecodeWarps - 1) / kMmaDecodeWarps : 0;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+  return lane < *num_mine ? table[part_begin / kKvBlockSize + warp + lane * kMmaDecodeWarps] : 0;
+}
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+template <int kHeadDim, int kDecodeRingStages>
+__global__ void __launch_bounds__(kMmaDecodeWarps * 32)
+    decode_attention_mma_ring_kernel(AttentionArgs a, float* __restrict__ part_lse, float* __restrict__ part_out,
+                                     int32_t num_partitions) {
+  constexpr int kMaxBlocksPerWarp = kDecodeMaxPartitionTokens / kKvBlockSize / kMmaDecodeWarps;
+  static_assert(kMaxBlocksPerWarp <= 32, "one lane per block id of a warp");
+  static_assert(decode_ring_smem_bytes<kHeadDim, kDecodeRingStages>() >=
+                    static_cast<int>(sizeof(float)) * kMmaDecodeWarps * kMmaDecodeMaxRows * kHeadDim,
+                "o_s must fit in the rings");
+  extern __shared__ __align__(16) unsigned char decode_ring_smem[];
+  __shared__ float m_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
+  __shared__ float l_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
+  unsigned long long* const clock =
+      a.decode_cta_clock != nullptr && threadIdx.x == 0
+          ? a.decode_cta_clock + 4 * (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z))
+          : nullptr;
+  if (clock != nullptr) clock[0] = global_timer_ns();
+
+  // Before the wait (pdl.cuh): only the step inputs copied in before the step's first
+  // kernel (context lengths, block tables), so their latency overlaps the previous kernel.
+  const int seq = blockIdx.z;
+  const int kv_head = blockIdx.y;
+  const int part = blockIdx.x;
+  const int ctx = a.context_lens[seq];
+  const int part_tokens = a.decode_partition_tokens;
+  const int part_begin = part * part_tokens;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  if (part_begin >= ctx) {  // the merge reads only partitions below ctx
+    if (ctx == 0 && part == 0 && a.decode_merge_counters != nullptr) {
+      wait_for_prior_grids();
+      decode_write_zero_rows<kHeadDim>(a, seq, kv_head, group);  // graph padding: no partition runs
+    }
+    if (clock != nullptr) clock[1] = clock[2] = clock[3] = global_timer_ns();
+    return;
+  }
+  const int part_end = min(ctx, part_begin + part_tokens);
+  int num_mine = 0;
+  const int32_t my_block = decode_warp_blocks(a, seq, part_begin, part_end, &num_mine);
+  wait_for_prior_grids();  // the KV cache and q are the previous kernel's (RoPE's) output
+  allow_dependents();
+  if (clock != nullptr) clock[1] = global_timer_ns();
+  decode_ring_partition<kHeadDim, kDecodeRingStages>(a, seq, kv_head, part, part_begin, part_end, num_mine, my_block,
+                                                     decode_ring_smem, m_s, l_s, num_partitions, part_lse, part_out);
+  if (clock != nullptr) clock[2] = global_timer_ns();
+  if (a.decode_merge_counters == nullptr) {  // decode_reduce_kernel merges
+    if (clock != nullptr) clock[3] = global_timer_ns();
+    return;
+  }
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
 
   // Split-K merge in place: the last CTA of this (sequence, kv head) to finish merges every
   // partition's partial (threadfence-reduction pattern: publish, fence, count; the last one
