@@ -2,10 +2,14 @@
 # One call on a one-GPU machine (device tool, kind nvidia-h200) for the cuda backend's route
 # checks (commit 102e7c7: a peer's offset + size must lie in the allocation its IPC handle maps;
 # the same-process shortcut only takes spans a cuda backend of this process registered):
-#   1. xferbench --backend cuda between two processes on GPU 0 (CUDA IPC within one device) and
-#      with the target on a thread (the same-process shortcut); every iteration byte-verified;
-#   2. if built, pd_gpu_xfer_route_check: forged descriptors refused, real ones accepted;
-#   3. P/D (WRITE, READ) vs collocated on the ~1B HF-format model, producer and consumer on GPU 0.
+#   1. xferbench --backend cuda between two processes, GPU 0 -> GPU $REMOTE_GPU (CUDA IPC; within one
+#      device when REMOTE_GPU=0, over NVLink when 1) and with the target on a thread (the
+#      same-process shortcut); every iteration byte-verified;
+#   2. if built, pd_gpu_xfer_route_check: forged descriptors refused, real ones accepted (the
+#      target's buffer on GPU $REMOTE_GPU);
+#   3. P/D (WRITE, READ) vs collocated on the ~1B HF-format model, producer on GPU 0, consumer on
+#      GPU $REMOTE_GPU.
+# REMOTE_GPU defaults to 0 (one-GPU machines); on the two-GPU kind run it with REMOTE_GPU=1.
 # Needs .devcarry (or .devpack/carry.tar.xz) from tests/gpu/pack_for_device.sh with xferbench,
 # pdserve, pdrouter (and pd_gpu_xfer_route_check). Results go to $OUT; a short table is printed last.
 set -uo pipefail
@@ -14,26 +18,27 @@ mkdir -p "$OUT"
 [ -f .devpack/carry.tar.xz ] && tar -xJf .devpack/carry.tar.xz
 export LD_LIBRARY_PATH=$PWD/.devcarry/lib:${LD_LIBRARY_PATH:-} PYTHONUNBUFFERED=1
 B=$PWD/.devcarry/bin
+R=${REMOTE_GPU:-0}
 step() { echo "=== $(date -u +%H:%M:%S) $*"; }
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 
-step "1. xferbench cuda, two processes on GPU 0 (IPC)"
-timeout 240 "$B/xferbench" --backend cuda --local-device 0 --remote-device 0 --iters 10 --json \
+step "1. xferbench cuda, two processes, GPU 0 -> GPU $R (IPC)"
+timeout 240 "$B/xferbench" --backend cuda --local-device 0 --remote-device "$R" --iters 10 --json \
   > "$OUT/xb_ipc.txt" 2> "$OUT/xb_ipc.err"
 echo "xferbench ipc rc=$?"
 step "1b. xferbench cuda, target on a thread (same-process shortcut)"
-timeout 240 "$B/xferbench" --backend cuda --local-device 0 --remote-device 0 --same-process --iters 10 --json \
+timeout 240 "$B/xferbench" --backend cuda --local-device 0 --remote-device "$R" --same-process --iters 10 --json \
   > "$OUT/xb_same.txt" 2> "$OUT/xb_same.err"
 echo "xferbench same-process rc=$?"
 
 if [ -x "$B/pd_gpu_xfer_route_check" ]; then
   step "2. forged descriptors"
-  timeout 120 "$B/pd_gpu_xfer_route_check" > "$OUT/route_check.txt" 2>&1
+  timeout 120 "$B/pd_gpu_xfer_route_check" "$R" > "$OUT/route_check.txt" 2>&1
   echo "route check rc=$?"
   tail -15 "$OUT/route_check.txt"
 fi
 
-step "3. P/D equality on the ~1B model, both instances on GPU 0"
+step "3. P/D equality on the ~1B model, producer on GPU 0, consumer on GPU $R"
 python3 - <<'PY'
 import sys, torch
 sys.path.insert(0, "tests/gpu")
@@ -42,7 +47,7 @@ hf_parity.build_model("1b", "/tmp/models/1b", torch.device("cuda:0"))
 print("model built")
 PY
 for cfg in collocated pd-write pd-read; do
-  extra=(--gpus 0); [ $cfg = collocated ] && extra=(--gpus 0 --num-collocated 1)
+  extra=(--gpus "0,$R"); [ $cfg = collocated ] && extra=(--gpus 0 --num-collocated 1)
   timeout 300 python3 tools/pdbench/deploy.py --config $cfg --device cuda "${extra[@]}" --bin-dir "$B" \
     --model /tmp/models/1b --log-dir "$OUT/logs_eq_$cfg" \
     --serve-args "--max-model-len 2048 --num-kv-blocks 4096" -- \
