@@ -93,9 +93,10 @@ struct AttentionArgs {
   // counters, all zero before the first launch; every launch leaves them zero again (graph
   // replays rely on it). Two launches that may run at the same time must not share them.
   uint32_t* decode_merge_counters = nullptr;
-  // Diagnostics only (engine_bench --ops timeline): when set, thread 0 of CTA i writes
-  // %globaltimer at entry, once the prior grids are done, when its last K/V block is consumed
-  // and at exit, to [4 * i, 4 * i + 4). Sized for the grid the launch uses.
+  // Decode, kTensorCore only; diagnostics (engine_bench --ops timeline): when set, thread 0
+  // of CTA i writes %globaltimer at entry, once the prior grids are done, when its last K/V
+  // block is consumed and at exit (after the in-kernel merge, if any), to [4 * i, 4 * i + 4).
+  // Sized for the grid the launch uses.
   unsigned long long* decode_cta_clock = nullptr;
   PrefillKernel prefill_kernel = PrefillKernel::kGqaTiled;
 };
