@@ -32,16 +32,7 @@ timeout 420 python3 tests/gpu/hf_parity.py --pdserve "$B/pdserve" --cuda-device 
 echo "hf parity rc=$?"
 
 step "3. P/D equality on the ~1B model"
-for cfg in collocated pd-write pd-read; do
-  extra=(--gpus 0,1); [ $cfg = collocated ] && extra=(--gpus 0 --num-collocated 1)
-  timeout 300 python3 tools/pdbench/deploy.py --config $cfg --device cuda "${extra[@]}" --bin-dir "$B" \
-    --model /tmp/models/1b --log-dir "$OUT/logs_eq_$cfg" \
-    --serve-args "--max-model-len 2048 --gpu-memory-utilization 0.5" -- \
-    python3 tests/gpu/pd_equality.py run --url {url} --out "$OUT/eq_$cfg.json" > "$OUT/eq_$cfg.log" 2>&1
-  echo "equality $cfg rc=$?"; tail -3 "$OUT/eq_$cfg.log"
-done
-python3 tests/gpu/pd_equality.py compare "$OUT/eq_collocated.json" "$OUT/eq_pd-write.json" "$OUT/eq_pd-read.json" \
-  > "$OUT/eq_compare.txt" 2>&1
+bash tests/gpu/pd_equality_runs.sh "$OUT" "$B" /tmp/models/1b 0,1 "--max-model-len 2048 --gpu-memory-utilization 0.5"
 
 step "4. TTFT at low load, Qwen3-32B shape"
 for cfg in collocated pd-write pd-read; do

@@ -46,16 +46,7 @@ import hf_parity
 hf_parity.build_model("1b", "/tmp/models/1b", torch.device("cuda:0"))
 print("model built")
 PY
-for cfg in collocated pd-write pd-read; do
-  extra=(--gpus "0,$R"); [ $cfg = collocated ] && extra=(--gpus 0 --num-collocated 1)
-  timeout 300 python3 tools/pdbench/deploy.py --config $cfg --device cuda "${extra[@]}" --bin-dir "$B" \
-    --model /tmp/models/1b --log-dir "$OUT/logs_eq_$cfg" \
-    --serve-args "--max-model-len 2048 --num-kv-blocks 4096" -- \
-    python3 tests/gpu/pd_equality.py run --url {url} --out "$OUT/eq_$cfg.json" > "$OUT/eq_$cfg.log" 2>&1
-  echo "equality $cfg rc=$?"; tail -3 "$OUT/eq_$cfg.log"
-done
-python3 tests/gpu/pd_equality.py compare "$OUT/eq_collocated.json" "$OUT/eq_pd-write.json" "$OUT/eq_pd-read.json" \
-  > "$OUT/eq_compare.txt" 2>&1
+bash tests/gpu/pd_equality_runs.sh "$OUT" "$B" /tmp/models/1b "0,$R" "--max-model-len 2048 --num-kv-blocks 4096"
 echo "compare rc=$?"
 grep -h -i -E "refus|route|recompute|transfer.*fail" "$OUT"/logs_eq_pd-*/*.log 2>/dev/null | head -10
 
