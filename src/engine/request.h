@@ -36,7 +36,7 @@ struct GenerateRequest {
   std::string request_id;  // unique among live requests
   std::vector<int32_t> prompt_token_ids;
   SamplingParams sampling;
-  // vLLM's kv_transfer_params extension; validated by the connector (issue 5).
+  // vLLM's kv_transfer_params extension; validated by the connector.
   std::optional<nlohmann::json> kv_transfer_params;
   int64_t arrival_ns = 0;  // 0 = stamped by the engine on arrival
 };

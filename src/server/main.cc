@@ -62,7 +62,7 @@ int run(pd::server::ServerConfig config) {
   const int32_t max_model_len = loaded->max_model_len;
   const std::string architecture = loaded->architecture;
 
-  // P/D connector (issue 5): built before the engine, which then owns it and
+  // P/D connector: built before the engine, which then owns it and
   // destroys it before the runner it points at.
   std::unique_ptr<engine::KvConnector> kv_connector;
   connector::PdConnector* pd_connector = nullptr;

@@ -14,7 +14,7 @@
 
 namespace pd::server {
 
-// --kv-transfer-config and --kv-role, kept for the connector (issue 5): the
+// --kv-transfer-config and --kv-role, kept for the connector: the
 // server only checks the text is a JSON object and carries it.
 struct KvTransferSettings {
   std::string config_json;  // as given; empty when absent

@@ -29,7 +29,7 @@ bool needs_host_sampling(const SeqStep& s) {
 }  // namespace
 
 // Split-K partition of decode attention. Measured on an H200 inside CUDA graphs
-// (docs/perf/engine.md sessions 3 and 5, 2,048-token contexts, 8 kv heads, K/V
+// (docs/perf/engine.md, 2026-11-30 19:45 and 2026-12-01 01:35 UTC, 2,048-token contexts, 8 kv heads, K/V
 // evict-first): up to 64 (seq, kv head) rows 128 tokens (b1: 8.6 us vs 9.7 at 64
 // tokens, 8.9 at 256: fewer partials to merge, two blocks per warp to overlap); up to
 // 128 rows 1,024 (b16: 39.4 us vs 42.1 at 256, 41.3 at 512: each CTA's fixed start-up
@@ -45,7 +45,7 @@ int32_t CudaModelRunner::decode_partition_tokens_for(int32_t num_seqs, int32_t n
 
 // K/V ring depth of decode attention: 3 blocks per warp up to 128 (seq, kv head) rows,
 // where each SM holds only ~2 CTAs (1,024-token partitions) and deeper rings keep more
-// in flight; measured on an H200 (docs/perf/engine.md, session 5), whole Qwen3-8B steps
+// in flight; measured on an H200 (docs/perf/engine.md, 2026-12-01 01:35 UTC), whole Qwen3-8B steps
 // at b16 6.10-6.17 ms with 3 against 6.20-6.30 with 2 in three pairs of runs; b64/b128
 // equal within the spread, so they keep the 70 KiB CTA (3 per SM).
 int32_t CudaModelRunner::decode_kv_stages_for(int32_t num_seqs, int32_t num_kv_heads) {
