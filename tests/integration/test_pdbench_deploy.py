@@ -1,6 +1,7 @@
 """tools/pdbench/deploy.py: a whole deployment (router + instances) around a command."""
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -51,6 +52,24 @@ def test_collocated_deployment_passes_the_command_status_through(tmp_path):
                 "urllib.request.urlopen(os.environ['PDBENCH_URL'] + '/v1/models', timeout=10); sys.exit(3)")
     assert ok.returncode == 3, ok.stderr[-3000:]
     assert len(re.findall(r"collocated\d: KV blocks in use 0", ok.stderr)) == 2
+
+
+def test_metrics_args_name_the_router_and_every_instance(tmp_path):
+    proc = deploy("--config", "collocated", "--num-collocated", "2", "--log-dir", str(tmp_path), "--",
+                  sys.executable, "-c", "import sys; print('ARGS', sys.argv[1:])", "{metrics_args}", "{url}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("ARGS")]
+    args = ast.literal_eval(line[len("ARGS "):])  # the list the child printed
+    assert args[0:6:2] == ["--metrics-url"] * 3 and len(args) == 7
+    router, *instances = args[1:6:2]
+    assert args[6] == router and len(set(instances)) == 2 and router not in instances
+    assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+", url) for url in args[1:7:2])
+    # Inside a longer argument (a bash -c line) it becomes text.
+    proc = deploy("--config", "collocated", "--num-collocated", "2", "--log-dir", str(tmp_path), "--",
+                  "bash", "-c", "echo LINE {metrics_args}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("LINE")]
+    assert line.split()[1:] == args[:6]
 
 
 def test_missing_command_and_bad_model_are_clear_errors(tmp_path):
