@@ -54,6 +54,29 @@ def test_collocated_deployment_passes_the_command_status_through(tmp_path):
     assert len(re.findall(r"collocated\d: KV blocks in use 0", ok.stderr)) == 2
 
 
+def _consumer_counts(stderr: str) -> tuple[int, int]:
+    (match,) = re.findall(r"consumer: .*preemptions (\d+), remote admissions deferred (\d+)", stderr)
+    return int(match[0]), int(match[1])
+
+
+def test_a_consumer_short_of_kv_defers_admissions_instead_of_preempting(tmp_path):
+    # 40 blocks of 16 tokens on the consumer; a request needs 4 for its prompt and 8 at its end,
+    # and 16 arrive at once. With the reserve (the default) at most 5 hold blocks; without it
+    # 10 prompts fit, their decodes outgrow the cache and received prompts are recomputed.
+    bench = [sys.executable, str(PDBENCH), "run", "--base-url", "{url}", "--max-concurrency", "16",
+             "--num-requests", "32", "--input-len", "64", "--output-len", "64", "--quiet"]
+    reserved = deploy("--config", "pd-write", "--log-dir", str(tmp_path / "reserved"), "--consumer-args",
+                      "--num-kv-blocks 40", "--", *bench)
+    assert reserved.returncode == 0, reserved.stderr[-3000:]
+    preemptions, deferred = _consumer_counts(reserved.stderr)
+    assert preemptions == 0 and deferred > 0, reserved.stderr[-2000:]
+    unreserved = deploy("--config", "pd-write", "--log-dir", str(tmp_path / "unreserved"), "--consumer-args",
+                        "--num-kv-blocks 40 --remote-output-reserve -1", "--", *bench)
+    assert unreserved.returncode == 0, unreserved.stderr[-3000:]
+    preemptions, deferred = _consumer_counts(unreserved.stderr)
+    assert preemptions > 0 and deferred == 0, unreserved.stderr[-2000:]
+
+
 def test_metrics_args_name_the_router_and_every_instance(tmp_path):
     proc = deploy("--config", "collocated", "--num-collocated", "2", "--log-dir", str(tmp_path), "--",
                   sys.executable, "-c", "import sys; print('ARGS', sys.argv[1:])", "{metrics_args}", "{url}")

@@ -236,8 +236,10 @@ def main() -> int:
             mean = f", mean transfer {seconds / count * 1e3:.2f} ms over {count:.0f}" if count else ""
             handed = metric_sum(metrics, "pd_connector_first_tokens_total", 'result="accepted"')
             handover = f", first tokens handed over {handed:.0f}" if handed else ""
-            print(f"[deploy] {name}: KV blocks in use {used:.0f}, KV bytes moved {moved:,.0f}{mean}{handover}",
-                  file=sys.stderr)
+            preempted = metric_sum(metrics, "pd_preemptions_total")
+            deferred = metric_sum(metrics, "pd_remote_admissions_deferred_total")
+            print(f"[deploy] {name}: KV blocks in use {used:.0f}, KV bytes moved {moved:,.0f}{mean}{handover}, "
+                  f"preemptions {preempted:.0f}, remote admissions deferred {deferred:.0f}", file=sys.stderr)
             if used != 0:
                 # Prefix-cache blocks are not "in use": the metric counts referenced blocks only.
                 print(f"[deploy] error: {name} still holds {used:.0f} KV blocks", file=sys.stderr)

@@ -87,7 +87,7 @@ def sweep_table(report: dict) -> str:
               f"{'TPOTp50':>9}{'TPOTp99':>9}{'ITLp99':>9}")
     header = f"{'realised':>9}" + header
     if has_slo:
-        header += "".join(f"{'att(' + v.removeprefix('ttft_') + ')':>14}" for v in SLO_VARIANTS)
+        header += "".join(f"{'att(' + v.removeprefix('ttft_') + ')':>16}" for v in SLO_VARIANTS)
     lines = ["============ pdbench sweep" + (f": {report['label']}" if report.get("label") else "") +
              " (latencies in ms) ============", header]
     for run in report["runs"]:
@@ -96,7 +96,7 @@ def sweep_table(report: dict) -> str:
                 f"{_num(run['ttft_ms']['p50']):>9}{_num(run['ttft_ms']['p99']):>9}"
                 f"{_num(run['tpot_ms']['p50']):>9}{_num(run['tpot_ms']['p99']):>9}{_num(run['itl_ms']['p99']):>9}")
         if has_slo:
-            line += "".join(f"{100.0 * (run['slo'][v]['attainment'] or 0.0):>13.1f}%" for v in SLO_VARIANTS)
+            line += "".join(f"{100.0 * (run['slo'][v]['attainment'] or 0.0):>15.1f}%" for v in SLO_VARIANTS)
         lines.append(line)
     if has_slo:
         target = 100.0 * report["config"]["goodput_target"]
