@@ -44,6 +44,9 @@ struct EngineMetrics {
   metrics::Histogram& ttft;
   metrics::Histogram& itl;
   metrics::Counter& preemptions;
+  metrics::Counter& recomputed_tokens;
+  metrics::Counter& remote_admissions_deferred;
+  metrics::Gauge& waiting_for_remote_kv;
   metrics::Counter& prefix_hit_tokens;
 
   static EngineMetrics create() {
@@ -58,6 +61,10 @@ struct EngineMetrics {
         r.histogram("pd_time_to_first_token_seconds", "Arrival to first generated token"),
         r.histogram("pd_inter_token_latency_seconds", "Time between consecutive generated tokens"),
         r.counter("pd_preemptions_total", "Recompute preemptions"),
+        r.counter("pd_recomputed_tokens_total", "Computed or received tokens whose KV a preemption threw away"),
+        r.counter("pd_remote_admissions_deferred_total",
+                  "P/D requests that waited for the KV reserve before loading their prompt"),
+        r.gauge("pd_num_requests_waiting_for_remote_kv", "Requests whose prompt KV is being loaded from a producer"),
         r.counter("pd_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache"),
     };
   }
@@ -436,6 +443,8 @@ class EngineImpl final : public Engine {
     s.num_prompt_tokens = num_prompt_tokens_;
     s.num_generation_tokens = num_generation_tokens_;
     s.num_preemptions = c.num_preemptions;
+    s.num_recomputed_tokens = c.num_recomputed_tokens;
+    s.num_remote_admissions_deferred = c.num_remote_admissions_deferred;
     s.num_prefix_cache_hit_tokens = c.num_prefix_cache_hit_tokens;
     s.num_steps = num_steps_;
     s.num_step_errors = num_step_errors_;
@@ -445,9 +454,19 @@ class EngineImpl final : public Engine {
     metrics_.waiting.set(s.num_waiting);
     metrics_.blocks_used.set(s.num_blocks_in_use);
     metrics_.blocks_free.set(s.num_blocks_free);
+    metrics_.waiting_for_remote_kv.set(s.num_waiting_for_remote_kv);
     if (c.num_preemptions > published_preemptions_) {
       metrics_.preemptions.inc(static_cast<double>(c.num_preemptions - published_preemptions_));
       published_preemptions_ = c.num_preemptions;
+    }
+    if (c.num_recomputed_tokens > published_recomputed_tokens_) {
+      metrics_.recomputed_tokens.inc(static_cast<double>(c.num_recomputed_tokens - published_recomputed_tokens_));
+      published_recomputed_tokens_ = c.num_recomputed_tokens;
+    }
+    if (c.num_remote_admissions_deferred > published_deferred_) {
+      metrics_.remote_admissions_deferred.inc(
+          static_cast<double>(c.num_remote_admissions_deferred - published_deferred_));
+      published_deferred_ = c.num_remote_admissions_deferred;
     }
     if (c.num_prefix_cache_hit_tokens > published_hit_tokens_) {
       metrics_.prefix_hit_tokens.inc(static_cast<double>(c.num_prefix_cache_hit_tokens - published_hit_tokens_));
@@ -479,6 +498,8 @@ class EngineImpl final : public Engine {
   int64_t num_handed_over_tokens_ignored_ = 0;
   int64_t published_preemptions_ = 0;
   int64_t published_hit_tokens_ = 0;
+  int64_t published_recomputed_tokens_ = 0;
+  int64_t published_deferred_ = 0;
   EngineMetrics metrics_;
 
   // Shared with caller threads, under mutex_.
@@ -528,6 +549,13 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, std::unique_
         "without chunked prefill max_num_batched_tokens ({}) must be >= max_model_len ({}) or long prompts never run",
         config.max_num_batched_tokens, config.max_model_len);
   }
+  if (!(config.kv_watermark >= 0.0 && config.kv_watermark < 1.0)) {
+    return invalid_argument("kv_watermark must be in [0, 1), got {}", config.kv_watermark);
+  }
+  if (!(config.remote_output_reserve <= 1.0)) {
+    return invalid_argument("remote_output_reserve must be <= 1 (negative: none), got {}",
+                            config.remote_output_reserve);
+  }
   if (config.eos_token_ids.empty() && tokenizer != nullptr && tokenizer->eos_token_id().has_value()) {
     config.eos_token_ids.push_back(*tokenizer->eos_token_id());
   }
@@ -540,6 +568,8 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, std::unique_
   sc.enable_prefix_caching = config.enable_prefix_caching;
   sc.enable_chunked_prefill = config.enable_chunked_prefill;
   sc.eos_token_ids = config.eos_token_ids;
+  sc.remote_output_reserve = config.remote_output_reserve;
+  sc.kv_watermark = config.kv_watermark;
   return std::unique_ptr<Engine>(std::make_unique<EngineImpl>(
       std::move(config), std::move(runner), std::move(tokenizer), std::move(connector), std::move(sc)));
 }

@@ -47,6 +47,14 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
   app.add_option("--max-waiting-requests", config.max_waiting_requests,
                  "requests queued beyond the running set before new ones get 503")
       ->capture_default_str();
+  app.add_option("--remote-output-reserve", config.remote_output_reserve,
+                 "P/D consumer: admit a request that loads remote KV only when the free KV blocks also cover "
+                 "this fraction of the maximum output of it and of every admitted request (<= 1; negative: "
+                 "no reserve)")
+      ->capture_default_str();
+  app.add_option("--kv-watermark", config.kv_watermark,
+                 "fraction of KV blocks a remote-KV admission leaves free on top of the reserve, in [0, 1)")
+      ->capture_default_str();
   app.add_option("--io-threads", config.num_io_threads, "HTTP I/O threads")->capture_default_str();
   app.add_option("--request-timeout-ms", config.request_timeout_ms, "longest a request may live")
       ->capture_default_str();
@@ -95,6 +103,11 @@ Status validate_server_config(ServerConfig& config) {
     return invalid_argument("--max-body-bytes must be >= 1024, got {}", config.max_body_bytes);
   if (config.max_waiting_requests < 1)
     return invalid_argument("--max-waiting-requests must be >= 1, got {}", config.max_waiting_requests);
+  if (!(config.remote_output_reserve <= 1.0))
+    return invalid_argument("--remote-output-reserve must be <= 1 (negative: no reserve), got {}",
+                            config.remote_output_reserve);
+  if (!(config.kv_watermark >= 0.0 && config.kv_watermark < 1.0))
+    return invalid_argument("--kv-watermark must be in [0, 1), got {}", config.kv_watermark);
   if (config.num_io_threads < 1 || config.num_io_threads > 256)
     return invalid_argument("--io-threads must be 1..256, got {}", config.num_io_threads);
   if (config.request_timeout_ms < 1) return invalid_argument("--request-timeout-ms must be >= 1");

@@ -43,6 +43,9 @@ struct ServerConfig {
   size_t max_body_bytes = 8u << 20;
   std::string log_level = "info";
   int64_t max_waiting_requests = 4096;  // queued beyond the running set; more is answered 503
+  // P/D consumer admission reserve (engine::SchedulerConfig::remote_output_reserve).
+  double remote_output_reserve = 1.0;
+  double kv_watermark = 0.01;
   int32_t num_io_threads = 2;
   int64_t request_timeout_ms = 600'000;  // bound on one request's whole life
   int64_t keep_alive_timeout_ms = 60'000;

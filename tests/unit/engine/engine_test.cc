@@ -379,7 +379,8 @@ TEST(Engine, MetricsAreExported) {
   for (const char* name :
        {"pd_num_requests_running", "pd_num_requests_waiting", "pd_kv_blocks_used", "pd_kv_blocks_free",
         "pd_prompt_tokens_total", "pd_generation_tokens_total", "pd_time_to_first_token_seconds_bucket",
-        "pd_inter_token_latency_seconds_bucket", "pd_preemptions_total", "pd_prefix_cache_hit_tokens_total"}) {
+        "pd_inter_token_latency_seconds_bucket", "pd_preemptions_total", "pd_prefix_cache_hit_tokens_total",
+        "pd_recomputed_tokens_total", "pd_remote_admissions_deferred_total", "pd_num_requests_waiting_for_remote_kv"}) {
     EXPECT_NE(text.find(name), std::string::npos) << name;
   }
 }
