@@ -29,6 +29,7 @@ struct EngineConfig {
   uint64_t seed = 0;                   // --seed: base for requests without their own seed
   std::vector<int32_t> eos_token_ids;  // from the model's config / tokenizer
   size_t max_waiting_requests = 4096;  // beyond this add_request returns kResourceExhausted (HTTP 503)
+  std::string model_name = "pdserve";  // the model_name label of the vllm:* metrics (served model name)
 };
 
 // A consistent snapshot, cheap to take from any thread.

@@ -79,6 +79,7 @@ class Request {
   int64_t remote_kv_deadline_ns = 0;
 
   // --- output bookkeeping ----------------------------------------------------
+  int64_t first_scheduled_ns = 0;  // the first step that computed any of it (end of queueing)
   int64_t first_token_ns = 0;
   int64_t last_token_ns = 0;
   FinishReason finish_reason = FinishReason::kNone;

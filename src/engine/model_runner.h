@@ -26,9 +26,7 @@ struct KvCacheSpec {
   KvDtype dtype = KvDtype::kFloat32;
   int32_t num_blocks = 0;
 
-  size_t bytes_per_block() const {
-    return 2ull * block_size * num_kv_heads * head_dim * kv_dtype_bytes(dtype);
-  }
+  size_t bytes_per_block() const { return 2ull * block_size * num_kv_heads * head_dim * kv_dtype_bytes(dtype); }
   size_t bytes_per_layer() const { return bytes_per_block() * static_cast<size_t>(num_blocks); }
 };
 
@@ -49,6 +47,10 @@ struct SeqStep {
   // Token ids generated so far (for min_tokens handling of EOS/stop ids).
   int32_t num_output_tokens = 0;
   std::vector<int32_t> suppressed_token_ids;  // masked to -inf before sampling (eos while < min_tokens)
+  // The request's prompt and generated tokens (penalties, bad words): views
+  // into the engine's request, valid during execute(); empty when unused.
+  std::span<const int32_t> prompt_token_ids;
+  std::span<const int32_t> output_token_ids;
 };
 
 // Worker-side P/D connector hooks (DESIGN.md §3.3), called by a runner inside
@@ -71,7 +73,7 @@ struct StepInput {
 
 struct SampledToken {
   int32_t token_id = -1;
-  float logprob = 0.0f;             // log-softmax of the raw logits (before temperature)
+  float logprob = 0.0f;                                 // log-softmax of the raw logits (before temperature)
   std::vector<std::pair<int32_t, float>> top_logprobs;  // when sampling.logprobs > 0
 };
 
