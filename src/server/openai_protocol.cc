@@ -245,8 +245,9 @@ void parse_bad_words(FieldReader& reader, const RequestLimits& limits, std::vect
 // and objects).
 struct UnsupportedField {
   const char* name;
-  const char* off;  // JSON literal, or nullptr when only null / empty means off
+  const char* off;  // JSON literal, or nullptr when only null (or an empty list/object, below) means off
   const char* why;
+  bool empty_is_off = false;  // [] / {} ask for nothing (a list of processors); not so for a schema
 };
 constexpr UnsupportedField kUnsupportedFields[] = {
     {"use_beam_search", "false", "beam search is not supported by this server"},
@@ -263,16 +264,16 @@ constexpr UnsupportedField kUnsupportedFields[] = {
      "structured output (guided_whitespace_pattern) is not supported by this server"},
     {"structured_outputs", nullptr, "structured output is not supported by this server"},
     {"structural_tag", nullptr, "structured output (structural_tag) is not supported by this server"},
-    {"logits_processors", nullptr, "request-supplied logits processors are not supported by this server"},
-    {"vllm_xargs", nullptr, "'vllm_xargs' is not supported by this server"},
+    {"logits_processors", nullptr, "request-supplied logits processors are not supported by this server", true},
+    {"vllm_xargs", nullptr, "'vllm_xargs' is not supported by this server", true},
     {"spaces_between_special_tokens", "true", "only 'spaces_between_special_tokens' true is supported"},
     {"priority", "0", "request priorities are not supported by this server (only 0)"},
     {"cache_salt", nullptr, "'cache_salt' is not supported by this server"},
     {"prompt_embeds", nullptr, "'prompt_embeds' is not supported by this server"},
-    {"mm_processor_kwargs", nullptr, "multimodal inputs are not supported by this server"},
-    {"documents", nullptr, "'documents' is not supported by this server"},
+    {"mm_processor_kwargs", nullptr, "multimodal inputs are not supported by this server", true},
+    {"documents", nullptr, "'documents' is not supported by this server", true},
     {"parallel_tool_calls", nullptr, "tool calling is not supported by this server"},
-    {"functions", nullptr, "function calling is not supported by this server"},
+    {"functions", nullptr, "function calling is not supported by this server", true},
     {"function_call", nullptr, "function calling is not supported by this server"},
     {"reasoning_effort", nullptr, "'reasoning_effort' is not supported by this server"},
     {"include_reasoning", "true", "reasoning output is not supported by this server"},
@@ -282,9 +283,9 @@ constexpr UnsupportedField kUnsupportedFields[] = {
     {"web_search_options", nullptr, "web search is not supported by this server"},
 };
 
-bool is_off(const ojson& value, const char* off) {
+bool is_off(const ojson& value, const char* off, bool empty_is_off) {
   if (value.is_null()) return true;
-  if ((value.is_array() || value.is_object()) && value.empty()) return true;
+  if (empty_is_off && (value.is_array() || value.is_object()) && value.empty()) return true;
   if (off == nullptr) return false;
   const ojson expected = ojson::parse(off);
   if (expected.is_number() && value.is_number()) return value.get<double>() == expected.get<double>();
@@ -294,12 +295,12 @@ bool is_off(const ojson& value, const char* off) {
 void refuse_unsupported_fields(FieldReader& reader, bool is_chat) {
   for (const UnsupportedField& field : kUnsupportedFields) {
     const ojson* value = reader.raw(field.name);
-    if (value && !is_off(*value, field.off)) return reader.fail(unsupported(field.why, field.name));
+    if (value && !is_off(*value, field.off, field.empty_is_off)) return reader.fail(unsupported(field.why, field.name));
   }
   if (!is_chat) {
-    if (const ojson* tools = reader.raw("tools"); tools && !is_off(*tools, nullptr))
+    if (const ojson* tools = reader.raw("tools"); tools && !is_off(*tools, nullptr, true))
       return reader.fail(unsupported("tool calling is not supported by this server", "tools"));
-    if (const ojson* choice = reader.raw("tool_choice"); choice && !is_off(*choice, "\"none\""))
+    if (const ojson* choice = reader.raw("tool_choice"); choice && !is_off(*choice, "\"none\"", false))
       return reader.fail(unsupported("tool calling is not supported by this server", "tool_choice"));
   }
 }

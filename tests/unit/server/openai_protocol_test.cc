@@ -191,6 +191,8 @@ TEST(RequestParsing, UnimplementedVllmFieldsAreRefusedNamingTheField) {
       {"length_penalty", "0.5"},
       {"prompt_logprobs", "1"},
       {"guided_json", R"({"type": "object"})"},
+      {"guided_json", "{}"},  // the empty schema still constrains the output to JSON
+      {"structured_outputs", "{}"},
       {"guided_regex", R"("a+")"},
       {"guided_choice", R"(["a", "b"])"},
       {"guided_grammar", R"("root ::= 'a'")"},
