@@ -34,6 +34,7 @@ struct EngineConfig {
   // and --kv-watermark (fraction of all blocks).
   double remote_output_reserve = 1.0;
   double kv_watermark = 0.01;
+  std::string model_name = "pdserve";  // the model_name label of the vllm:* metrics (served model name)
 };
 
 // A consistent snapshot, cheap to take from any thread.

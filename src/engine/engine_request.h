@@ -82,6 +82,7 @@ class Request {
   bool deferred_for_reserve = false;
 
   // --- output bookkeeping ----------------------------------------------------
+  int64_t first_scheduled_ns = 0;  // the first step that computed any of it (end of queueing)
   int64_t first_token_ns = 0;
   int64_t last_token_ns = 0;
   FinishReason finish_reason = FinishReason::kNone;

@@ -64,6 +64,10 @@ struct SeqStep {
   // Token ids generated so far (for min_tokens handling of EOS/stop ids).
   int32_t num_output_tokens = 0;
   std::vector<int32_t> suppressed_token_ids;  // masked to -inf before sampling (eos while < min_tokens)
+  // The request's prompt and generated tokens (penalties, bad words): views
+  // into the engine's request, valid during execute(); empty when unused.
+  std::span<const int32_t> prompt_token_ids;
+  std::span<const int32_t> output_token_ids;
 };
 
 // Worker-side P/D connector hooks (DESIGN.md §3.3), called by a runner inside

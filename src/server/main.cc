@@ -59,6 +59,7 @@ int run(pd::server::ServerConfig config) {
   engine_config.eos_token_ids = loaded->eos_token_ids;
   engine_config.remote_output_reserve = config.remote_output_reserve;
   engine_config.kv_watermark = config.kv_watermark;
+  engine_config.model_name = config.primary_model_name();
   if (engine_config.eos_token_ids.empty() && tokenizer && tokenizer->eos_token_id())
     engine_config.eos_token_ids.push_back(*tokenizer->eos_token_id());
   const int32_t max_model_len = loaded->max_model_len;

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <string>
 
+#include "common/metrics.h"
 #include "engine/engine.h"
 #include "server/http_server.h"
 #include "server/openai_protocol.h"
@@ -63,6 +64,12 @@ class OpenAiService {
   net::awaitable<void> run_generation(HttpExchange& exchange, std::shared_ptr<Generation> generation);
 
   std::optional<ApiError> check_model(const std::string& model) const;
+  static void truncate_prompt(std::vector<int32_t>& ids, std::optional<int32_t> keep_last);
+  std::string echo_text(const std::vector<int32_t>& ids) const;
+  static void add_choices(Generation& generation, std::vector<int32_t> prompt, int32_t n,
+                          std::optional<std::string> echo);
+  // Turns the request's words (bad_words) into token sequences for the engine.
+  std::optional<ApiError> prepare_sampling(GenerationFields& fields) const;
   std::string response_model(const std::string& requested) const;
   std::string token_text(int32_t token_id) const;
 
@@ -73,6 +80,10 @@ class OpenAiService {
   RequestLimits limits_;
   int64_t created_unix_s_;
   TransferReleaser releaser_;
+
+  // vLLM's per-prompt series (a prompt's n choices are one group there).
+  metrics::Histogram& max_generation_tokens_;
+  metrics::Histogram& params_n_;
 
   std::atomic<int32_t> num_live_generations_{0};
   std::mutex idle_mutex_;

@@ -331,7 +331,7 @@ Result<StepOutput> CpuModelRunner::execute(const StepInput& input) {
     if (!seq.sample) continue;
     std::span<float> row_logits(logits.data() + row * static_cast<size_t>(config_.vocab_size),
                                 static_cast<size_t>(config_.vocab_size));
-    out.sampled.push_back(sample_token(row_logits, seq.sampling, seq.rng_seed, seq.suppressed_token_ids));
+    out.sampled.push_back(sample_step_token(row_logits, seq));
     ++row;
   }
   return out;

@@ -164,6 +164,7 @@ class CudaModelRunner final : public ModelRunner {
   std::unique_ptr<kernels::cuda::Gemm> gemm_;
   std::vector<void*> allocations_;
   size_t weight_bytes_ = 0;
+  size_t free_bytes_at_start_ = 0;  // device memory free before this instance allocated (KV budget)
 
   __nv_bfloat16* embed_ = nullptr;
   __nv_bfloat16* final_norm_ = nullptr;
