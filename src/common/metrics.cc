@@ -18,15 +18,21 @@ std::string escape_label_value(const std::string& value) {
   std::string out;
   out.reserve(value.size());
   for (char c : value) {
-    if (c == '\\') out += "\\\\";
-    else if (c == '"') out += "\\\"";
-    else if (c == '\n') out += "\\n";
-    else out += c;
+    if (c == '\\')
+      out += "\\\\";
+    else if (c == '"')
+      out += "\\\"";
+    else if (c == '\n')
+      out += "\\n";
+    else
+      out += c;
   }
   return out;
 }
 
-std::string format_number(double value) { return fmt::format("{}", value); }
+std::string format_number(double value) {
+  return fmt::format("{}", value);
+}
 
 std::string join_labels(const std::string& base, const std::string& extra) {
   if (base.empty()) return extra;
@@ -34,7 +40,9 @@ std::string join_labels(const std::string& base, const std::string& extra) {
   return base + "," + extra;
 }
 
-std::string braces(const std::string& labels) { return labels.empty() ? "" : "{" + labels + "}"; }
+std::string braces(const std::string& labels) {
+  return labels.empty() ? "" : "{" + labels + "}";
+}
 
 }  // namespace
 
@@ -43,7 +51,9 @@ void Counter::inc(double amount) {
   atomic_add(value_, amount);
 }
 
-void Gauge::add(double delta) { atomic_add(value_, delta); }
+void Gauge::add(double delta) {
+  atomic_add(value_, delta);
+}
 
 Histogram::Histogram(std::vector<double> upper_bounds) : upper_bounds_(std::move(upper_bounds)) {
   std::sort(upper_bounds_.begin(), upper_bounds_.end());
@@ -60,12 +70,23 @@ void Histogram::observe(double value) {
 
 uint64_t Histogram::cumulative_count(size_t bucket) const {
   uint64_t total = 0;
-  for (size_t i = 0; i <= bucket && i < upper_bounds_.size(); ++i) total += bucket_counts_[i].load(std::memory_order_relaxed);
+  for (size_t i = 0; i <= bucket && i < upper_bounds_.size(); ++i)
+    total += bucket_counts_[i].load(std::memory_order_relaxed);
   return total;
 }
 
 std::vector<double> latency_buckets_seconds() {
   return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0};
+}
+
+std::vector<double> one_two_five_buckets(double max_value) {
+  std::vector<double> out;
+  for (double decade = 1.0; decade <= max_value; decade *= 10.0) {
+    for (double step : {1.0, 2.0, 5.0}) {
+      if (step * decade <= max_value) out.push_back(step * decade);
+    }
+  }
+  return out;
 }
 
 std::string render_labels(const Labels& labels) {

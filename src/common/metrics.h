@@ -56,6 +56,9 @@ class Histogram {
 
 // Latency buckets in seconds, 1 ms .. 60 s.
 std::vector<double> latency_buckets_seconds();
+// 1, 2, 5, 10, 20, 50, ... up to and including the last one <= max_value
+// (token-count histograms, as vLLM buckets them).
+std::vector<double> one_two_five_buckets(double max_value);
 
 class Registry {
  public:

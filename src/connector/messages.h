@@ -48,7 +48,7 @@ struct KvFingerprint {
   int32_t num_layers = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
-  std::string dtype;  // "float32" | "bfloat16" | "float16"
+  std::string dtype;  // engine::kv_dtype_name: "float32" | "bfloat16" | "float16" | "fp8_e4m3"
   int32_t block_size = 0;
   int32_t tp_size = 1;
   bool operator==(const KvFingerprint&) const = default;

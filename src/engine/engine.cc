@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -44,6 +45,9 @@ struct EngineMetrics {
   metrics::Histogram& ttft;
   metrics::Histogram& itl;
   metrics::Counter& preemptions;
+  metrics::Counter& recomputed_tokens;
+  metrics::Counter& remote_admissions_deferred;
+  metrics::Gauge& waiting_for_remote_kv;
   metrics::Counter& prefix_hit_tokens;
 
   static EngineMetrics create() {
@@ -58,8 +62,109 @@ struct EngineMetrics {
         r.histogram("pd_time_to_first_token_seconds", "Arrival to first generated token"),
         r.histogram("pd_inter_token_latency_seconds", "Time between consecutive generated tokens"),
         r.counter("pd_preemptions_total", "Recompute preemptions"),
+        r.counter("pd_recomputed_tokens_total", "Computed or received tokens whose KV a preemption threw away"),
+        r.counter("pd_remote_admissions_deferred_total",
+                  "P/D requests that waited for the KV reserve before loading their prompt"),
+        r.gauge("pd_num_requests_waiting_for_remote_kv", "Requests whose prompt KV is being loaded from a producer"),
         r.counter("pd_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache"),
     };
+  }
+};
+
+// The series vLLM exports (names, labels and buckets of its v1 engine), so a
+// vLLM dashboard reads a pdserve instance as it is. Labelled with model_name.
+struct VllmMetrics {
+  metrics::Gauge& running;
+  metrics::Gauge& waiting;
+  metrics::Gauge& kv_cache_usage;
+  metrics::Counter& prompt_tokens;
+  metrics::Counter& generation_tokens;
+  metrics::Counter& preemptions;
+  metrics::Histogram& ttft;
+  metrics::Histogram& itl;
+  metrics::Histogram& tpot;
+  metrics::Histogram& e2e;
+  metrics::Histogram& queue;
+  metrics::Histogram& prefill;
+  metrics::Histogram& decode;
+  metrics::Histogram& inference;
+  metrics::Histogram& request_tpot;
+  metrics::Histogram& request_prompt_tokens;
+  metrics::Histogram& request_generation_tokens;
+  metrics::Histogram& request_max_tokens;
+  // Indexed by FinishReason (kStop .. kError); kNone is never counted.
+  std::array<metrics::Counter*, 5> success{};
+
+  static VllmMetrics create(const std::string& model_name, int32_t max_model_len) {
+    auto& r = metrics::Registry::global();
+    const metrics::Labels labels = {{"model_name", model_name}};
+    const std::vector<double> ttft_buckets = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,  0.5,   0.75,
+                                              1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+    const std::vector<double> itl_buckets = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
+                                             0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+    const std::vector<double> request_buckets = {0.3,  0.5,   0.8,   1.0,   1.5,   2.0,    2.5,
+                                                 5.0,  10.0,  15.0,  20.0,  30.0,  40.0,   50.0,
+                                                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+    const std::vector<double> token_buckets = metrics::one_two_five_buckets(max_model_len);
+    VllmMetrics m{
+        r.gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels),
+        r.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels),
+        r.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels),
+        r.counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.", labels),
+        r.counter("vllm:generation_tokens_total", "Number of generation tokens processed.", labels),
+        r.counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", labels),
+        r.histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels,
+                    ttft_buckets),
+        r.histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels,
+                    itl_buckets),
+        r.histogram("vllm:time_per_output_token_seconds",
+                    "Histogram of time per output token in seconds (the inter-token latency).", labels, itl_buckets),
+        r.histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", labels,
+                    request_buckets),
+        r.histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", labels,
+                    request_buckets),
+        r.histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                    labels, request_buckets),
+        r.histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", labels,
+                    request_buckets),
+        r.histogram("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+                    labels, request_buckets),
+        r.histogram("vllm:request_time_per_output_token_seconds",
+                    "Histogram of time_per_output_token_seconds per request.", labels, itl_buckets),
+        r.histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, token_buckets),
+        r.histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", labels, token_buckets),
+        r.histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", labels,
+                    token_buckets),
+        {},
+    };
+    for (FinishReason reason :
+         {FinishReason::kStop, FinishReason::kLength, FinishReason::kAbort, FinishReason::kError}) {
+      metrics::Labels with_reason = labels;
+      with_reason.emplace_back("finished_reason", finish_reason_name(reason));
+      m.success[static_cast<size_t>(reason)] =
+          &r.counter("vllm:request_success_total", "Count of successfully processed requests.", with_reason);
+    }
+    return m;
+  }
+
+  // A request's end: latencies of its phases (those it reached) and its sizes.
+  void observe_finished(const Request& r, FinishReason reason, int64_t now_ns) {
+    auto seconds = [](int64_t from, int64_t to) { return static_cast<double>(to - from) * 1e-9; };
+    if (auto* counter = success[static_cast<size_t>(reason)]) counter->inc();
+    e2e.observe(seconds(r.arrival_ns(), now_ns));
+    if (r.first_scheduled_ns != 0) {
+      queue.observe(seconds(r.arrival_ns(), r.first_scheduled_ns));
+      if (r.first_token_ns != 0) {
+        prefill.observe(seconds(r.first_scheduled_ns, r.first_token_ns));
+        decode.observe(seconds(r.first_token_ns, r.last_token_ns));
+        inference.observe(seconds(r.first_scheduled_ns, r.last_token_ns));
+      }
+    }
+    if (r.num_output_tokens() > 1)
+      request_tpot.observe(seconds(r.first_token_ns, r.last_token_ns) / (r.num_output_tokens() - 1));
+    request_prompt_tokens.observe(r.num_prompt_tokens());
+    request_generation_tokens.observe(r.num_output_tokens());
+    request_max_tokens.observe(r.sampling().max_tokens);
   }
 };
 
@@ -75,7 +180,8 @@ class EngineImpl final : public Engine {
         kv_spec_(runner_->kv_cache_spec()),
         vocab_size_(runner_->vocab_size()),
         scheduler_(std::move(scheduler_config), connector_.get()),
-        metrics_(EngineMetrics::create()) {
+        metrics_(EngineMetrics::create()),
+        vllm_(VllmMetrics::create(config_.model_name, config_.max_model_len)) {
     stats_.num_blocks_total = kv_spec_.num_blocks;
     stats_.num_blocks_free = kv_spec_.num_blocks;
     if (connector_ != nullptr) connector_->bind_engine_wakeup([this] { wake(); });
@@ -210,7 +316,9 @@ class EngineImpl final : public Engine {
     out.text_delta = std::move(text_delta);
     out.error = std::move(error);
     out.invalid_request = invalid_request;
+    out.conflict = finished.conflict;
     out.kv_transfer_params = std::move(finished.decision.kv_transfer_params);
+    vllm_.observe_finished(r, r.finish_reason, now_ns());
     OutputCallback callback = std::move(it->second.callback);
     io_.erase(it);
     release_id_if_unused(r.request_id());
@@ -240,6 +348,7 @@ class EngineImpl final : public Engine {
       io_.emplace(id, LiveIo{std::move(add->callback),
                              RequestOutputState(tokenizer_, r, config_.eos_token_ids, config_.max_model_len)});
       metrics_.prompt_tokens.inc(r.num_prompt_tokens());
+      vllm_.prompt_tokens.inc(r.num_prompt_tokens());
       num_prompt_tokens_ += r.num_prompt_tokens();
       Status s = scheduler_.add_request(std::move(add->request));
       if (!s.ok()) {
@@ -343,6 +452,10 @@ class EngineImpl final : public Engine {
 
   void execute_step(const StepPlan& plan) {
     StepInput input = scheduler_.build_step_input(plan);
+    attach_token_history(plan, input);
+    const int64_t step_start = now_ns();
+    for (const ScheduledSeq& s : plan.seqs)
+      if (s.request->first_scheduled_ns == 0) s.request->first_scheduled_ns = step_start;
     if (connector_ != nullptr) input.layer_hooks = connector_->build_step_hooks(input, plan);
     Result<StepOutput> result = runner_->execute(input);
     int32_t num_samples = 0;
@@ -378,6 +491,18 @@ class EngineImpl final : public Engine {
     }
   }
 
+  // Penalties and bad words read the tokens a request has seen; the views
+  // stay valid through execute() (requests live until their outputs are processed).
+  static void attach_token_history(const StepPlan& plan, StepInput& input) {
+    for (size_t i = 0; i < plan.seqs.size() && i < input.seqs.size(); ++i) {
+      SeqStep& step = input.seqs[i];
+      if (!step.sample || !step.sampling.has_logits_processing()) continue;
+      const Request& r = *plan.seqs[i].request;
+      step.prompt_token_ids = std::span<const int32_t>(r.token_ids()).first(static_cast<size_t>(r.num_prompt_tokens()));
+      step.output_token_ids = r.output_token_ids();
+    }
+  }
+
   void process_token(Request& r, SampledToken& token, int64_t now) {
     auto it = io_.find(r.request_id());
     if (token.token_id < 0 || token.token_id >= vocab_size_) {
@@ -388,12 +513,18 @@ class EngineImpl final : public Engine {
     scheduler_.append_token(r, token.token_id);
     if (connector_ != nullptr && r.num_output_tokens() == 1) connector_->first_token_sampled(r, token.token_id);
     metrics_.generation_tokens.inc();
+    vllm_.generation_tokens.inc();
     ++num_generation_tokens_;
     if (r.first_token_ns == 0) {
       r.first_token_ns = now;
-      metrics_.ttft.observe(static_cast<double>(now - r.arrival_ns()) * 1e-9);
+      const double ttft = static_cast<double>(now - r.arrival_ns()) * 1e-9;
+      metrics_.ttft.observe(ttft);
+      vllm_.ttft.observe(ttft);
     } else {
-      metrics_.itl.observe(static_cast<double>(now - r.last_token_ns) * 1e-9);
+      const double itl = static_cast<double>(now - r.last_token_ns) * 1e-9;
+      metrics_.itl.observe(itl);
+      vllm_.itl.observe(itl);
+      vllm_.tpot.observe(itl);
     }
     r.last_token_ns = now;
 
@@ -412,6 +543,7 @@ class EngineImpl final : public Engine {
       return;
     }
     FinishedRequest f = scheduler_.finish_request(r, verdict.final_state, verdict.reason);
+    vllm_.observe_finished(r, verdict.reason, now);
     out.finished = true;
     out.finish_reason = verdict.reason;
     out.stop_string = std::move(verdict.stop_string);
@@ -436,6 +568,8 @@ class EngineImpl final : public Engine {
     s.num_prompt_tokens = num_prompt_tokens_;
     s.num_generation_tokens = num_generation_tokens_;
     s.num_preemptions = c.num_preemptions;
+    s.num_recomputed_tokens = c.num_recomputed_tokens;
+    s.num_remote_admissions_deferred = c.num_remote_admissions_deferred;
     s.num_prefix_cache_hit_tokens = c.num_prefix_cache_hit_tokens;
     s.num_steps = num_steps_;
     s.num_step_errors = num_step_errors_;
@@ -443,11 +577,26 @@ class EngineImpl final : public Engine {
     s.num_handed_over_tokens_ignored = num_handed_over_tokens_ignored_;
     metrics_.running.set(s.num_running);
     metrics_.waiting.set(s.num_waiting);
+    vllm_.running.set(s.num_running);
+    vllm_.waiting.set(s.num_waiting);
+    vllm_.kv_cache_usage.set(s.num_blocks_total > 0 ? static_cast<double>(s.num_blocks_in_use) / s.num_blocks_total
+                                                    : 0.0);
     metrics_.blocks_used.set(s.num_blocks_in_use);
     metrics_.blocks_free.set(s.num_blocks_free);
+    metrics_.waiting_for_remote_kv.set(s.num_waiting_for_remote_kv);
     if (c.num_preemptions > published_preemptions_) {
       metrics_.preemptions.inc(static_cast<double>(c.num_preemptions - published_preemptions_));
+      vllm_.preemptions.inc(static_cast<double>(c.num_preemptions - published_preemptions_));
       published_preemptions_ = c.num_preemptions;
+    }
+    if (c.num_recomputed_tokens > published_recomputed_tokens_) {
+      metrics_.recomputed_tokens.inc(static_cast<double>(c.num_recomputed_tokens - published_recomputed_tokens_));
+      published_recomputed_tokens_ = c.num_recomputed_tokens;
+    }
+    if (c.num_remote_admissions_deferred > published_deferred_) {
+      metrics_.remote_admissions_deferred.inc(
+          static_cast<double>(c.num_remote_admissions_deferred - published_deferred_));
+      published_deferred_ = c.num_remote_admissions_deferred;
     }
     if (c.num_prefix_cache_hit_tokens > published_hit_tokens_) {
       metrics_.prefix_hit_tokens.inc(static_cast<double>(c.num_prefix_cache_hit_tokens - published_hit_tokens_));
@@ -479,7 +628,10 @@ class EngineImpl final : public Engine {
   int64_t num_handed_over_tokens_ignored_ = 0;
   int64_t published_preemptions_ = 0;
   int64_t published_hit_tokens_ = 0;
+  int64_t published_recomputed_tokens_ = 0;
+  int64_t published_deferred_ = 0;
   EngineMetrics metrics_;
+  VllmMetrics vllm_;
 
   // Shared with caller threads, under mutex_.
   std::mutex mutex_;
@@ -528,6 +680,13 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, std::unique_
         "without chunked prefill max_num_batched_tokens ({}) must be >= max_model_len ({}) or long prompts never run",
         config.max_num_batched_tokens, config.max_model_len);
   }
+  if (!(config.kv_watermark >= 0.0 && config.kv_watermark < 1.0)) {
+    return invalid_argument("kv_watermark must be in [0, 1), got {}", config.kv_watermark);
+  }
+  if (!(config.remote_output_reserve <= 1.0)) {
+    return invalid_argument("remote_output_reserve must be <= 1 (negative: none), got {}",
+                            config.remote_output_reserve);
+  }
   if (config.eos_token_ids.empty() && tokenizer != nullptr && tokenizer->eos_token_id().has_value()) {
     config.eos_token_ids.push_back(*tokenizer->eos_token_id());
   }
@@ -540,6 +699,8 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, std::unique_
   sc.enable_prefix_caching = config.enable_prefix_caching;
   sc.enable_chunked_prefill = config.enable_chunked_prefill;
   sc.eos_token_ids = config.eos_token_ids;
+  sc.remote_output_reserve = config.remote_output_reserve;
+  sc.kv_watermark = config.kv_watermark;
   return std::unique_ptr<Engine>(std::make_unique<EngineImpl>(
       std::move(config), std::move(runner), std::move(tokenizer), std::move(connector), std::move(sc)));
 }

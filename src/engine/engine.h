@@ -29,6 +29,12 @@ struct EngineConfig {
   uint64_t seed = 0;                   // --seed: base for requests without their own seed
   std::vector<int32_t> eos_token_ids;  // from the model's config / tokenizer
   size_t max_waiting_requests = 4096;  // beyond this add_request returns kResourceExhausted (HTTP 503)
+  // P/D consumer admission reserve (SchedulerConfig::remote_output_reserve):
+  // --remote-output-reserve (fraction of max output tokens, negative = none)
+  // and --kv-watermark (fraction of all blocks).
+  double remote_output_reserve = 1.0;
+  double kv_watermark = 0.01;
+  std::string model_name = "pdserve";  // the model_name label of the vllm:* metrics (served model name)
 };
 
 // A consistent snapshot, cheap to take from any thread.
@@ -41,6 +47,8 @@ struct EngineStats {
   int64_t num_prompt_tokens = 0;  // cumulative
   int64_t num_generation_tokens = 0;
   int64_t num_preemptions = 0;
+  int64_t num_recomputed_tokens = 0;           // KV thrown away by preemptions, computed again
+  int64_t num_remote_admissions_deferred = 0;  // remote requests that waited for the reserve
   int64_t num_prefix_cache_hit_tokens = 0;
   int64_t num_steps = 0;
   int64_t num_step_errors = 0;            // runner failures (each failed its step's requests)

@@ -77,8 +77,12 @@ class Request {
   // request is kWaitingForRemoteKv; applied to num_computed_tokens on arrival.
   int32_t num_pending_external_tokens = 0;
   int64_t remote_kv_deadline_ns = 0;
+  // Its admission waited at least once for the remote-admission reserve
+  // (SchedulerConfig::remote_output_reserve); counted once.
+  bool deferred_for_reserve = false;
 
   // --- output bookkeeping ----------------------------------------------------
+  int64_t first_scheduled_ns = 0;  // the first step that computed any of it (end of queueing)
   int64_t first_token_ns = 0;
   int64_t last_token_ns = 0;
   FinishReason finish_reason = FinishReason::kNone;

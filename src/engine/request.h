@@ -36,7 +36,7 @@ struct GenerateRequest {
   std::string request_id;  // unique among live requests
   std::vector<int32_t> prompt_token_ids;
   SamplingParams sampling;
-  // vLLM's kv_transfer_params extension; validated by the connector (issue 5).
+  // vLLM's kv_transfer_params extension; validated by the connector.
   std::optional<nlohmann::json> kv_transfer_params;
   int64_t arrival_ns = 0;  // 0 = stamped by the engine on arrival
 };
@@ -71,6 +71,9 @@ struct RequestOutput {
   // producer refused its kv_transfer_params) -- the client's fault (HTTP 400),
   // not the engine's.
   bool invalid_request = false;
+  // With kError: the request names state already in use here (a P/D transfer id
+  // that is active on this instance): the caller's error (HTTP 409).
+  bool conflict = false;
   std::optional<nlohmann::json> kv_transfer_params;  // returned by a P/D producer on finish
 };
 

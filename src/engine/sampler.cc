@@ -61,8 +61,68 @@ double uniform_from_seed(uint64_t rng_seed) {
   return static_cast<double>(splitmix64(rng_seed) >> 11) * 0x1.0p-53;
 }
 
+void apply_logits_processing(std::span<float> logits, const SamplingParams& params,
+                             std::span<const int32_t> suppressed_token_ids, const SamplingHistory& history) {
+  const auto vocab = static_cast<int32_t>(logits.size());
+  auto in_vocab = [vocab](int32_t id) { return id >= 0 && id < vocab; };
+  if (!params.allowed_token_ids.empty()) {
+    std::vector<char> allowed(logits.size(), 0);
+    for (int32_t id : params.allowed_token_ids)
+      if (in_vocab(id)) allowed[static_cast<size_t>(id)] = 1;
+    for (size_t i = 0; i < logits.size(); ++i)
+      if (!allowed[i]) logits[i] = kNegInf;
+  }
+  const std::span<const int32_t> output = history.output_token_ids;
+  for (const std::vector<int32_t>& word : params.bad_words_token_ids) {
+    if (word.empty() || word.size() - 1 > output.size()) continue;
+    const size_t prefix = word.size() - 1;
+    if (std::equal(word.begin(), word.end() - 1, output.end() - static_cast<std::ptrdiff_t>(prefix)) &&
+        in_vocab(word.back())) {
+      logits[static_cast<size_t>(word.back())] = kNegInf;
+    }
+  }
+  // Suppression, unless it would leave nothing to sample.
+  std::vector<float> saved;
+  for (int32_t id : suppressed_token_ids) {
+    if (!in_vocab(id)) continue;
+    saved.push_back(logits[static_cast<size_t>(id)]);
+    logits[static_cast<size_t>(id)] = kNegInf;
+  }
+  if (!saved.empty() && std::all_of(logits.begin(), logits.end(), [](float v) { return v == kNegInf; })) {
+    size_t j = 0;
+    for (int32_t id : suppressed_token_ids) {
+      if (!in_vocab(id)) continue;
+      logits[static_cast<size_t>(id)] = saved[j++];
+    }
+  }
+  for (const auto& [id, bias] : params.logit_bias)
+    if (in_vocab(id)) logits[static_cast<size_t>(id)] += bias;
+
+  if (params.repetition_penalty != 1.0f) {
+    std::vector<char> seen(logits.size(), 0);
+    for (std::span<const int32_t> ids : {history.prompt_token_ids, output}) {
+      for (int32_t id : ids)
+        if (in_vocab(id)) seen[static_cast<size_t>(id)] = 1;
+    }
+    const float p = params.repetition_penalty;
+    for (size_t i = 0; i < logits.size(); ++i) {
+      if (!seen[i]) continue;
+      logits[i] = logits[i] > 0.0f ? logits[i] / p : logits[i] * p;
+    }
+  }
+  if ((params.frequency_penalty != 0.0f || params.presence_penalty != 0.0f) && !output.empty()) {
+    std::vector<int32_t> counts(logits.size(), 0);
+    for (int32_t id : output)
+      if (in_vocab(id)) ++counts[static_cast<size_t>(id)];
+    for (size_t i = 0; i < logits.size(); ++i) {
+      if (counts[i] == 0) continue;
+      logits[i] -= params.frequency_penalty * static_cast<float>(counts[i]) + params.presence_penalty;
+    }
+  }
+}
+
 SampledToken sample_token(std::span<float> logits, const SamplingParams& params, uint64_t rng_seed,
-                          std::span<const int32_t> suppressed_token_ids) {
+                          std::span<const int32_t> suppressed_token_ids, const SamplingHistory& history) {
   SampledToken out;
   if (logits.empty()) return out;
   const auto vocab = static_cast<int32_t>(logits.size());
@@ -71,20 +131,7 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& params,
   std::vector<float> raw;
   if (params.logprobs >= 0) raw.assign(logits.begin(), logits.end());
 
-  // Suppression, unless it would leave nothing to sample.
-  std::vector<float> saved;
-  for (int32_t id : suppressed_token_ids) {
-    if (id < 0 || id >= vocab) continue;
-    saved.push_back(logits[static_cast<size_t>(id)]);
-    logits[static_cast<size_t>(id)] = kNegInf;
-  }
-  if (!saved.empty() && std::all_of(logits.begin(), logits.end(), [](float v) { return v == kNegInf; })) {
-    size_t j = 0;
-    for (int32_t id : suppressed_token_ids) {
-      if (id < 0 || id >= vocab) continue;
-      logits[static_cast<size_t>(id)] = saved[j++];
-    }
-  }
+  apply_logits_processing(logits, params, suppressed_token_ids, history);
 
   auto finish_greedy_fallback = [&]() {
     out.token_id = argmax(logits);
@@ -158,6 +205,11 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& params,
 
   if (params.logprobs >= 0) fill_logprobs(raw, params.logprobs, out.token_id, &out);
   return out;
+}
+
+SampledToken sample_step_token(std::span<float> logits, const SeqStep& step) {
+  return sample_token(logits, step.sampling, step.rng_seed, step.suppressed_token_ids,
+                      SamplingHistory{step.prompt_token_ids, step.output_token_ids});
 }
 
 }  // namespace pd::engine

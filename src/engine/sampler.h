@@ -2,10 +2,12 @@
 // same (logits, params, rng_seed, suppressed ids) always gives the same token,
 // on any runner, so CPU and CUDA runners share this code for the final pick.
 //
-// Order of the filters (vLLM v1's order): suppression (-inf), temperature,
-// min-p (relative to the most likely token), top-k, top-p (on the distribution
-// renormalized after top-k). The returned logprobs are always the log-softmax
-// of the RAW logits, before suppression, temperature and any filter.
+// Order (vLLM v1's): allowed_token_ids (every other id -inf), bad words
+// (-inf), suppression (-inf) and logit_bias, penalties (repetition over
+// prompt + output, then frequency and presence over the output), then
+// temperature, min-p (relative to the most likely token), top-k, top-p (on
+// the distribution renormalized after top-k). The returned logprobs are always
+// the log-softmax of the RAW logits, before any of this.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +27,19 @@ uint64_t derive_rng_seed(uint64_t request_seed, int32_t output_index);
 // Uniform double in [0, 1) from a 64-bit seed (splitmix64 finalizer).
 double uniform_from_seed(uint64_t rng_seed);
 
+// The tokens a request has seen, for penalties and bad words. Views into the
+// request's token list, valid for the call.
+struct SamplingHistory {
+  std::span<const int32_t> prompt_token_ids;
+  std::span<const int32_t> output_token_ids;
+};
+
+// Applies allowed_token_ids, bad words, suppression, logit_bias and the
+// penalties to `logits` in place (the steps before temperature). Ids outside
+// the vocabulary are ignored.
+void apply_logits_processing(std::span<float> logits, const SamplingParams& params,
+                             std::span<const int32_t> suppressed_token_ids, const SamplingHistory& history);
+
 // Samples one token. `logits` is vocab-sized and is used as scratch (its
 // contents are unspecified afterwards). Suppressed ids outside the vocab are
 // ignored. If every token is suppressed the suppression is ignored (a token
@@ -32,6 +47,10 @@ double uniform_from_seed(uint64_t rng_seed);
 // top_logprobs has min(params.logprobs, vocab) entries, descending by logprob,
 // ties by lower id; empty when params.logprobs <= 0.
 SampledToken sample_token(std::span<float> logits, const SamplingParams& params, uint64_t rng_seed,
-                          std::span<const int32_t> suppressed_token_ids);
+                          std::span<const int32_t> suppressed_token_ids, const SamplingHistory& history = {});
+
+// sample_token for one sequence of a step: its params, seed, suppressed ids
+// and token history. What every runner calls for a row it samples on the host.
+SampledToken sample_step_token(std::span<float> logits, const SeqStep& step);
 
 }  // namespace pd::engine

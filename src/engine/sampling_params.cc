@@ -11,6 +11,17 @@ constexpr int32_t kMaxLogprobs = 20;
 constexpr size_t kMaxStopStrings = 64;
 constexpr size_t kMaxStopStringBytes = 1024;
 constexpr size_t kMaxStopTokenIds = 1024;
+constexpr size_t kMaxLogitBias = 1024;
+constexpr size_t kMaxBadWords = 128;
+constexpr size_t kMaxBadWordTokens = 64;
+constexpr float kMaxAbsBias = 100.0f;
+
+Status check_token_id(const char* field, int32_t id, int32_t vocab_size) {
+  if (id < 0 || (vocab_size > 0 && id >= vocab_size)) {
+    return invalid_argument("{} entry {} outside the vocabulary [0, {})", field, id, vocab_size);
+  }
+  return Status::Ok();
+}
 }  // namespace
 
 Status SamplingParams::validate(int32_t vocab_size) const {
@@ -48,6 +59,38 @@ Status SamplingParams::validate(int32_t vocab_size) const {
       return invalid_argument("stop_token_ids entry {} outside the vocabulary [0, {})", id, vocab_size);
     }
   }
+  if (!std::isfinite(presence_penalty) || presence_penalty < -2.0f || presence_penalty > 2.0f) {
+    return invalid_argument("presence_penalty must be in [-2, 2], got {}", presence_penalty);
+  }
+  if (!std::isfinite(frequency_penalty) || frequency_penalty < -2.0f || frequency_penalty > 2.0f) {
+    return invalid_argument("frequency_penalty must be in [-2, 2], got {}", frequency_penalty);
+  }
+  if (!std::isfinite(repetition_penalty) || repetition_penalty <= 0.0f || repetition_penalty > 2.0f) {
+    return invalid_argument("repetition_penalty must be in (0, 2], got {}", repetition_penalty);
+  }
+  if (logit_bias.size() > kMaxLogitBias) {
+    return invalid_argument("at most {} logit_bias entries, got {}", kMaxLogitBias, logit_bias.size());
+  }
+  for (const auto& [id, bias] : logit_bias) {
+    PD_RETURN_IF_ERROR(check_token_id("logit_bias", id, vocab_size));
+    if (!std::isfinite(bias) || bias < -kMaxAbsBias || bias > kMaxAbsBias) {
+      return invalid_argument("logit_bias for token {} must be in [-100, 100], got {}", id, bias);
+    }
+  }
+  if (vocab_size > 0 && allowed_token_ids.size() > static_cast<size_t>(vocab_size)) {
+    return invalid_argument("allowed_token_ids has {} entries, more than the vocabulary ({})", allowed_token_ids.size(),
+                            vocab_size);
+  }
+  for (int32_t id : allowed_token_ids) PD_RETURN_IF_ERROR(check_token_id("allowed_token_ids", id, vocab_size));
+  if (bad_words_token_ids.size() > kMaxBadWords) {
+    return invalid_argument("at most {} bad_words sequences, got {}", kMaxBadWords, bad_words_token_ids.size());
+  }
+  for (const auto& word : bad_words_token_ids) {
+    if (word.empty() || word.size() > kMaxBadWordTokens) {
+      return invalid_argument("a bad_words sequence must have 1 to {} tokens, got {}", kMaxBadWordTokens, word.size());
+    }
+    for (int32_t id : word) PD_RETURN_IF_ERROR(check_token_id("bad_words", id, vocab_size));
+  }
   return Status::Ok();
 }
 
@@ -83,6 +126,21 @@ uint64_t first_token_sampling_key(const SamplingParams& params) {
   h.add(params.min_p);
   h.add(params.seed.has_value());
   h.add(params.seed.value_or(0));
+  h.add(params.presence_penalty);
+  h.add(params.frequency_penalty);
+  h.add(params.repetition_penalty);
+  h.add(params.logit_bias.size());
+  for (const auto& [id, bias] : params.logit_bias) {
+    h.add(id);
+    h.add(bias);
+  }
+  h.add(params.allowed_token_ids.size());
+  for (int32_t id : params.allowed_token_ids) h.add(id);
+  h.add(params.bad_words_token_ids.size());
+  for (const auto& word : params.bad_words_token_ids) {
+    h.add(word.size());
+    for (int32_t id : word) h.add(id);
+  }
   // The first token is drawn with EOS and stop ids suppressed iff min_tokens > 0.
   const bool suppresses = params.min_tokens > 0;
   h.add(suppresses);

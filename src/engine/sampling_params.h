@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -26,19 +27,32 @@ struct SamplingParams {
   int32_t logprobs = -1;  // -1 = none; n >= 0 = sampled token's logprob + top-n (n <= 20)
   bool skip_special_tokens = true;
 
+  // Logits processing before temperature (vLLM's order, see sampler.h).
+  float presence_penalty = 0.0f;    // [-2, 2]: subtracted once from every token already generated
+  float frequency_penalty = 0.0f;   // [-2, 2]: subtracted per occurrence among generated tokens
+  float repetition_penalty = 1.0f;  // (0, 2]: tokens of prompt or output: positive logits / p, negative * p
+  std::vector<std::pair<int32_t, float>> logit_bias;  // added to the logit of each id ([-100, 100])
+  std::vector<int32_t> allowed_token_ids;             // non-empty = only these ids may be sampled
+  // Token sequences that must not be generated: the last token of a sequence
+  // is banned whenever the generated tokens end with the rest of it.
+  std::vector<std::vector<int32_t>> bad_words_token_ids;
+
   bool greedy() const { return temperature <= 0.0f; }
+  // True when any of the processors above changes the logits.
+  bool has_logits_processing() const {
+    return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f || !logit_bias.empty() ||
+           !allowed_token_ids.empty() || !bad_words_token_ids.empty();
+  }
   // Checks ranges; the message names the field and the bad value.
   Status validate(int32_t vocab_size) const;
 };
 
 // A digest of every parameter that shapes the distribution of a request's
-// first output token (temperature, top-k/p, min-p, seed, and the ids that
-// min_tokens suppresses). Two legs of one P/D request whose keys are equal
-// sample their first token from the same distribution (the same token when
-// seeded or greedy), so the consumer may take the producer's token instead of
-// computing the last prompt token again. Length limits, stop strings and
-// output formatting are not part of it: they act after sampling, on the side
-// that streams.
+// first output token (temperature, top-k/p, min-p, seed, the ids that
+// min_tokens suppresses, penalties, logit_bias, allowed and banned ids). Two legs of one P/D request whose keys are
+// equal sample their first token from the same distribution (the same token when seeded or greedy), so the consumer may
+// take the producer's token instead of computing the last prompt token again. Length limits, stop strings and output
+// formatting are not part of it: they act after sampling, on the side that streams.
 uint64_t first_token_sampling_key(const SamplingParams& params);
 
 }  // namespace pd::engine

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cmath>
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
@@ -120,9 +121,31 @@ void Scheduler::preempt(Request& request, StepPlan* plan) {
   release_blocks(request.request_id(), request.block_ids, hold);
   ++request.num_preemptions;
   ++counters_.num_preemptions;
+  counters_.num_recomputed_tokens += request.num_computed_tokens;
   check_pool(request.transition_to(RequestState::kWaiting), "preempt");
   reset_to_waiting_front(request);
   if (plan != nullptr) plan->preempted_request_ids.push_back(request.request_id());
+}
+
+int32_t Scheduler::reserve_target_blocks(const Request& request) const {
+  const double reserve = std::max(config_.remote_output_reserve, 0.0);
+  const auto reserved_output =
+      static_cast<int64_t>(std::ceil(reserve * static_cast<double>(request.max_output_tokens())));
+  const int64_t tokens =
+      std::min<int64_t>(int64_t{request.num_prompt_tokens()} + reserved_output, int64_t{config_.max_model_len});
+  return blocks_for_tokens(static_cast<int32_t>(std::max<int64_t>(tokens, request.num_tokens())));
+}
+
+int32_t Scheduler::reserved_growth_blocks() const {
+  int32_t total = 0;
+  auto add = [&](const Request* r) {
+    if (r->block_ids.empty()) return;
+    total += std::max(0, reserve_target_blocks(*r) - static_cast<int32_t>(r->block_ids.size()));
+  };
+  for (const Request* r : running_) add(r);
+  for (const Request* r : remote_waiting_) add(r);
+  for (const Request* r : waiting_) add(r);
+  return total;
 }
 
 Scheduler::Admit Scheduler::try_admit(Request& request, int32_t* budget, StepPlan* plan, FinishedRequest* failed) {
@@ -146,6 +169,7 @@ Scheduler::Admit Scheduler::try_admit(Request& request, int32_t* budget, StepPla
       if (!match.ok()) {
         *failed = finish_request(request, RequestState::kFinishedError, FinishReason::kError);
         failed->error = "KV connector rejected the request: " + match.status().message();
+        failed->conflict = match.status().code() == ErrorCode::kFailedPrecondition;
         return Admit::kFailed;
       }
       // A hand-over brings the last prompt token's KV too (and the token it
@@ -172,6 +196,23 @@ Scheduler::Admit Scheduler::try_admit(Request& request, int32_t* budget, StepPla
   int32_t num_hits_on_free_list = 0;
   for (int32_t id : hit_blocks) num_hits_on_free_list += pool_.ref_count(id) == 0;
   if (num_blocks_needed > pool_.num_free_blocks() - num_hits_on_free_list) return Admit::kNoRoom;
+  // A remote request also needs the reserve (SchedulerConfig::remote_output_reserve),
+  // unless nothing else holds blocks: alone it can always run to its end.
+  const bool others_hold_blocks =
+      !running_.empty() || !remote_waiting_.empty() ||
+      std::any_of(waiting_.begin(), waiting_.end(), [](const Request* r) { return !r->block_ids.empty(); });
+  if (num_external > 0 && config_.remote_output_reserve >= 0.0 && others_hold_blocks) {
+    const int32_t num_own = static_cast<int32_t>(hit_blocks.size() + request.block_ids.size());
+    const int32_t own = std::max(num_blocks_needed, reserve_target_blocks(request) - num_own);
+    const auto watermark = static_cast<int32_t>(config_.kv_watermark * static_cast<double>(pool_.num_blocks()));
+    if (own + reserved_growth_blocks() + watermark > pool_.num_free_blocks() - num_hits_on_free_list) {
+      if (!request.deferred_for_reserve) {
+        request.deferred_for_reserve = true;
+        ++counters_.num_remote_admissions_deferred;
+      }
+      return Admit::kNoRoom;
+    }
+  }
 
   // Committed: take references on the hits before allocating (allocation may evict).
   request.external_kv_eligible = false;
@@ -291,6 +332,7 @@ bool Scheduler::reclaim_waiting_blocks() {
     if (&r == waiting_.front() || r.block_ids.empty()) continue;
     const bool hold = connector_ != nullptr && connector_->request_preempted(r, r.block_ids);
     release_blocks(r.request_id(), r.block_ids, hold);
+    counters_.num_recomputed_tokens += r.num_computed_tokens;
     r.num_computed_tokens = 0;
     r.num_cached_blocks = 0;
     r.num_pending_external_tokens = 0;

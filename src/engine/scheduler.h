@@ -35,12 +35,29 @@ struct SchedulerConfig {
   int32_t num_blocks = 0;
   bool enable_prefix_caching = true;
   bool enable_chunked_prefill = true;
+  // Admission of a request that loads KV from a remote producer (a P/D
+  // consumer): it is admitted only when the free blocks cover its own blocks
+  // now, the growth still to come of every live request that holds blocks
+  // (its own included) up to prompt + remote_output_reserve x its maximum
+  // output, and kv_watermark x num_blocks blocks on top. Otherwise it waits
+  // (FCFS) and its producer keeps the KV. With 1.0 a consumer whose requests
+  // all came this way never has to preempt. Negative: no reserve (a remote
+  // request is admitted like any other, on its prompt's blocks alone).
+  double remote_output_reserve = 1.0;
+  double kv_watermark = 0.01;
   // Suppressed while a request has fewer than min_tokens outputs.
   std::vector<int32_t> eos_token_ids;
 };
 
 struct SchedulerCounters {
+  // Requests whose computed KV was dropped for lack of blocks (tail
+  // preemption, or blocks taken back from a waiting request); each computes
+  // its tokens again.
   int64_t num_preemptions = 0;
+  int64_t num_recomputed_tokens = 0;  // computed (or received) tokens those drops threw away
+  // Remote requests that had to wait at least once for the reserve (room for
+  // their prompt alone was there); counted once per request.
+  int64_t num_remote_admissions_deferred = 0;
   int64_t num_prefix_cache_queries = 0;     // tokens looked up on admission
   int64_t num_prefix_cache_hit_tokens = 0;  // of those, served from the cache
   int64_t num_external_hit_tokens = 0;      // served by the connector
@@ -52,6 +69,9 @@ struct FinishedRequest {
   std::unique_ptr<Request> request;
   FinishDecision decision;
   std::string error;  // for kFinishedError: what went wrong
+  // kFinishedError because the request conflicts with one in flight (the
+  // connector answered kFailedPrecondition, e.g. a duplicate transfer id).
+  bool conflict = false;
 };
 
 class Scheduler {
@@ -131,6 +151,10 @@ class Scheduler {
   void release_blocks(const std::string& request_id, std::vector<int32_t>& block_ids, bool hold);
   void preempt(Request& request, StepPlan* plan);
   void reset_to_waiting_front(Request& request);
+  // Blocks still to be allocated, under the remote-admission reserve, to the
+  // live requests that hold blocks.
+  int32_t reserved_growth_blocks() const;
+  int32_t reserve_target_blocks(const Request& request) const;
   // Admission of one waiting request; false when it cannot be admitted now.
   enum class Admit { kScheduled, kRemoteWait, kFailed, kNoRoom };
   Admit try_admit(Request& request, int32_t* budget, StepPlan* plan, FinishedRequest* failed);

@@ -15,6 +15,14 @@ ApiError bad_request(std::string message, std::string param) {
   return ApiError{400, std::move(message), "invalid_request_error", std::move(param), "invalid_value"};
 }
 
+ApiError unsupported(std::string message, std::string param) {
+  return ApiError{400, std::move(message), "invalid_request_error", std::move(param), "unsupported_parameter"};
+}
+
+ApiError request_timeout(std::string message) {
+  return ApiError{504, std::move(message), "timeout_error", "", "timeout"};
+}
+
 ApiError model_not_found(const std::string& model) {
   return ApiError{404, fmt::format("The model `{}` does not exist.", model), "invalid_request_error", "model",
                   "model_not_found"};
@@ -69,7 +77,7 @@ ApiError api_error_from_status(const Status& status, std::string param) {
     case ErrorCode::kNotFound:
       return ApiError{404, status.message(), "invalid_request_error", std::move(param), "not_found"};
     case ErrorCode::kDeadlineExceeded:
-      return ApiError{504, status.message(), "timeout_error", "", "deadline_exceeded"};
+      return request_timeout(status.message());
     default:
       return internal(status.to_string());
   }

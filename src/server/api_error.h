@@ -23,6 +23,11 @@ struct ApiError {
 };
 
 ApiError bad_request(std::string message, std::string param = {});
+// A request field (or value) this server does not implement: 400 with code
+// "unsupported_parameter", as OpenAI answers one it does not know.
+ApiError unsupported(std::string message, std::string param);
+// The request ran past --request-timeout-ms (or another deadline): 504.
+ApiError request_timeout(std::string message);
 ApiError model_not_found(const std::string& model);
 ApiError route_not_found(const std::string& target);
 ApiError method_not_allowed(const std::string& method, const std::string& target);

@@ -57,12 +57,15 @@ int run(pd::server::ServerConfig config) {
   engine_config.seed = config.seed;
   engine_config.max_waiting_requests = static_cast<size_t>(config.max_waiting_requests);
   engine_config.eos_token_ids = loaded->eos_token_ids;
+  engine_config.remote_output_reserve = config.remote_output_reserve;
+  engine_config.kv_watermark = config.kv_watermark;
+  engine_config.model_name = config.primary_model_name();
   if (engine_config.eos_token_ids.empty() && tokenizer && tokenizer->eos_token_id())
     engine_config.eos_token_ids.push_back(*tokenizer->eos_token_id());
   const int32_t max_model_len = loaded->max_model_len;
   const std::string architecture = loaded->architecture;
 
-  // P/D connector (issue 5): built before the engine, which then owns it and
+  // P/D connector: built before the engine, which then owns it and
   // destroys it before the runner it points at.
   std::unique_ptr<engine::KvConnector> kv_connector;
   connector::PdConnector* pd_connector = nullptr;
@@ -105,6 +108,11 @@ int run(pd::server::ServerConfig config) {
   // destroys at the end still refer to it.
   server::OpenAiService service(config, *engine, tokenizer, max_model_len);
   server::HttpServer http(http_options);
+  if (pd_connector != nullptr) {
+    service.set_transfer_releaser([pd_connector](std::string transfer_id, std::function<void(bool)> done) {
+      pd_connector->release_transfer(std::move(transfer_id), std::move(done));
+    });
+  }
   service.register_routes(http);
   if (pd_connector != nullptr) {
     http.route(server::http::verb::get, "/pd/info",

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -131,16 +132,6 @@ Parsed<T> finish(FieldReader& reader, T value) {
   return value;
 }
 
-// Accepts only the value a parameter means when it is left out; we do not
-// implement the others and say so rather than ignore them.
-void require_default_number(FieldReader& reader, const char* key, double default_value) {
-  const ojson* value = reader.raw(key);
-  if (!value) return;
-  if (!value->is_number()) return reader.type_error(key, "a number", *value);
-  if (value->get<double>() != default_value)
-    reader.fail(bad_request(fmt::format("'{}' is not supported by this server (only {} is)", key, default_value), key));
-}
-
 void parse_stop(FieldReader& reader, const RequestLimits& limits, engine::SamplingParams& sampling) {
   const ojson* stop = reader.raw("stop");
   if (!stop) return;
@@ -184,6 +175,136 @@ void parse_stop_token_ids(FieldReader& reader, const RequestLimits& limits, engi
   }
 }
 
+// logit_bias: {"<token id>": bias}; biases are clamped to [-100, 100] as
+// vLLM does (the vocabulary bound is the engine's check).
+void parse_logit_bias(FieldReader& reader, const RequestLimits& limits, engine::SamplingParams& sampling) {
+  const ojson* bias = reader.raw("logit_bias");
+  if (!bias || reader.error()) return;
+  if (!bias->is_object()) return reader.type_error("logit_bias", "an object of token id -> bias", *bias);
+  if (bias->size() > limits.max_logit_bias)
+    return reader.fail(bad_request(
+        fmt::format("'logit_bias' has {} entries; at most {} are allowed", bias->size(), limits.max_logit_bias),
+        "logit_bias"));
+  for (auto it = bias->begin(); it != bias->end(); ++it) {
+    const std::string& key = it.key();
+    int64_t id = -1;
+    bool numeric = !key.empty() && key.size() <= 10 &&
+                   std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (numeric) id = std::stoll(key);
+    if (!numeric || id > std::numeric_limits<int32_t>::max())
+      return reader.fail(
+          bad_request(fmt::format("'logit_bias' keys must be token ids, got \"{}\"", key.substr(0, 32)), "logit_bias"));
+    if (!it.value().is_number()) return reader.fail(bad_request("'logit_bias' values must be numbers", "logit_bias"));
+    const double value = it.value().get<double>();
+    if (!std::isfinite(value)) return reader.fail(bad_request("'logit_bias' values must be finite", "logit_bias"));
+    sampling.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(std::clamp(value, -100.0, 100.0)));
+  }
+}
+
+void parse_allowed_token_ids(FieldReader& reader, const RequestLimits& limits, engine::SamplingParams& sampling) {
+  const ojson* ids = reader.raw("allowed_token_ids");
+  if (!ids || reader.error()) return;
+  if (!ids->is_array()) return reader.type_error("allowed_token_ids", "a list of integers", *ids);
+  if (ids->empty()) return reader.fail(bad_request("'allowed_token_ids' must not be empty", "allowed_token_ids"));
+  if (ids->size() > limits.max_allowed_token_ids)
+    return reader.fail(bad_request(fmt::format("'allowed_token_ids' has {} entries; at most {} are allowed",
+                                               ids->size(), limits.max_allowed_token_ids),
+                                   "allowed_token_ids"));
+  for (const auto& item : *ids) {
+    auto id = reader.integer_value("allowed_token_ids", item, 0, std::numeric_limits<int32_t>::max());
+    if (!id) return;
+    sampling.allowed_token_ids.push_back(static_cast<int32_t>(*id));
+  }
+}
+
+void parse_bad_words(FieldReader& reader, const RequestLimits& limits, std::vector<std::string>& out) {
+  const ojson* words = reader.raw("bad_words");
+  if (!words || reader.error()) return;
+  if (!words->is_array()) return reader.type_error("bad_words", "a list of strings", *words);
+  if (words->size() > limits.max_bad_words)
+    return reader.fail(bad_request(
+        fmt::format("'bad_words' has {} entries; at most {} are allowed", words->size(), limits.max_bad_words),
+        "bad_words"));
+  for (const auto& item : *words) {
+    if (!item.is_string()) return reader.fail(bad_request("'bad_words' must be a list of strings", "bad_words"));
+    const auto& word = item.get_ref<const std::string&>();
+    if (word.find_first_not_of(" \t\n\r") == std::string::npos)
+      return reader.fail(bad_request("'bad_words' entries must not be empty or blank", "bad_words"));
+    if (word.size() > limits.max_bad_word_bytes)
+      return reader.fail(bad_request(fmt::format("a 'bad_words' entry is {} bytes; at most {} are allowed", word.size(),
+                                                 limits.max_bad_word_bytes),
+                                     "bad_words"));
+    out.push_back(word);
+  }
+}
+
+// vLLM request fields this server does not implement. A request that sets one
+// to anything but its "off" value is refused with a 400 naming it, never
+// served as if the field were absent. `off` is the JSON a client may send
+// meaning "not used" (null is always accepted; so are [] and {} for lists
+// and objects).
+struct UnsupportedField {
+  const char* name;
+  const char* off;  // JSON literal, or nullptr when only null (or an empty list/object, below) means off
+  const char* why;
+  bool empty_is_off = false;  // [] / {} ask for nothing (a list of processors); not so for a schema
+};
+constexpr UnsupportedField kUnsupportedFields[] = {
+    {"use_beam_search", "false", "beam search is not supported by this server"},
+    {"length_penalty", "1.0", "'length_penalty' applies to beam search, which this server does not support"},
+    {"prompt_logprobs", nullptr,
+     "'prompt_logprobs' is not supported: the engine does not compute logprobs of prompt tokens (in P/D the "
+     "producer's prefill would have to supply them)"},
+    {"guided_json", nullptr, "structured output (guided_json) is not supported by this server"},
+    {"guided_regex", nullptr, "structured output (guided_regex) is not supported by this server"},
+    {"guided_choice", nullptr, "structured output (guided_choice) is not supported by this server"},
+    {"guided_grammar", nullptr, "structured output (guided_grammar) is not supported by this server"},
+    {"guided_decoding_backend", nullptr, "structured output (guided_decoding_backend) is not supported by this server"},
+    {"guided_whitespace_pattern", nullptr,
+     "structured output (guided_whitespace_pattern) is not supported by this server"},
+    {"structured_outputs", nullptr, "structured output is not supported by this server"},
+    {"structural_tag", nullptr, "structured output (structural_tag) is not supported by this server"},
+    {"logits_processors", nullptr, "request-supplied logits processors are not supported by this server", true},
+    {"vllm_xargs", nullptr, "'vllm_xargs' is not supported by this server", true},
+    {"spaces_between_special_tokens", "true", "only 'spaces_between_special_tokens' true is supported"},
+    {"priority", "0", "request priorities are not supported by this server (only 0)"},
+    {"cache_salt", nullptr, "'cache_salt' is not supported by this server"},
+    {"prompt_embeds", nullptr, "'prompt_embeds' is not supported by this server"},
+    {"mm_processor_kwargs", nullptr, "multimodal inputs are not supported by this server", true},
+    {"documents", nullptr, "'documents' is not supported by this server", true},
+    {"parallel_tool_calls", nullptr, "tool calling is not supported by this server"},
+    {"functions", nullptr, "function calling is not supported by this server", true},
+    {"function_call", nullptr, "function calling is not supported by this server"},
+    {"reasoning_effort", nullptr, "'reasoning_effort' is not supported by this server"},
+    {"include_reasoning", "true", "reasoning output is not supported by this server"},
+    {"prediction", nullptr, "predicted outputs are not supported by this server"},
+    {"audio", nullptr, "audio output is not supported by this server"},
+    {"modalities", nullptr, "only text output is supported by this server"},
+    {"web_search_options", nullptr, "web search is not supported by this server"},
+};
+
+bool is_off(const ojson& value, const char* off, bool empty_is_off) {
+  if (value.is_null()) return true;
+  if (empty_is_off && (value.is_array() || value.is_object()) && value.empty()) return true;
+  if (off == nullptr) return false;
+  const ojson expected = ojson::parse(off);
+  if (expected.is_number() && value.is_number()) return value.get<double>() == expected.get<double>();
+  return value == expected;
+}
+
+void refuse_unsupported_fields(FieldReader& reader, bool is_chat) {
+  for (const UnsupportedField& field : kUnsupportedFields) {
+    const ojson* value = reader.raw(field.name);
+    if (value && !is_off(*value, field.off, field.empty_is_off)) return reader.fail(unsupported(field.why, field.name));
+  }
+  if (!is_chat) {
+    if (const ojson* tools = reader.raw("tools"); tools && !is_off(*tools, nullptr, true))
+      return reader.fail(unsupported("tool calling is not supported by this server", "tools"));
+    if (const ojson* choice = reader.raw("tool_choice"); choice && !is_off(*choice, "\"none\"", false))
+      return reader.fail(unsupported("tool calling is not supported by this server", "tool_choice"));
+  }
+}
+
 // Reads everything GenerationFields holds plus the sampling knobs common to
 // both endpoints.
 GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body, const RequestLimits& limits,
@@ -197,7 +318,7 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
     } else {
       FieldReader options_reader(*options);
       fields.include_usage = options_reader.boolean("include_usage").value_or(false);
-      options_reader.boolean("continuous_usage_stats");
+      fields.continuous_usage_stats = options_reader.boolean("continuous_usage_stats").value_or(false);
       if (options_reader.error()) reader.fail(*options_reader.error());
       if (!fields.stream && !reader.error())
         reader.fail(bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options"));
@@ -238,20 +359,36 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
   parse_stop(reader, limits, sampling);
   parse_stop_token_ids(reader, limits, sampling);
 
-  if (auto n = reader.integer("n", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max())) {
-    if (*n != 1) reader.fail(bad_request(fmt::format("'n' must be 1 on this server, got {}", *n), "n"));
+  if (auto n = reader.integer("n", 1, limits.max_n)) fields.n = static_cast<int32_t>(*n);
+  if (const ojson* best_of = reader.raw("best_of")) {
+    // vLLM v1 samples n candidates and returns them all: best_of may only name that same n.
+    auto value = reader.integer("best_of", 1, limits.max_n);
+    if (value && *value != fields.n)
+      reader.fail(bad_request(
+          fmt::format("'best_of' ({}) other than 'n' ({}) is not supported by this server", best_of->dump(), fields.n),
+          "best_of"));
   }
-  if (auto best_of =
-          reader.integer("best_of", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max())) {
-    if (*best_of != 1)
-      reader.fail(bad_request(fmt::format("'best_of' must be 1 on this server, got {}", *best_of), "best_of"));
+  if (auto p = reader.number("presence_penalty", -2.0, 2.0)) sampling.presence_penalty = static_cast<float>(*p);
+  if (auto f = reader.number("frequency_penalty", -2.0, 2.0)) sampling.frequency_penalty = static_cast<float>(*f);
+  if (auto r = reader.number("repetition_penalty", 0.0, 2.0)) {
+    if (*r <= 0.0) reader.fail(bad_request("'repetition_penalty' must be in (0, 2], got 0", "repetition_penalty"));
+    sampling.repetition_penalty = static_cast<float>(*r);
   }
-  require_default_number(reader, "presence_penalty", 0.0);
-  require_default_number(reader, "frequency_penalty", 0.0);
-  require_default_number(reader, "repetition_penalty", 1.0);
-  if (const ojson* bias = reader.raw("logit_bias")) {
-    if (!bias->is_object() || !bias->empty())
-      reader.fail(bad_request("'logit_bias' is not supported by this server", "logit_bias"));
+  parse_logit_bias(reader, limits, sampling);
+  parse_allowed_token_ids(reader, limits, sampling);
+  parse_bad_words(reader, limits, fields.bad_words);
+  if (const ojson* truncate = reader.raw("truncate_prompt_tokens")) {
+    if (auto k = reader.integer("truncate_prompt_tokens", -1, std::numeric_limits<int32_t>::max())) {
+      if (*k == 0)
+        reader.fail(bad_request("'truncate_prompt_tokens' must be -1 or at least 1, got 0", "truncate_prompt_tokens"));
+      else if (*k > limits.max_model_len)
+        reader.fail(bad_request(
+            fmt::format("'truncate_prompt_tokens' ({}) is greater than max_model_len ({})", *k, limits.max_model_len),
+            "truncate_prompt_tokens"));
+      else
+        fields.truncate_prompt_tokens = static_cast<int32_t>(*k == -1 ? limits.max_model_len : *k);
+    }
+    (void)truncate;
   }
   if (const ojson* format = reader.raw("response_format")) {
     // Not value("type", ""): it throws when the client sends a non-string type.
@@ -259,8 +396,12 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
     bool is_text = format->is_object() && type != format->end() && type->is_string() &&
                    type->get_ref<const std::string&>() == "text";
     if (!is_text)
-      reader.fail(bad_request("only 'response_format' {\"type\": \"text\"} is supported", "response_format"));
+      reader.fail(
+          unsupported("structured output ('response_format' other than {\"type\": \"text\"}) is not "
+                      "supported by this server",
+                      "response_format"));
   }
+  refuse_unsupported_fields(reader, is_chat);
   reader.string("user");
 
   if (const ojson* params = reader.raw("kv_transfer_params")) {
@@ -403,7 +544,7 @@ void parse_template_extras(FieldReader& reader, ojson& tools, ojson& kwargs) {
       kwargs = *k;
   }
   if (reader.raw("chat_template"))
-    reader.fail(bad_request("a request-supplied 'chat_template' is not supported", "chat_template"));
+    reader.fail(unsupported("a request-supplied 'chat_template' is not supported", "chat_template"));
 }
 
 }  // namespace
@@ -423,10 +564,20 @@ Parsed<CompletionRequest> parse_completion_request(const ojson& body, const Requ
   request.fields = parse_generation_fields(reader, body, limits, /*is_chat=*/false);
   if (auto logprobs = reader.integer("logprobs", 0, limits.max_logprobs))
     request.fields.sampling.logprobs = static_cast<int32_t>(*logprobs);
-  if (reader.boolean("echo").value_or(false)) reader.fail(bad_request("'echo' must be false on this server", "echo"));
+  request.echo = reader.boolean("echo").value_or(false);
+  if (request.echo && request.fields.sampling.logprobs >= 0)
+    reader.fail(
+        unsupported("'echo' with 'logprobs' needs logprobs of the prompt tokens, which this server does not "
+                    "compute",
+                    "echo"));
+  request.add_special_tokens = reader.boolean("add_special_tokens").value_or(true);
   if (auto suffix = reader.string("suffix"); suffix && !suffix->empty())
-    reader.fail(bad_request("'suffix' is not supported", "suffix"));
+    reader.fail(unsupported("'suffix' is not supported", "suffix"));
   parse_prompts(reader, limits, request.prompts);
+  if (!reader.error() && request.prompts.size() * static_cast<size_t>(request.fields.n) > limits.max_choices)
+    reader.fail(bad_request(fmt::format("{} prompts x n={} is more than {} choices", request.prompts.size(),
+                                        request.fields.n, limits.max_choices),
+                            "n"));
   // The params name one transfer (one transfer_id, one prompt's KV); every
   // prompt of a batch would carry the same ones, and the connector refuses
   // the second request with an id already in use.
@@ -434,6 +585,8 @@ Parsed<CompletionRequest> parse_completion_request(const ojson& body, const Requ
     reader.fail(bad_request(
         fmt::format("kv_transfer_params needs exactly one prompt; 'prompt' holds {}", request.prompts.size()),
         "kv_transfer_params"));
+  if (request.fields.kv_transfer_params && request.fields.n > 1)
+    reader.fail(bad_request("kv_transfer_params needs exactly one choice; 'n' is more than 1", "kv_transfer_params"));
   return finish(reader, std::move(request));
 }
 
@@ -446,15 +599,25 @@ Parsed<ChatRequest> parse_chat_request(const ojson& body, const RequestLimits& l
   if (top && *top > 0 && !request.logprobs)
     reader.fail(bad_request("'top_logprobs' needs 'logprobs' to be true", "top_logprobs"));
   if (request.logprobs) request.fields.sampling.logprobs = static_cast<int32_t>(top.value_or(0));
-  if (reader.boolean("echo").value_or(false)) reader.fail(bad_request("'echo' must be false on this server", "echo"));
+  if (reader.boolean("echo").value_or(false))
+    reader.fail(unsupported("'echo' is not supported for chat on this server", "echo"));
   request.add_generation_prompt = reader.boolean("add_generation_prompt").value_or(true);
+  request.add_special_tokens = reader.boolean("add_special_tokens").value_or(false);
   if (reader.boolean("continue_final_message").value_or(false))
-    reader.fail(bad_request("'continue_final_message' is not supported", "continue_final_message"));
+    reader.fail(unsupported("'continue_final_message' is not supported", "continue_final_message"));
   parse_template_extras(reader, request.tools, request.chat_template_kwargs);
-  if (const ojson* choice = reader.raw("tool_choice")) {
-    if (!choice->is_string() || (choice->get<std::string>() != "none" && choice->get<std::string>() != "auto"))
-      reader.fail(bad_request("only 'tool_choice' \"none\" or \"auto\" is supported", "tool_choice"));
-  }
+  // No tool-call parser: tools may only be shown to the model with tool_choice
+  // "none" (plain text comes back, as from vLLM without a tool parser).
+  const ojson* choice = reader.raw("tool_choice");
+  const bool choice_none = choice && choice->is_string() && choice->get_ref<const std::string&>() == "none";
+  if (choice && !choice_none)
+    reader.fail(
+        unsupported("tool calling is not supported by this server (only 'tool_choice' \"none\")", "tool_choice"));
+  else if (!request.tools.is_null() && !request.tools.empty() && !choice_none)
+    reader.fail(
+        unsupported("tool calling is not supported by this server: send 'tools' only with 'tool_choice' "
+                    "\"none\"",
+                    "tools"));
   if (!reader.error()) {
     if (auto error = validate_messages(reader.raw("messages"), request.messages)) reader.fail(*error);
   }
@@ -514,7 +677,7 @@ Parsed<int32_t> resolve_max_tokens(int32_t num_prompt_tokens, std::optional<int3
   return *requested;
 }
 
-json usage_json(const Usage& usage) {
+ResponseJson usage_json(const Usage& usage) {
   return {{"prompt_tokens", usage.prompt_tokens},
           {"completion_tokens", usage.completion_tokens},
           {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
@@ -525,18 +688,32 @@ double json_logprob(float logprob) {
   return std::max(static_cast<double>(logprob), -9999.0);
 }
 
-json completion_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text,
-                              int64_t& text_offset) {
-  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(), offsets = json::array();
+ResponseJson completion_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text,
+                                      int64_t& text_offset) {
+  ResponseJson tokens = ResponseJson::array(), token_logprobs = ResponseJson::array(),
+               top_logprobs = ResponseJson::array(), offsets = ResponseJson::array();
   for (const auto& entry : logprobs) {
     std::string text = token_text(entry.token_id);
     tokens.push_back(text);
     token_logprobs.push_back(json_logprob(entry.logprob));
-    json top = json::object();
-    for (const auto& candidate : entry.top) top[token_text(candidate.token_id)] = json_logprob(candidate.logprob);
+    // The candidates in rank order, the sampled token placed by its logprob
+    // when the top-n do not hold it (ties: after the candidates that share its value).
+    std::vector<engine::TopLogprob> ranked = entry.top;
+    const bool listed = std::any_of(ranked.begin(), ranked.end(),
+                                    [&](const engine::TopLogprob& c) { return c.token_id == entry.token_id; });
+    if (!listed) {
+      auto at = std::find_if(ranked.begin(), ranked.end(),
+                             [&](const engine::TopLogprob& c) { return c.logprob < entry.logprob; });
+      ranked.insert(at, engine::TopLogprob{entry.token_id, entry.logprob});
+    }
+    ResponseJson top = ResponseJson::object();
+    for (const auto& candidate : ranked) {
+      std::string candidate_text = token_text(candidate.token_id);
+      if (!top.contains(candidate_text)) top[candidate_text] = json_logprob(candidate.logprob);
+    }
     top_logprobs.push_back(std::move(top));
     offsets.push_back(text_offset);
-    text_offset += static_cast<int64_t>(text.size());
+    text_offset += utf8_length(text);
   }
   return {{"tokens", std::move(tokens)},
           {"token_logprobs", std::move(token_logprobs)},
@@ -544,19 +721,25 @@ json completion_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs,
           {"text_offset", std::move(offsets)}};
 }
 
+int64_t utf8_length(std::string_view text) {
+  int64_t n = 0;
+  for (unsigned char c : text) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
 namespace {
-json utf8_bytes(const std::string& text) {
-  json bytes = json::array();
+ResponseJson utf8_bytes(const std::string& text) {
+  ResponseJson bytes = ResponseJson::array();
   for (unsigned char c : text) bytes.push_back(static_cast<int>(c));
   return bytes;
 }
 }  // namespace
 
-json chat_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text) {
-  json content = json::array();
+ResponseJson chat_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text) {
+  ResponseJson content = ResponseJson::array();
   for (const auto& entry : logprobs) {
     std::string text = token_text(entry.token_id);
-    json top = json::array();
+    ResponseJson top = ResponseJson::array();
     for (const auto& candidate : entry.top) {
       std::string candidate_text = token_text(candidate.token_id);
       top.push_back({{"token", candidate_text},
@@ -571,7 +754,7 @@ json chat_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const
   return {{"content", std::move(content)}};
 }
 
-json finish_reason_json(engine::FinishReason reason) {
+ResponseJson finish_reason_json(engine::FinishReason reason) {
   switch (reason) {
     case engine::FinishReason::kNone:
       return nullptr;
@@ -587,21 +770,21 @@ json finish_reason_json(engine::FinishReason reason) {
   return nullptr;
 }
 
-json stop_reason_json(const std::optional<std::string>& stop_string, const std::optional<int32_t>& stop_id) {
+ResponseJson stop_reason_json(const std::optional<std::string>& stop_string, const std::optional<int32_t>& stop_id) {
   if (stop_string) return *stop_string;
   if (stop_id) return *stop_id;
   return nullptr;
 }
 
 namespace {
-json kv_params_or_null(const std::optional<json>& params) {
-  return params ? *params : json(nullptr);
+ResponseJson kv_params_or_null(const std::optional<ResponseJson>& params) {
+  return params ? *params : ResponseJson(nullptr);
 }
 }  // namespace
 
-json completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices, const Usage& usage,
-                         const std::optional<json>& kv_transfer_params) {
-  json out_choices = json::array();
+ResponseJson completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices,
+                                 const Usage& usage, const std::optional<ResponseJson>& kv_transfer_params) {
+  ResponseJson out_choices = ResponseJson::array();
   for (size_t i = 0; i < choices.size(); ++i) {
     const auto& c = choices[i];
     out_choices.push_back({{"index", i},
@@ -620,16 +803,17 @@ json completion_response(const ResponseHeader& header, const std::vector<ChoiceR
           {"kv_transfer_params", kv_params_or_null(kv_transfer_params)}};
 }
 
-json chat_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices, const Usage& usage,
-                   const std::optional<json>& kv_transfer_params) {
-  json out_choices = json::array();
+ResponseJson chat_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices, const Usage& usage,
+                           const std::optional<ResponseJson>& kv_transfer_params) {
+  ResponseJson out_choices = ResponseJson::array();
   for (size_t i = 0; i < choices.size(); ++i) {
     const auto& c = choices[i];
-    out_choices.push_back({{"index", i},
-                           {"message", {{"role", "assistant"}, {"content", c.text}, {"tool_calls", json::array()}}},
-                           {"logprobs", c.logprobs},
-                           {"finish_reason", finish_reason_json(c.finish_reason)},
-                           {"stop_reason", c.stop_reason}});
+    out_choices.push_back(
+        {{"index", i},
+         {"message", {{"role", "assistant"}, {"content", c.text}, {"tool_calls", ResponseJson::array()}}},
+         {"logprobs", c.logprobs},
+         {"finish_reason", finish_reason_json(c.finish_reason)},
+         {"stop_reason", c.stop_reason}});
     if (c.token_ids) out_choices.back()["token_ids"] = *c.token_ids;
   }
   return {{"id", header.id},
@@ -641,43 +825,47 @@ json chat_response(const ResponseHeader& header, const std::vector<ChoiceResult>
           {"kv_transfer_params", kv_params_or_null(kv_transfer_params)}};
 }
 
-json completion_chunk(const ResponseHeader& header, int32_t index, const std::string& text, json logprobs,
-                      json finish_reason, json stop_reason) {
-  json choice = {{"index", index},
-                 {"text", text},
-                 {"logprobs", std::move(logprobs)},
-                 {"finish_reason", std::move(finish_reason)},
-                 {"stop_reason", std::move(stop_reason)}};
+ResponseJson completion_chunk(const ResponseHeader& header, int32_t index, const std::string& text,
+                              ResponseJson logprobs, ResponseJson finish_reason, ResponseJson stop_reason) {
+  ResponseJson choice = {{"index", index},
+                         {"text", text},
+                         {"logprobs", std::move(logprobs)},
+                         {"finish_reason", std::move(finish_reason)},
+                         {"stop_reason", std::move(stop_reason)}};
   return {{"id", header.id},
           {"object", "text_completion"},
           {"created", header.created},
           {"model", header.model},
-          {"choices", json::array({std::move(choice)})}};
+          {"choices", ResponseJson::array({std::move(choice)})}};
 }
 
-json chat_chunk(const ResponseHeader& header, int32_t index, json delta, json logprobs, json finish_reason,
-                json stop_reason) {
-  json choice = {{"index", index},
-                 {"delta", std::move(delta)},
-                 {"logprobs", std::move(logprobs)},
-                 {"finish_reason", std::move(finish_reason)},
-                 {"stop_reason", std::move(stop_reason)}};
+ResponseJson chat_chunk(const ResponseHeader& header, int32_t index, ResponseJson delta, ResponseJson logprobs,
+                        ResponseJson finish_reason, ResponseJson stop_reason) {
+  ResponseJson choice = {{"index", index},
+                         {"delta", std::move(delta)},
+                         {"logprobs", std::move(logprobs)},
+                         {"finish_reason", std::move(finish_reason)},
+                         {"stop_reason", std::move(stop_reason)}};
   return {{"id", header.id},
           {"object", "chat.completion.chunk"},
           {"created", header.created},
           {"model", header.model},
-          {"choices", json::array({std::move(choice)})}};
+          {"choices", ResponseJson::array({std::move(choice)})}};
 }
 
-json usage_chunk(const ResponseHeader& header, const char* object, const Usage& usage) {
-  return {{"id", header.id},       {"object", object},         {"created", header.created},
-          {"model", header.model}, {"choices", json::array()}, {"usage", usage_json(usage)}};
+ResponseJson usage_chunk(const ResponseHeader& header, const char* object, const Usage& usage) {
+  return {{"id", header.id},
+          {"object", object},
+          {"created", header.created},
+          {"model", header.model},
+          {"choices", ResponseJson::array()},
+          {"usage", usage_json(usage)}};
 }
 
-std::string sse_event(const json& payload) {
+std::string sse_event(const ResponseJson& payload) {
   // error_handler::replace keeps a stream alive when generated text holds an
   // invalid UTF-8 sequence; the engine promises none, this is the backstop.
-  return "data: " + payload.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+  return "data: " + payload.dump(-1, ' ', false, ResponseJson::error_handler_t::replace) + "\n\n";
 }
 
 }  // namespace pd::server

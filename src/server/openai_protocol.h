@@ -38,6 +38,12 @@ struct RequestLimits {
   size_t max_stop_token_ids = 256;
   size_t max_batch_prompts = 64;
   size_t max_json_depth = 64;
+  int32_t max_n = 64;            // choices per prompt
+  size_t max_choices = 256;      // prompts x n
+  size_t max_logit_bias = 1024;  // entries
+  size_t max_allowed_token_ids = 1 << 18;
+  size_t max_bad_words = 64;
+  size_t max_bad_word_bytes = 256;
 };
 
 // Parses a request body as a JSON object. Malformed JSON, a non-object and
@@ -54,9 +60,15 @@ struct PromptInput {
 struct GenerationFields {
   std::string model;  // empty = the default served model
   bool stream = false;
-  bool include_usage = false;         // stream_options.include_usage
-  engine::SamplingParams sampling;    // max_tokens left at its default; see max_tokens below
-  std::optional<int32_t> max_tokens;  // as requested; resolved against the prompt length later
+  bool include_usage = false;  // stream_options.include_usage
+  // stream_options.continuous_usage_stats: with include_usage, every chunk carries usage so far.
+  bool continuous_usage_stats = false;
+  int32_t n = 1;  // choices per prompt; choice j of a prompt is seeded with seed + j (vLLM)
+  // Keep only the last k prompt tokens (vLLM's truncate_prompt_tokens; -1 = max_model_len).
+  std::optional<int32_t> truncate_prompt_tokens;
+  std::vector<std::string> bad_words;  // tokenized by the service into SamplingParams::bad_words_token_ids
+  engine::SamplingParams sampling;     // max_tokens left at its default; see max_tokens below
+  std::optional<int32_t> max_tokens;   // as requested; resolved against the prompt length later
   std::optional<nlohmann::ordered_json> kv_transfer_params;
   std::optional<std::string> request_id;    // vLLM extension: a client-chosen id prefix
   bool return_tokens_as_token_ids = false;  // vLLM extension: logprobs name tokens "token_id:<id>"
@@ -65,16 +77,19 @@ struct GenerationFields {
 
 struct CompletionRequest {
   GenerationFields fields;
-  std::vector<PromptInput> prompts;  // >= 1; each becomes one choice
+  std::vector<PromptInput> prompts;  // >= 1; each becomes n choices
+  bool echo = false;                 // the prompt's text precedes each choice's text
+  bool add_special_tokens = true;    // when tokenizing text prompts
 };
 
 struct ChatRequest {
   GenerationFields fields;
   nlohmann::ordered_json messages;  // validated; every content normalized to a string (or null)
   bool add_generation_prompt = true;
-  nlohmann::ordered_json tools;  // null when absent
+  nlohmann::ordered_json tools;  // null when absent; only rendered with tool_choice "none"
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool logprobs = false;
+  bool add_special_tokens = false;  // the template writes its own special tokens
 };
 
 struct TokenizeRequest {
@@ -106,29 +121,39 @@ Parsed<int32_t> resolve_max_tokens(int32_t num_prompt_tokens, std::optional<int3
 
 // ---- responses ----
 
+// Responses keep their keys in insertion order (OpenAI's field order; top
+// logprobs in rank order).
+using ResponseJson = nlohmann::ordered_json;
+
 // Text of one token for logprobs ("token" fields).
 using TokenTextFn = std::function<std::string(int32_t)>;
+
+// Length of UTF-8 text in code points (what Python's len() gives vLLM).
+int64_t utf8_length(std::string_view text);
 
 struct Usage {
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
   int64_t cached_tokens = 0;
 };
-nlohmann::json usage_json(const Usage& usage);
+ResponseJson usage_json(const Usage& usage);
 
 // JSON cannot hold -inf; like vLLM, clamp to -9999.
 double json_logprob(float logprob);
 
-// Completions logprobs object for a run of tokens; text_offset advances by the
-// length of each token's text.
-nlohmann::json completion_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs,
-                                        const TokenTextFn& token_text, int64_t& text_offset);
+// Completions logprobs object for a run of tokens, as vLLM writes it: each
+// step's top_logprobs holds the top-n candidates and the sampled token (n + 1
+// entries when it is not among them; logprobs 0 = the sampled token only), in
+// rank order; text_offset advances by each token's length in characters
+// (Unicode code points), not bytes.
+ResponseJson completion_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text,
+                                      int64_t& text_offset);
 // Chat logprobs object {"content": [...]} for a run of tokens.
-nlohmann::json chat_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text);
+ResponseJson chat_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text);
 
 // finish_reason / stop_reason as OpenAI and vLLM spell them.
-nlohmann::json finish_reason_json(engine::FinishReason reason);
-nlohmann::json stop_reason_json(const std::optional<std::string>& stop_string, const std::optional<int32_t>& stop_id);
+ResponseJson finish_reason_json(engine::FinishReason reason);
+ResponseJson stop_reason_json(const std::optional<std::string>& stop_string, const std::optional<int32_t>& stop_id);
 
 struct ResponseHeader {
   std::string id;
@@ -139,26 +164,26 @@ struct ResponseHeader {
 // One finished choice of a non-streamed response.
 struct ChoiceResult {
   std::string text;
-  nlohmann::json logprobs;  // null or the logprobs object
+  ResponseJson logprobs;  // null or the logprobs object
   engine::FinishReason finish_reason = engine::FinishReason::kNone;
-  nlohmann::json stop_reason;
+  ResponseJson stop_reason;
   std::optional<std::vector<int32_t>> token_ids;  // return_token_ids
 };
 
-nlohmann::json completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices,
-                                   const Usage& usage, const std::optional<nlohmann::json>& kv_transfer_params);
-nlohmann::json chat_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices, const Usage& usage,
-                             const std::optional<nlohmann::json>& kv_transfer_params);
+ResponseJson completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices,
+                                 const Usage& usage, const std::optional<ResponseJson>& kv_transfer_params);
+ResponseJson chat_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices, const Usage& usage,
+                           const std::optional<ResponseJson>& kv_transfer_params);
 
-nlohmann::json completion_chunk(const ResponseHeader& header, int32_t index, const std::string& text,
-                                nlohmann::json logprobs, nlohmann::json finish_reason, nlohmann::json stop_reason);
-nlohmann::json chat_chunk(const ResponseHeader& header, int32_t index, nlohmann::json delta, nlohmann::json logprobs,
-                          nlohmann::json finish_reason, nlohmann::json stop_reason);
+ResponseJson completion_chunk(const ResponseHeader& header, int32_t index, const std::string& text,
+                              ResponseJson logprobs, ResponseJson finish_reason, ResponseJson stop_reason);
+ResponseJson chat_chunk(const ResponseHeader& header, int32_t index, ResponseJson delta, ResponseJson logprobs,
+                        ResponseJson finish_reason, ResponseJson stop_reason);
 // The final stream_options.include_usage chunk: no choices, usage set.
-nlohmann::json usage_chunk(const ResponseHeader& header, const char* object, const Usage& usage);
+ResponseJson usage_chunk(const ResponseHeader& header, const char* object, const Usage& usage);
 
 // "data: <json>\n\n" and the terminator.
-std::string sse_event(const nlohmann::json& payload);
+std::string sse_event(const ResponseJson& payload);
 inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
 
 }  // namespace pd::server

@@ -6,6 +6,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <random>
@@ -62,6 +63,10 @@ struct OpenAiService::Generation {
   struct Choice {
     std::string request_id;
     std::vector<int32_t> prompt;
+    int32_t sample_index = 0;         // j of the prompt's n choices: seeded with seed + j
+    bool counts_prompt = true;        // usage counts a prompt once, not once per choice
+    bool deferred = false;            // waits for its prompt's first choice to fill the prefix cache
+    std::optional<std::string> echo;  // completions with echo: the prompt's text, sent first
     int32_t max_tokens = 0;
     bool finished = false;
     bool sent_role = false;  // chat streams open each choice with the role
@@ -70,12 +75,13 @@ struct OpenAiService::Generation {
     std::vector<int32_t> token_ids;  // return_token_ids
     int64_t text_offset = 0;
     engine::FinishReason finish_reason = engine::FinishReason::kNone;
-    json stop_reason;
+    ResponseJson stop_reason;
     int32_t num_prompt_tokens = 0;
     int32_t num_output_tokens = 0;
     std::optional<json> kv_transfer_params;
     std::string error;
     bool invalid_request = false;  // the error is the client's (HTTP 400)
+    bool conflict = false;         // ... a duplicate of state in flight (HTTP 409)
   };
   struct Pending {
     size_t index;
@@ -101,7 +107,13 @@ OpenAiService::OpenAiService(const ServerConfig& config, engine::Engine& engine,
       engine_(engine),
       tokenizer_(std::move(tokenizer)),
       max_model_len_(max_model_len),
-      created_unix_s_(unix_seconds()) {
+      created_unix_s_(unix_seconds()),
+      max_generation_tokens_(metrics::Registry::global().histogram(
+          "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+          {{"model_name", config.primary_model_name()}}, metrics::one_two_five_buckets(max_model_len))),
+      params_n_(metrics::Registry::global().histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                                      {{"model_name", config.primary_model_name()}},
+                                                      {1, 2, 5, 10, 20})) {
   limits_.max_model_len = max_model_len;
 }
 
@@ -135,6 +147,7 @@ void OpenAiService::register_routes(HttpServer& server) {
   server.route(http::verb::get, "/v1/models", bind(&OpenAiService::handle_models), true);
   server.route(http::verb::post, "/tokenize", bind(&OpenAiService::handle_tokenize), true);
   server.route(http::verb::post, "/detokenize", bind(&OpenAiService::handle_detokenize), true);
+  if (releaser_) server.route(http::verb::post, "/pd/release", bind(&OpenAiService::handle_release), true);
   server.route(http::verb::get, "/health", [](HttpExchange& exchange) -> net::awaitable<void> {
     co_await exchange.respond(http::status::ok, "", "text/plain");
   });
@@ -177,6 +190,70 @@ net::awaitable<void> OpenAiService::handle_models(HttpExchange& exchange) {
 
 namespace {
 
+// The body of POST /pd/release: exactly {"transfer_id": "<32 hex digits>"}.
+Parsed<std::string> parse_release_body(const ojson& body) {
+  for (const auto& [key, value] : body.items()) {
+    if (key != "transfer_id") return bad_request(fmt::format("unknown field '{}'", key), key);
+  }
+  auto it = body.find("transfer_id");
+  if (it == body.end() || !it->is_string()) return bad_request("transfer_id (a string) is required", "transfer_id");
+  const std::string& id = it->get_ref<const std::string&>();
+  const bool hex = id.size() == 32 && std::all_of(id.begin(), id.end(), [](char c) {
+                     return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+                   });
+  if (!hex) return bad_request("transfer_id must be 32 hex digits", "transfer_id");
+  return id;
+}
+
+// How long POST /pd/release waits for the engine thread to take the release.
+constexpr int64_t kReleaseAnswerTimeoutMs = 10'000;
+
+}  // namespace
+
+net::awaitable<void> OpenAiService::handle_release(HttpExchange& exchange) {
+  auto body = parse_json_object(exchange.request().body(), limits_.max_json_depth);
+  if (failed(body)) {
+    ApiError error = take_error(body);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto id = parse_release_body(std::get<ojson>(body));
+  if (failed(id)) {
+    ApiError error = take_error(id);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  const std::string transfer_id = std::get<std::string>(std::move(id));
+  // The engine thread answers through a post to this connection's strand.
+  struct Answer {
+    explicit Answer(const ConnectionExecutor& executor) : wake(executor) {}
+    net::steady_timer wake;
+    std::optional<bool> released;
+  };
+  auto answer = std::make_shared<Answer>(exchange.executor());
+  auto executor = exchange.executor();
+  answer->wake.expires_after(std::chrono::milliseconds(kReleaseAnswerTimeoutMs));
+  releaser_(transfer_id, [answer, executor](bool released) {
+    net::post(executor, [answer, released] {
+      answer->released = released;
+      answer->wake.cancel();
+    });
+  });
+  if (!answer->released) {
+    error_code ec;
+    co_await answer->wake.async_wait(net::redirect_error(net::use_awaitable, ec));
+  }
+  if (!answer->released) {
+    ApiError error{503, "the engine did not take the release in time; retry", "service_unavailable", "", "unavailable"};
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  json out = {{"transfer_id", transfer_id}, {"released", *answer->released}};
+  co_await exchange.respond_json(http::status::ok, out);
+}
+
+namespace {
+
 // Everything a generation handler does before talking to the engine, kept
 // out of coroutines (plain functions are easier for g++ 12 and for tests).
 Parsed<std::vector<int32_t>> tokenize_text(const tokenizer::Tokenizer* tokenizer, const std::string& text,
@@ -202,6 +279,46 @@ json kv_params_to_json(const std::optional<ojson>& params) {
 
 }  // namespace
 
+void OpenAiService::truncate_prompt(std::vector<int32_t>& ids, std::optional<int32_t> keep_last) {
+  if (keep_last && ids.size() > static_cast<size_t>(*keep_last))
+    ids.erase(ids.begin(), ids.end() - static_cast<std::ptrdiff_t>(*keep_last));
+}
+
+std::string OpenAiService::echo_text(const std::vector<int32_t>& ids) const {
+  if (!tokenizer_) return {};
+  return tokenizer_->decode(ids, /*skip_special_tokens=*/false);
+}
+
+void OpenAiService::add_choices(Generation& generation, std::vector<int32_t> prompt, int32_t n,
+                                std::optional<std::string> echo) {
+  for (int32_t j = 0; j < n; ++j) {
+    Generation::Choice choice;
+    choice.prompt = prompt;
+    choice.sample_index = j;
+    choice.counts_prompt = j == 0;
+    choice.echo = echo;
+    generation.choices.push_back(std::move(choice));
+  }
+}
+
+// bad_words are words: each is banned as its own tokens and, as vLLM does, as
+// the tokens of " word" when that spelling starts with a different token of
+// the same count (the word in the middle of a text).
+std::optional<ApiError> OpenAiService::prepare_sampling(GenerationFields& fields) const {
+  if (fields.bad_words.empty()) return std::nullopt;
+  if (!tokenizer_) return unsupported("'bad_words' needs a tokenizer; this model has none", "bad_words");
+  for (const std::string& word : fields.bad_words) {
+    const std::string bare = word.substr(word.find_first_not_of(" \t\n\r"));
+    std::vector<int32_t> plain = tokenizer_->encode(bare, /*add_special_tokens=*/false);
+    std::vector<int32_t> spaced = tokenizer_->encode(" " + bare, /*add_special_tokens=*/false);
+    if (plain.empty()) continue;
+    const bool add_spaced = !spaced.empty() && spaced.size() == plain.size() && spaced.front() != plain.front();
+    fields.sampling.bad_words_token_ids.push_back(std::move(plain));
+    if (add_spaced) fields.sampling.bad_words_token_ids.push_back(std::move(spaced));
+  }
+  return std::nullopt;
+}
+
 net::awaitable<void> OpenAiService::handle_completions(HttpExchange& exchange) {
   auto body = parse_json_object(exchange.request().body(), limits_.max_json_depth);
   if (failed(body)) {
@@ -224,19 +341,26 @@ net::awaitable<void> OpenAiService::handle_completions(HttpExchange& exchange) {
   auto generation = std::make_shared<Generation>(exchange.executor());
   generation->api = Generation::Api::kCompletion;
   for (auto& prompt : request.prompts) {
-    Generation::Choice choice;
+    std::vector<int32_t> ids;
     if (prompt.text) {
-      auto ids = tokenize_text(tokenizer_.get(), *prompt.text, /*add_special_tokens=*/true);
-      if (failed(ids)) {
-        ApiError error = take_error(ids);
+      auto tokenized = tokenize_text(tokenizer_.get(), *prompt.text, request.add_special_tokens);
+      if (failed(tokenized)) {
+        ApiError error = take_error(tokenized);
         co_await exchange.respond_error(error);
         co_return;
       }
-      choice.prompt = std::get<std::vector<int32_t>>(std::move(ids));
+      ids = std::get<std::vector<int32_t>>(std::move(tokenized));
     } else {
-      choice.prompt = std::move(prompt.token_ids);
+      ids = std::move(prompt.token_ids);
     }
-    generation->choices.push_back(std::move(choice));
+    truncate_prompt(ids, request.fields.truncate_prompt_tokens);
+    std::optional<std::string> echo;
+    if (request.echo) echo = prompt.text && !request.fields.truncate_prompt_tokens ? *prompt.text : echo_text(ids);
+    add_choices(*generation, std::move(ids), request.fields.n, std::move(echo));
+  }
+  if (auto error = prepare_sampling(request.fields)) {
+    co_await exchange.respond_error(*error);
+    co_return;
   }
   generation->fields = std::move(request.fields);
   co_await run_generation(exchange, generation);
@@ -268,8 +392,8 @@ net::awaitable<void> OpenAiService::handle_chat(HttpExchange& exchange) {
     co_await exchange.respond_error(error);
     co_return;
   }
-  // The template already wrote any BOS it wants.
-  auto ids = tokenize_text(tokenizer_.get(), std::get<std::string>(text), /*add_special_tokens=*/false);
+  // The template already writes any BOS it wants (add_special_tokens defaults to false).
+  auto ids = tokenize_text(tokenizer_.get(), std::get<std::string>(text), request.add_special_tokens);
   if (failed(ids)) {
     ApiError error = take_error(ids);
     co_await exchange.respond_error(error);
@@ -277,9 +401,13 @@ net::awaitable<void> OpenAiService::handle_chat(HttpExchange& exchange) {
   }
   auto generation = std::make_shared<Generation>(exchange.executor());
   generation->api = Generation::Api::kChat;
-  Generation::Choice choice;
-  choice.prompt = std::get<std::vector<int32_t>>(std::move(ids));
-  generation->choices.push_back(std::move(choice));
+  auto prompt = std::get<std::vector<int32_t>>(std::move(ids));
+  truncate_prompt(prompt, request.fields.truncate_prompt_tokens);
+  add_choices(*generation, std::move(prompt), request.fields.n, std::nullopt);
+  if (auto error = prepare_sampling(request.fields)) {
+    co_await exchange.respond_error(*error);
+    co_return;
+  }
   generation->fields = std::move(request.fields);
   co_await run_generation(exchange, generation);
 }
@@ -287,22 +415,27 @@ net::awaitable<void> OpenAiService::handle_chat(HttpExchange& exchange) {
 namespace {
 
 // Stream chunks and final responses, built outside coroutines.
-json logprobs_for(bool chat, const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text,
-                  int64_t& text_offset) {
+ResponseJson logprobs_for(bool chat, const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text,
+                          int64_t& text_offset) {
   if (chat) return chat_logprobs_json(logprobs, token_text);
   return completion_logprobs_json(logprobs, token_text, text_offset);
 }
 
-json chat_role_delta() {
+ResponseJson chat_role_delta() {
   return {{"role", "assistant"}, {"content", ""}};
 }
 
 json timeout_error_json() {
-  return ApiError{504, "request exceeded --request-timeout-ms", "timeout_error", "", "timeout"}.to_json();
+  return request_timeout("request exceeded --request-timeout-ms").to_json();
+}
+
+// A request that names state already in flight here (a duplicate transfer id).
+ApiError conflict(std::string message) {
+  return ApiError{409, std::move(message), "invalid_request_error", "kv_transfer_params", "conflict"};
 }
 
 json error_event(const std::string& message) {
-  return ApiError{500, message, "internal_error", "", "internal_error"}.to_json();
+  return internal(message).to_json();
 }
 
 }  // namespace
@@ -343,15 +476,17 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
       if (!choice.request_id.empty() && !choice.finished) engine_.abort(choice.request_id);
   };
 
-  // Hand every prompt to the engine.
+  // Hands choice i to the engine.
   auto executor = exchange.executor();
-  for (size_t i = 0; i < g.choices.size(); ++i) {
+  auto launch = [&](size_t i) -> Status {
     auto& choice = g.choices[i];
     engine::GenerateRequest request;
     request.request_id = g.choices.size() == 1 ? g.header.id : fmt::format("{}-{}", g.header.id, i);
     request.prompt_token_ids = choice.prompt;
     request.sampling = g.fields.sampling;
     request.sampling.max_tokens = choice.max_tokens;
+    // vLLM's parallel sampling: choice j of a prompt draws from seed + j.
+    if (request.sampling.seed) *request.sampling.seed += static_cast<uint64_t>(choice.sample_index);
     if (g.fields.kv_transfer_params) request.kv_transfer_params = kv_params_to_json(g.fields.kv_transfer_params);
     request.arrival_ns = now_ns();
     std::string id = request.request_id;
@@ -362,17 +497,47 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
         generation->wake.cancel();
       });
     });
+    if (status.ok()) choice.request_id = std::move(id);
+    return status;
+  };
+  auto launch_error = [](const Status& status) {
+    // The engine's message names the field (prompt ids, stop ids, lengths).
+    ApiError error = api_error_from_status(status);
+    if (status.code() == ErrorCode::kResourceExhausted)
+      error.message = "the engine's queue is full; retry later (" + status.message() + ")";
+    return error;
+  };
+
+  // n > 1: a prompt's first choice goes first and its siblings once it has
+  // produced its first output. A block enters the prefix cache after the step
+  // that wrote its KV, so the siblings then find the prompt's full blocks
+  // cached and compute only the rest. A prompt without a full block shares
+  // nothing: its choices all go at once.
+  const auto block_size = static_cast<size_t>(engine_.kv_cache_spec().block_size);
+  for (auto& choice : g.choices) choice.deferred = choice.sample_index > 0 && choice.prompt.size() > block_size;
+  for (size_t i = 0; i < g.choices.size(); ++i) {
+    if (g.choices[i].deferred) continue;
+    Status status = launch(i);
     if (!status.ok()) {
       abort_unfinished();
-      // The engine's message names the field (prompt ids, stop ids, lengths).
-      ApiError error = api_error_from_status(status);
-      if (status.code() == ErrorCode::kResourceExhausted)
-        error.message = "the engine's queue is full; retry later (" + status.message() + ")";
+      ApiError error = launch_error(status);
       co_await exchange.respond_error(error);
       co_return;
     }
-    choice.request_id = std::move(id);
   }
+  std::optional<ApiError> deferred_error;
+  auto launch_siblings = [&](size_t first) {
+    for (size_t k = first + 1; k < g.choices.size() && g.choices[k].sample_index > 0; ++k) {
+      auto& sibling = g.choices[k];
+      if (!sibling.deferred) continue;
+      sibling.deferred = false;
+      Status status = launch(k);
+      if (status.ok()) continue;
+      sibling.finished = true;
+      ++g.num_finished;
+      if (!deferred_error) deferred_error = launch_error(status);
+    }
+  };
 
   exchange.watch_for_disconnect([generation] {
     generation->client_gone = true;
@@ -399,6 +564,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
   bool timed_out = false;
   std::string stream_error;
   bool stream_error_invalid = false;
+  bool stream_error_conflict = false;
 
   while (g.num_finished < g.choices.size() && !g.client_gone) {
     if (g.pending.empty()) {
@@ -415,8 +581,13 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     g.pending.pop_front();
     auto& choice = g.choices[item.index];
     auto& out = item.output;
+    if (choice.sample_index == 0) launch_siblings(item.index);
+    if (deferred_error) {
+      if (stream) stream_error = deferred_error->message;
+      break;
+    }
     if (choice.finished) continue;
-    json logprobs = nullptr;
+    ResponseJson logprobs = nullptr;
     if (want_logprobs && !out.logprobs.empty())
       logprobs = logprobs_for(chat, out.logprobs, text_of, choice.text_offset);
     choice.num_prompt_tokens = out.num_prompt_tokens;
@@ -430,9 +601,14 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
       if (out.finish_reason == engine::FinishReason::kError) {
         choice.error = out.error.empty() ? "the engine failed this request" : out.error;
         choice.invalid_request = out.invalid_request;
+        choice.conflict = out.conflict;
       }
     }
     if (!stream) {
+      if (choice.echo) {
+        choice.text = std::move(*choice.echo) + choice.text;
+        choice.echo.reset();
+      }
       choice.text += out.text_delta;
       if (g.fields.return_token_ids)
         choice.token_ids.insert(choice.token_ids.end(), out.new_token_ids.begin(), out.new_token_ids.end());
@@ -442,6 +618,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     if (!choice.error.empty()) {
       stream_error = choice.error;
       stream_error_invalid = choice.invalid_request;
+      stream_error_conflict = choice.conflict;
       break;
     }
     std::string events;
@@ -453,15 +630,19 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     // Without a tokenizer there is never text: each step's tokens still get their chunk,
     // or a streaming client would see nothing until the end (and measure TTFT as e2e).
     const bool untokenized_tokens = !tokenizer_ && !out.new_token_ids.empty();
+    if (choice.echo) {
+      out.text_delta = std::move(*choice.echo) + out.text_delta;
+      choice.echo.reset();
+    }
     const bool listed_tokens = g.fields.return_token_ids && !out.new_token_ids.empty();
     bool has_payload =
         !out.text_delta.empty() || !logprobs.is_null() || out.finished || untokenized_tokens || listed_tokens;
     if (has_payload) {
-      json finish = out.finished ? finish_reason_json(choice.finish_reason) : json(nullptr);
-      json stop = out.finished ? choice.stop_reason : json(nullptr);
-      json chunk;
+      ResponseJson finish = out.finished ? finish_reason_json(choice.finish_reason) : ResponseJson(nullptr);
+      ResponseJson stop = out.finished ? choice.stop_reason : ResponseJson(nullptr);
+      ResponseJson chunk;
       if (chat) {
-        json delta = json::object();
+        ResponseJson delta = ResponseJson::object();
         if (!out.text_delta.empty()) delta["content"] = out.text_delta;
         chunk = chat_chunk(g.header, static_cast<int32_t>(item.index), std::move(delta), std::move(logprobs),
                            std::move(finish), std::move(stop));
@@ -471,6 +652,9 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
       }
       if (out.finished && choice.kv_transfer_params) chunk["kv_transfer_params"] = *choice.kv_transfer_params;
       if (g.fields.return_token_ids) chunk["choices"][0]["token_ids"] = out.new_token_ids;
+      // vLLM's continuous usage: each chunk carries its choice's counts so far.
+      if (g.fields.include_usage && g.fields.continuous_usage_stats)
+        chunk["usage"] = usage_json(Usage{choice.num_prompt_tokens, choice.num_output_tokens, 0});
       events += sse_event(chunk);
     }
     if (!events.empty()) {
@@ -480,7 +664,19 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     }
   }
 
-  if (g.client_gone || timed_out || !stream_error.empty()) abort_unfinished();
+  if (g.client_gone || timed_out || !stream_error.empty() || deferred_error) abort_unfinished();
+  // Each prompt's group of n choices, once all of them finished.
+  for (size_t first = 0; first < g.choices.size(); first += static_cast<size_t>(g.fields.n)) {
+    int32_t max_tokens = 0;
+    bool all_finished = true;
+    for (size_t k = first; k < std::min(g.choices.size(), first + static_cast<size_t>(g.fields.n)); ++k) {
+      all_finished = all_finished && g.choices[k].finished;
+      max_tokens = std::max(max_tokens, g.choices[k].num_output_tokens);
+    }
+    if (!all_finished) continue;
+    max_generation_tokens_.observe(max_tokens);
+    params_n_.observe(g.fields.n);
+  }
   co_await exchange.stop_watching();
 
   if (g.client_gone) {
@@ -491,15 +687,15 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
   }
 
   Usage usage;
-  std::optional<json> kv_transfer_params;
+  std::optional<ResponseJson> kv_transfer_params;
   for (const auto& choice : g.choices) {
-    usage.prompt_tokens += choice.num_prompt_tokens;
+    if (choice.counts_prompt) usage.prompt_tokens += choice.num_prompt_tokens;
     usage.completion_tokens += choice.num_output_tokens;
     if (!kv_transfer_params && choice.kv_transfer_params) kv_transfer_params = choice.kv_transfer_params;
   }
 
-  if (stream && !stream_started && stream_error_invalid) {
-    ApiError error = bad_request(stream_error, "kv_transfer_params");
+  if (stream && !stream_started && (stream_error_invalid || stream_error_conflict)) {
+    ApiError error = stream_error_conflict ? conflict(stream_error) : bad_request(stream_error, "kv_transfer_params");
     co_await exchange.respond_error(error);
     co_return;
   }
@@ -526,14 +722,19 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
 
   if (timed_out) {
     timeouts_counter().inc();
-    ApiError error{504, "request exceeded --request-timeout-ms", "timeout_error", "", "timeout"};
+    ApiError error = request_timeout("request exceeded --request-timeout-ms");
     co_await exchange.respond_error(error);
+    co_return;
+  }
+  if (deferred_error) {
+    co_await exchange.respond_error(*deferred_error);
     co_return;
   }
   for (const auto& choice : g.choices) {
     if (!choice.error.empty()) {
-      ApiError error =
-          choice.invalid_request ? bad_request(choice.error, "kv_transfer_params") : internal(choice.error);
+      ApiError error = choice.conflict          ? conflict(choice.error)
+                       : choice.invalid_request ? bad_request(choice.error, "kv_transfer_params")
+                                                : internal(choice.error);
       co_await exchange.respond_error(error);
       co_return;
     }
@@ -551,9 +752,10 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     if (g.fields.return_token_ids) result.token_ids = std::move(choice.token_ids);
     results.push_back(std::move(result));
   }
-  json response = chat ? chat_response(g.header, results, usage, kv_transfer_params)
-                       : completion_response(g.header, results, usage, kv_transfer_params);
-  co_await exchange.respond_json(http::status::ok, response);
+  ResponseJson response = chat ? chat_response(g.header, results, usage, kv_transfer_params)
+                               : completion_response(g.header, results, usage, kv_transfer_params);
+  co_await exchange.respond(http::status::ok, response.dump(-1, ' ', false, ResponseJson::error_handler_t::replace),
+                            "application/json");
 }
 
 namespace {

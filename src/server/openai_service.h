@@ -1,5 +1,6 @@
 // The OpenAI API over one engine: /v1/completions, /v1/chat/completions,
-// /v1/models, /tokenize, /detokenize, /health, /metrics, /version.
+// /v1/models, /tokenize, /detokenize, /health, /metrics, /version; with a P/D
+// connector also POST /pd/release (set_transfer_releaser).
 //
 // Threads: handlers run on their connection's strand (HttpServer). The
 // engine calls each request's OutputCallback on the engine thread; the
@@ -13,10 +14,12 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 
+#include "common/metrics.h"
 #include "engine/engine.h"
 #include "server/http_server.h"
 #include "server/openai_protocol.h"
@@ -36,6 +39,13 @@ class OpenAiService {
   OpenAiService(const ServerConfig& config, engine::Engine& engine,
                 std::shared_ptr<const tokenizer::Tokenizer> tokenizer, int32_t max_model_len);
 
+  // POST /pd/release {"transfer_id": "<32 hex digits>"} -> 200 {"transfer_id", "released"}:
+  // the P/D producer lets go of that transfer's KV as if its consumer had sent
+  // `abort`. The releaser is called on an HTTP thread and must answer (`done`,
+  // from any thread, once) without blocking it. Set before register_routes.
+  using TransferReleaser = std::function<void(std::string transfer_id, std::function<void(bool released)> done)>;
+  void set_transfer_releaser(TransferReleaser releaser) { releaser_ = std::move(releaser); }
+
   void register_routes(HttpServer& server);
 
   // Generations still writing to a client (shutdown waits for this to reach 0).
@@ -50,9 +60,16 @@ class OpenAiService {
   net::awaitable<void> handle_tokenize(HttpExchange& exchange);
   net::awaitable<void> handle_detokenize(HttpExchange& exchange);
   net::awaitable<void> handle_models(HttpExchange& exchange);
+  net::awaitable<void> handle_release(HttpExchange& exchange);
   net::awaitable<void> run_generation(HttpExchange& exchange, std::shared_ptr<Generation> generation);
 
   std::optional<ApiError> check_model(const std::string& model) const;
+  static void truncate_prompt(std::vector<int32_t>& ids, std::optional<int32_t> keep_last);
+  std::string echo_text(const std::vector<int32_t>& ids) const;
+  static void add_choices(Generation& generation, std::vector<int32_t> prompt, int32_t n,
+                          std::optional<std::string> echo);
+  // Turns the request's words (bad_words) into token sequences for the engine.
+  std::optional<ApiError> prepare_sampling(GenerationFields& fields) const;
   std::string response_model(const std::string& requested) const;
   std::string token_text(int32_t token_id) const;
 
@@ -62,6 +79,11 @@ class OpenAiService {
   int32_t max_model_len_;
   RequestLimits limits_;
   int64_t created_unix_s_;
+  TransferReleaser releaser_;
+
+  // vLLM's per-prompt series (a prompt's n choices are one group there).
+  metrics::Histogram& max_generation_tokens_;
+  metrics::Histogram& params_n_;
 
   std::atomic<int32_t> num_live_generations_{0};
   std::mutex idle_mutex_;

@@ -31,6 +31,9 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
   app.add_option("--tensor-parallel-size", config.tensor_parallel_size, "tensor-parallel ranks (1 only for now)")
       ->capture_default_str();
   app.add_option("--load-format", config.load_format, "auto|safetensors|dummy")->capture_default_str();
+  app.add_option("--kv-cache-dtype", config.kv_cache_dtype,
+                 "auto (cpu: float32, cuda: bfloat16) | fp8 (e4m3 with one fp32 scale per token and kv head)")
+      ->capture_default_str();
   app.add_option("--seed", config.seed, "base seed for requests without their own")->capture_default_str();
   app.add_option("--served-model-name", config.served_model_names, "name(s) clients use for the model");
   app.add_option("--api-key", config.api_key, "require 'Authorization: Bearer <key>' on /v1/*");
@@ -46,6 +49,14 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
   app.add_option("--log-level", config.log_level, "trace|debug|info|warn|error|off")->capture_default_str();
   app.add_option("--max-waiting-requests", config.max_waiting_requests,
                  "requests queued beyond the running set before new ones get 503")
+      ->capture_default_str();
+  app.add_option("--remote-output-reserve", config.remote_output_reserve,
+                 "P/D consumer: admit a request that loads remote KV only when the free KV blocks also cover "
+                 "this fraction of the maximum output of it and of every admitted request (<= 1; negative: "
+                 "no reserve)")
+      ->capture_default_str();
+  app.add_option("--kv-watermark", config.kv_watermark,
+                 "fraction of KV blocks a remote-KV admission leaves free on top of the reserve, in [0, 1)")
       ->capture_default_str();
   app.add_option("--io-threads", config.num_io_threads, "HTTP I/O threads")->capture_default_str();
   app.add_option("--request-timeout-ms", config.request_timeout_ms, "longest a request may live")
@@ -86,6 +97,8 @@ Status validate_server_config(ServerConfig& config) {
     return invalid_argument("--gpu-memory-utilization must be in (0, 1], got {}", config.gpu_memory_utilization);
   if (config.load_format != "auto" && config.load_format != "safetensors" && config.load_format != "dummy")
     return invalid_argument("--load-format must be auto, safetensors or dummy, got '{}'", config.load_format);
+  if (config.kv_cache_dtype != "auto" && config.kv_cache_dtype != "fp8")
+    return invalid_argument("--kv-cache-dtype must be auto or fp8, got '{}'", config.kv_cache_dtype);
   if (config.device != "cpu" && config.device != "cuda")
     return invalid_argument("--device must be cpu or cuda, got '{}'", config.device);
   if (config.num_kv_blocks < 0) return invalid_argument("--num-kv-blocks must be >= 0, got {}", config.num_kv_blocks);
@@ -95,6 +108,11 @@ Status validate_server_config(ServerConfig& config) {
     return invalid_argument("--max-body-bytes must be >= 1024, got {}", config.max_body_bytes);
   if (config.max_waiting_requests < 1)
     return invalid_argument("--max-waiting-requests must be >= 1, got {}", config.max_waiting_requests);
+  if (!(config.remote_output_reserve <= 1.0))
+    return invalid_argument("--remote-output-reserve must be <= 1 (negative: no reserve), got {}",
+                            config.remote_output_reserve);
+  if (!(config.kv_watermark >= 0.0 && config.kv_watermark < 1.0))
+    return invalid_argument("--kv-watermark must be in [0, 1), got {}", config.kv_watermark);
   if (config.num_io_threads < 1 || config.num_io_threads > 256)
     return invalid_argument("--io-threads must be 1..256, got {}", config.num_io_threads);
   if (config.request_timeout_ms < 1) return invalid_argument("--request-timeout-ms must be >= 1");

@@ -14,7 +14,7 @@
 
 namespace pd::server {
 
-// --kv-transfer-config and --kv-role, kept for the connector (issue 5): the
+// --kv-transfer-config and --kv-role, kept for the connector: the
 // server only checks the text is a JSON object and carries it.
 struct KvTransferSettings {
   std::string config_json;  // as given; empty when absent
@@ -40,9 +40,13 @@ struct ServerConfig {
   int32_t cuda_device = 0;    // CUDA device ordinal (all GPUs stay visible so CUDA IPC can reach peers)
   int64_t num_kv_blocks = 0;  // 0 = derive from --kv-cache-bytes / device memory
   int64_t kv_cache_bytes = 0;
+  std::string kv_cache_dtype = "auto";  // auto (cpu: float32, cuda: bfloat16) | fp8 (e4m3 + per-token scales)
   size_t max_body_bytes = 8u << 20;
   std::string log_level = "info";
   int64_t max_waiting_requests = 4096;  // queued beyond the running set; more is answered 503
+  // P/D consumer admission reserve (engine::SchedulerConfig::remote_output_reserve).
+  double remote_output_reserve = 1.0;
+  double kv_watermark = 0.01;
   int32_t num_io_threads = 2;
   int64_t request_timeout_ms = 600'000;  // bound on one request's whole life
   int64_t keep_alive_timeout_ms = 60'000;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Two calls on the 2xH200 machine (device tool, kind nvidia-h200-x2) for issues #4 and #5 after the
-# first-token hand-over and the ucx GPU staging:
+# Checks on a 2xH200 machine (kind nvidia-h200-x2) of the first-token hand-over and the ucx GPU
+# staging, in two parts (one run each):
 #   part "xfer-eq": xferbench cuda --compare (KV one batch / layer by layer, docs/perf/xfer.md); the
 #                   ucx GPU-staging check (tests/gpu/xfer_ucx_staging_check.sh); P/D (WRITE, READ, both
 #                   with the hand-over) vs collocated output on the ~1B model (pd_equality.py).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the 2xH200 machine (device tool, kind nvidia-h200-x2) for issues #5, #6, #7:
+# Checks on a 2xH200 machine (kind nvidia-h200-x2), in one run:
 #   1. router benchmark on an idle 32-core host (pdrouter vs the toy proxy, docs/perf/router.md);
 #   2. whole-model parity of pdserve --device cuda vs HF transformers, tiny and ~1B (hf_parity.py);
 #   3. P/D (WRITE, READ) vs collocated output on the ~1B model, GPU 0 -> GPU 1 (pd_equality.py);

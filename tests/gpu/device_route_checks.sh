@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a one-GPU machine (device tool, kind nvidia-h200) for the cuda backend's route
+# Checks on a one-GPU machine (kind nvidia-h200; or two GPUs, below) for the cuda backend's route
 # checks (commit 102e7c7: a peer's offset + size must lie in the allocation its IPC handle maps;
 # the same-process shortcut only takes spans a cuda backend of this process registered):
 #   1. xferbench --backend cuda between two processes, GPU 0 -> GPU $REMOTE_GPU (CUDA IPC; within one

@@ -1,5 +1,5 @@
 // Checks that serving steps never pay for GEMM tuning (docs/perf/goodput.md,
-// session 4: chunked-prefill remainders hit new M values, and each one tuned
+// 2026-11-30: chunked-prefill remainders hit new M values, and each one tuned
 // four weight shapes on the spot, 100-200 ms stalls of every running request).
 //
 // 1. Gemm: with tuning off, a new M borrows the plan of the smallest tuned M' >= M

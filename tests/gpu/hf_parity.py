@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Whole-model parity of `pdserve --device cuda` against HF transformers (issue #7).
+"""Whole-model parity of `pdserve --device cuda` against HF transformers.
 
 For each config (a tiny Qwen3 and a ~1B Qwen3), on the GPU machine:
   1. HF builds the model with seeded random weights in bf16 and saves it (safetensors);

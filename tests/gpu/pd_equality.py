@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""P/D output vs collocated output, greedy, token for token (issue #5, GPU part).
+"""P/D output vs collocated output, greedy, token for token, on GPUs.
 
 Two modes:
   run:     send the same prompt set through a deployment's router (32 at a time) and
@@ -136,7 +136,7 @@ def main() -> int:
     c.add_argument("reference")
     c.add_argument("others", nargs="+")
     # Two correct bf16 implementations of the ~1B test model disagree by up to ~0.2 nats on a
-    # logprob (HF eager vs sdpa: 0.214 max, docs/perf/engine.md session 6; ours and HF bf16 are
+    # logprob (HF eager vs sdpa: 0.214 max, docs/perf/engine.md, 2026-12-01 04:57 UTC; ours and HF bf16 are
     # each up to 0.11 from fp32), so a top-2 margin below 0.2 nats is a tie. 0.1 (the first
     # value) failed one READ prompt at 0.105 nats on 2026-12-01 (docs/perf/connector.md).
     c.add_argument("--tie-nats", type=float, default=0.2)

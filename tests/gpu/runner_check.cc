@@ -10,6 +10,7 @@
 
 #include "engine/runner/cpu_model_runner.h"
 #include "engine/runner_cuda/cuda_model_runner.h"
+#include "engine/sampler.h"
 #include "model/weights.h"
 #include "tests/gpu/gpu_util.h"
 
@@ -166,6 +167,83 @@ int run_check(model::ModelFamily family, int head_dim, bool graphs, Variant vari
   return failures;
 }
 
+// Rows with penalties, logit_bias, allowed_token_ids or bad words: the runner
+// must sample each from its own logits exactly as engine::sample_step_token
+// does (the token history reaches the sampler), and each processor must act.
+int check_logits_processing_rows() {
+  const auto cfg = small_config(model::ModelFamily::kQwen3, 128);
+  auto weights = model::dummy_weights(cfg, 99, 0.05f);
+  engine::CudaRunnerOptions opt;
+  opt.max_model_len = 256;
+  opt.max_num_seqs = 8;
+  opt.max_num_batched_tokens = 256;
+  opt.num_kv_blocks = 64;
+  opt.enable_cuda_graphs = false;
+  auto gpu_r = engine::CudaModelRunner::create(cfg, &weights, opt);
+  PD_STATUS_CHECK(gpu_r.status());
+  const std::vector<int32_t> prompt = {11, 12, 13, 14, 15, 16, 17, 18};
+  const std::vector<int32_t> history = {21, 21, 22, 23};  // "generated" tokens the penalties see
+  struct Case {
+    const char* name;
+    engine::SamplingParams sampling;
+  };
+  std::vector<Case> cases(7);
+  for (auto& c : cases) c.sampling.temperature = 0.0f;
+  cases[0].name = "presence+frequency";
+  cases[0].sampling.presence_penalty = 1.5f;
+  cases[0].sampling.frequency_penalty = 2.0f;
+  cases[1].name = "repetition";
+  cases[1].sampling.repetition_penalty = 1.8f;
+  cases[2].name = "logit_bias";
+  cases[2].sampling.logit_bias = {{4000, 100.0f}};
+  cases[3].name = "allowed_token_ids";
+  cases[3].sampling.allowed_token_ids = {7, 3001, 4095};
+  cases[4].name = "bad_words";
+  cases[4].sampling.bad_words_token_ids = {{23, 4001}, {4002}};
+  cases[5].name = "seeded+bias";
+  cases[5].sampling.temperature = 0.9f;
+  cases[5].sampling.seed = 5;
+  cases[5].sampling.logit_bias = {{9, 2.0f}, {10, -2.0f}};
+  cases[6].name = "penalties+top_p";
+  cases[6].sampling.temperature = 1.1f;
+  cases[6].sampling.top_p = 0.9f;
+  cases[6].sampling.frequency_penalty = -1.0f;
+  engine::StepInput in;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    engine::SeqStep st;
+    st.token_offset = static_cast<int32_t>(in.token_ids.size());
+    st.num_new_tokens = static_cast<int32_t>(prompt.size());
+    for (int b = 0; b < 2; ++b) st.block_table.push_back(static_cast<int32_t>(k) * 2 + b);
+    st.sample = true;
+    st.sampling = cases[k].sampling;
+    st.rng_seed = engine::derive_rng_seed(1000 + k, 4);
+    st.prompt_token_ids = prompt;
+    st.output_token_ids = history;
+    in.token_ids.insert(in.token_ids.end(), prompt.begin(), prompt.end());
+    in.seqs.push_back(st);
+  }
+  auto out = (*gpu_r)->execute(in);
+  PD_STATUS_CHECK(out.status());
+  auto gpu_logits = (*gpu_r)->last_logits(static_cast<int32_t>(cases.size()));
+  PD_STATUS_CHECK(gpu_logits.status());
+  int failures = 0;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    std::vector<float> row(gpu_logits->begin() + static_cast<std::ptrdiff_t>(k * cfg.vocab_size),
+                           gpu_logits->begin() + static_cast<std::ptrdiff_t>((k + 1) * cfg.vocab_size));
+    const int32_t want = engine::sample_step_token(row, in.seqs[k]).token_id;
+    const int32_t got = out->sampled[k].token_id;
+    bool acts = true;
+    if (k == 2) acts = got == 4000;
+    if (k == 3) acts = got == 7 || got == 3001 || got == 4095;
+    if (k == 4) acts = got != 4001 && got != 4002;
+    const bool pass = got == want && acts;
+    if (!pass) ++failures;
+    std::printf("logits processing %-20s token %6d cpu sampler %6d %s\n", cases[k].name, got, want,
+                pass ? "PASS" : "FAIL");
+  }
+  return failures;
+}
+
 }  // namespace
 }  // namespace pd::gpu_test
 
@@ -188,6 +266,7 @@ int main() {
   failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 64, false, {.fuse_norms = false});
   failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, {.skinny_gemms = true});
   failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 128, false, {.skinny_gemms = true});
+  failures += pd::gpu_test::check_logits_processing_rows();
   std::printf("runner check: %d failing steps\n", failures);
   return failures == 0 ? 0 : 1;
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of xfer's ucx staging (issue #4): GPU memory through the ucx backend when the
+# GPU check of xfer's ucx staging: GPU memory through the ucx backend when the
 # UCX build has no CUDA transports. Two processes on one GPU machine (xferbench forks the
 # target), GPU regions on both sides, every iteration verified byte-exact on the GPU;
 # bandwidth beside ucx_perftest's host put on the same transport. Also checks that the

@@ -81,3 +81,29 @@ def test_cli_table():
     assert names == ["collocated x4, budget 256", "collocated x4, budget 512", "collocated x4, budget 2048",
                      "P/D 1P:3D", "P/D 2P:2D", "P/D 3P:1D"]
     assert sum("at 2 req/s" in line for line in lines) == 6
+
+
+def test_collocated_prefill_queues_and_ttft_grows_faster_than_the_service():
+    points = [cm.collocated(COSTS, WORKLOAD, 2, 256, r) for r in (0.5, 1.5, 2.5, 3.0)]
+    # The prompt's service (its chunk steps) grows only with the decode step; the M/D/1 wait in
+    # front of it grows with the utilisation, so TTFT more than doubles from 0.5 to 3 req/s.
+    assert points[-1].ttft_ms > 2.0 * points[0].ttft_ms
+    assert all(a.ttft_ms < b.ttft_ms for a, b in zip(points, points[1:]))
+    rate = cm.saturation_rate(lambda r: cm.collocated(COSTS, WORKLOAD, 2, 256, r))
+    assert cm.collocated(COSTS, WORKLOAD, 2, 256, rate * 1.01).limit == "TTFT"  # the queue, not TPOT
+
+
+def test_decodes_share_the_chunk_budget():
+    # More running requests leave fewer prompt tokens per step: a smaller chunk step (shorter
+    # longest gap) and more of them per prompt.
+    low, high = (cm.collocated(COSTS, WORKLOAD, 2, 256, r) for r in (0.5, 3.0))
+    assert high.running_per_gpu > low.running_per_gpu
+    assert high.worst_gap_ms - _decode_part(high) < low.worst_gap_ms - _decode_part(low)
+    # When the decodes take the whole budget no prompt advances: no steady state.
+    small = cm.StepCosts(chunk_extra_ms=((64, 4.0),))
+    assert cm.collocated(small, WORKLOAD, 2, 64, 0.5).limit == ""
+    assert cm.collocated(small, WORKLOAD, 2, 64, 4.0).limit is None
+
+
+def _decode_part(point) -> float:
+    return cm._decode_ms(COSTS, point.running_per_gpu, WORKLOAD.isl + WORKLOAD.osl / 2.0)

@@ -89,14 +89,21 @@ def test_poisson_sweep_writes_attainment_per_rate_and_goodput(loose_sweep):
     for run in document["runs"]:
         assert run["num_requests"] == 8 and run["num_warmup"] == 2
         assert sum(1 for r in run["requests"] if r["warmup"]) == 2
-        for variant in ("mean_itl", "p99_itl"):
-            assert run["slo"][variant] == {"num_within": 8, "attainment": 1.0}
+        for variant in ("ttft_tpot", "ttft_p99_gap", "ttft_every_gap"):
+            assert {k: run["slo"][variant][k] for k in ("num_within", "attainment")} == \
+                {"num_within": 8, "attainment": 1.0}
+            assert run["slo"][variant]["interval"] == [1.0, 1.0]  # every resample is all-within
+        # The realised rate: (arrivals - 1) / (last - first arrival) of the measured requests.
+        arrivals = [r["scheduled_s"] for r in run["requests"] if not r["warmup"]]
+        assert run["realised_rate"] == pytest.approx((len(arrivals) - 1) / (max(arrivals) - min(arrivals)))
+    assert document["runs"][0]["realised_rate"] != document["runs"][1]["realised_rate"] / 2  # own draws per rate
     first, second = (run["requests"] for run in document["runs"])
-    assert [r["input_len"] for r in first] == [r["input_len"] for r in second]  # same seed, same shape
-    for variant in ("mean_itl", "p99_itl"):
+    # Each rate draws its own gaps: the second is not the first's schedule scaled by 1/2.
+    assert [r["scheduled_s"] for r in second] != pytest.approx([r["scheduled_s"] / 2 for r in first])
+    for variant in ("ttft_tpot", "ttft_p99_gap", "ttft_every_gap"):
         assert document["goodput"][variant]["bound"] == "at_least_highest"
-        assert document["goodput"][variant]["value"] == 8.0
-    assert "goodput (mean ITL variant, >= 90% within SLO): >= 8 req/s" in done.stdout
+        assert document["goodput"][variant]["value"] == document["runs"][1]["realised_rate"]
+    assert "goodput (TTFT + TPOT (DistServe/vLLM), >= 90% within SLO, realised rates): >= " in done.stdout
 
 
 def test_an_impossible_slo_gives_zero_attainment_and_no_goodput(server, tmp_path):
@@ -109,10 +116,13 @@ def test_an_impossible_slo_gives_zero_attainment_and_no_goodput(server, tmp_path
     document = json.loads(out.read_text())
     for run in document["runs"]:
         assert run["completed"] == 4
-        assert run["slo"]["mean_itl"] == {"num_within": 0, "attainment": 0.0}
-        assert run["slo"]["p99_itl"] == {"num_within": 0, "attainment": 0.0}
-    assert document["goodput"]["mean_itl"] == {"value": None, "bound": "below_lowest", "text": "< 20 req/s",
-                                               "non_monotonic": False}
+        for variant in ("ttft_tpot", "ttft_p99_gap", "ttft_every_gap"):
+            assert run["slo"][variant]["num_within"] == 0 and run["slo"][variant]["attainment"] == 0.0
+    lowest = f"< {document['runs'][0]['realised_rate']:g} req/s"
+    g = document["goodput"]["ttft_tpot"]
+    assert {k: g[k] for k in ("value", "bound", "text", "non_monotonic")} == \
+        {"value": None, "bound": "below_lowest", "text": lowest, "non_monotonic": False}
+    assert g["bootstrap"] == {"interval": None, "unbracketed_share": 1.0}
 
 
 def test_server_errors_are_recorded_with_their_body_and_fail_the_run(server, tmp_path):
@@ -127,7 +137,7 @@ def test_server_errors_are_recorded_with_their_body_and_fail_the_run(server, tmp
     assert sum(run["errors"].values()) == 3
     for message in run["errors"]:
         assert message.startswith("HTTP 400: ") and "outside the vocabulary" in message
-    assert run["slo"]["mean_itl"]["attainment"] == 0.0  # errors are SLO misses
+    assert run["slo"]["ttft_tpot"]["attainment"] == 0.0  # errors are SLO misses
     assert "outside the vocabulary" in done.stdout
 
 
@@ -196,7 +206,7 @@ def test_plot_marks_optimistic_staircase_windows(tmp_path):
 
     def run(rate, attainment, drain):
         within = {"num_within": 1, "attainment": attainment}
-        return {"request_rate": rate, "slo": {"mean_itl": within, "p99_itl": within},
+        return {"request_rate": rate, "slo": {"mean_itl": within, "p99_itl": within},  # a first-format file
                 "lifetime_after_arrivals_end": drain}
 
     doc = {"pdbench": {"format_version": 1}, "config": {"staircase_window_s": 20.0, "slo": {"ttft_ms": 1000,
@@ -261,17 +271,23 @@ def test_strict_variant_fails_a_request_whose_mean_itl_hides_one_long_stall():
     stalled = _result(0.1, [0.01] * 50 + [0.5] + [0.01] * 47 + [0.5], output_tokens=100)
     slo = Slo(ttft_s=0.2, itl_s=0.05)
     assert stalled.tpot_s == pytest.approx((0.97 + 1.0) / 99)
-    assert within_slo(stalled, slo, "mean_itl")
-    assert not within_slo(stalled, slo, "p99_itl")
-    # A single stall among 99 gaps sits above the p99 rank (position 97.02 of 0..98): still within.
-    assert within_slo(_result(0.1, [0.01] * 98 + [0.5], output_tokens=100), slo, "p99_itl")
+    assert within_slo(stalled, slo, "ttft_tpot")
+    assert not within_slo(stalled, slo, "ttft_p99_gap")
+    assert not within_slo(stalled, slo, "ttft_every_gap")
+    # A single stall among 99 gaps sits above the p99 rank (position 97.02 of 0..98): still within
+    # the p99 variant, but not within "every gap".
+    one_stall = _result(0.1, [0.01] * 98 + [0.5], output_tokens=100)
+    assert within_slo(one_stall, slo, "ttft_p99_gap")
+    assert not within_slo(one_stall, slo, "ttft_every_gap")
+    assert within_slo(_result(0.1, [0.01] * 98 + [0.049], output_tokens=100), slo, "ttft_every_gap")
 
 
 def test_ttft_limit_errors_and_single_token_requests():
     slo = Slo(ttft_s=0.2, itl_s=0.05)
-    assert not within_slo(_result(0.3, [0.01], 2), slo, "mean_itl")
-    assert not within_slo(_result(0.1, [0.01], 2, ok=False), slo, "mean_itl")
-    assert within_slo(_result(0.1, [], 1), slo, "mean_itl") and within_slo(_result(0.1, [], 1), slo, "p99_itl")
+    for variant in ("ttft_tpot", "ttft_p99_gap", "ttft_every_gap"):
+        assert not within_slo(_result(0.3, [0.01], 2), slo, variant)
+        assert not within_slo(_result(0.1, [0.01], 2, ok=False), slo, variant)
+        assert within_slo(_result(0.1, [], 1), slo, variant)
 
 
 def test_run_summary_excludes_warmups_and_counts_errors_as_misses():
@@ -283,7 +299,7 @@ def test_run_summary_excludes_warmups_and_counts_errors_as_misses():
     summary = summarize_run(results + [warm], Slo(ttft_s=1.0, itl_s=0.1))
     assert summary["num_requests"] == 3 and summary["num_warmup"] == 1
     assert summary["completed"] == 2 and summary["failed"] == 1
-    assert summary["slo"]["mean_itl"] == {"num_within": 1, "attainment": pytest.approx(1 / 3)}
+    assert summary["slo"]["ttft_tpot"] == {"num_within": 1, "attainment": pytest.approx(1 / 3)}
     assert summary["itl_ms"]["count"] == 3 and summary["ttft_ms"]["p99"] < 9000.0
     assert summary["duration_s"] == pytest.approx(1.0 + 6.0)  # from the first send to the last end
 
@@ -295,15 +311,18 @@ def test_sse_parser_reassembles_events_split_across_reads_and_crlf():
     assert parser.feed(b"ta: [DONE]\n\n") == ["[DONE]"]
 
 
-def test_dataset_keeps_shape_across_rates_and_changes_prompts():
+def test_dataset_draws_each_rate_independently():
     spec = dict(input_len=100, output_len=20, range_ratio=0.2, vocab_size=1000, min_token_id=100, seed=7,
                 num_requests=50, num_warmup=5, burstiness=1.0)
     slow = plan_requests(WorkloadSpec(request_rate=1.0, **spec), run_index=0)
     fast = plan_requests(WorkloadSpec(request_rate=4.0, **spec), run_index=1)
-    assert [len(p.prompt_ids) for p in slow] == [len(p.prompt_ids) for p in fast]
-    assert [p.output_len for p in slow] == [p.output_len for p in fast]
-    assert [p.arrival_s for p in slow] == pytest.approx([4.0 * p.arrival_s for p in fast])
+    # No rate replays another's gap sequence scaled by 1/rate (nor its lengths).
+    assert [p.arrival_s for p in slow] != pytest.approx([4.0 * p.arrival_s for p in fast])
+    assert [len(p.prompt_ids) for p in slow] != [len(p.prompt_ids) for p in fast]
     assert all(s.prompt_ids != f.prompt_ids for s, f in zip(slow, fast))  # no prefix-cache reuse across rates
+    # The same rate index at another rate is the same draw scaled (the rate only scales gaps).
+    same_draw = plan_requests(WorkloadSpec(request_rate=4.0, **spec), run_index=0)
+    assert [p.arrival_s for p in slow] == pytest.approx([4.0 * p.arrival_s for p in same_draw])
     assert all(80 <= len(p.prompt_ids) <= 120 and 16 <= p.output_len <= 24 for p in slow)
     assert all(100 <= t < 1000 for p in slow for t in p.prompt_ids)
     assert [p.warmup for p in slow] == [True] * 5 + [False] * 50
@@ -437,13 +456,13 @@ def test_staircase_sweep_against_server(server, tmp_path):
     assert [r["request_rate"] for r in doc["runs"]] == [4.0, 8.0]
     for run in doc["runs"]:
         assert run["completed"] >= 1 and run["failed"] == 0
-        assert run["slo"]["mean_itl"]["attainment"] == 1.0
+        assert run["slo"]["ttft_tpot"]["attainment"] == 1.0
         assert 0.0 <= run["lifetime_after_arrivals_end"] <= 1.0
     # Without a tail the top window's requests finish after the last arrival: some of their life is drain.
     assert doc["runs"][-1]["lifetime_after_arrivals_end"] > 0.0
     assert doc["runs"][-1]["lifetime_after_arrivals_end"] >= doc["runs"][0]["lifetime_after_arrivals_end"]
     assert "after the last arrival" in proc.stdout
-    assert doc["goodput"]["mean_itl"]
+    assert doc["goodput"]["ttft_tpot"]
     # A plateau per rate: lead and hold arrivals are warm-ups of their window, the measured ones
     # are counted as before, and the top window's requests no longer outlive the arrivals.
     out2 = tmp_path / "plateau.json"

@@ -1,6 +1,7 @@
 """tools/pdbench/deploy.py: a whole deployment (router + instances) around a command."""
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -51,6 +52,47 @@ def test_collocated_deployment_passes_the_command_status_through(tmp_path):
                 "urllib.request.urlopen(os.environ['PDBENCH_URL'] + '/v1/models', timeout=10); sys.exit(3)")
     assert ok.returncode == 3, ok.stderr[-3000:]
     assert len(re.findall(r"collocated\d: KV blocks in use 0", ok.stderr)) == 2
+
+
+def _consumer_counts(stderr: str) -> tuple[int, int]:
+    (match,) = re.findall(r"consumer: .*preemptions (\d+), remote admissions deferred (\d+)", stderr)
+    return int(match[0]), int(match[1])
+
+
+def test_a_consumer_short_of_kv_defers_admissions_instead_of_preempting(tmp_path):
+    # 40 blocks of 16 tokens on the consumer; a request needs 4 for its prompt and 8 at its end,
+    # and 16 arrive at once. With the reserve (the default) at most 5 hold blocks; without it
+    # 10 prompts fit, their decodes outgrow the cache and received prompts are recomputed.
+    bench = [sys.executable, str(PDBENCH), "run", "--base-url", "{url}", "--max-concurrency", "16",
+             "--num-requests", "32", "--input-len", "64", "--output-len", "64", "--quiet"]
+    reserved = deploy("--config", "pd-write", "--log-dir", str(tmp_path / "reserved"), "--consumer-args",
+                      "--num-kv-blocks 40", "--", *bench)
+    assert reserved.returncode == 0, reserved.stderr[-3000:]
+    preemptions, deferred = _consumer_counts(reserved.stderr)
+    assert preemptions == 0 and deferred > 0, reserved.stderr[-2000:]
+    unreserved = deploy("--config", "pd-write", "--log-dir", str(tmp_path / "unreserved"), "--consumer-args",
+                        "--num-kv-blocks 40 --remote-output-reserve -1", "--", *bench)
+    assert unreserved.returncode == 0, unreserved.stderr[-3000:]
+    preemptions, deferred = _consumer_counts(unreserved.stderr)
+    assert preemptions > 0 and deferred == 0, unreserved.stderr[-2000:]
+
+
+def test_metrics_args_name_the_router_and_every_instance(tmp_path):
+    proc = deploy("--config", "collocated", "--num-collocated", "2", "--log-dir", str(tmp_path), "--",
+                  sys.executable, "-c", "import sys; print('ARGS', sys.argv[1:])", "{metrics_args}", "{url}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("ARGS")]
+    args = ast.literal_eval(line[len("ARGS "):])  # the list the child printed
+    assert args[0:6:2] == ["--metrics-url"] * 3 and len(args) == 7
+    router, *instances = args[1:6:2]
+    assert args[6] == router and len(set(instances)) == 2 and router not in instances
+    assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+", url) for url in args[1:7:2])
+    # Inside a longer argument (a bash -c line) it becomes text.
+    proc = deploy("--config", "collocated", "--num-collocated", "2", "--log-dir", str(tmp_path), "--",
+                  "bash", "-c", "echo LINE {metrics_args}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("LINE")]
+    assert line.split()[1:] == args[:6]
 
 
 def test_missing_command_and_bad_model_are_clear_errors(tmp_path):

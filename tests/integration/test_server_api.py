@@ -368,8 +368,13 @@ ERROR_CASES = [
     ("top_p zero", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 0}, 400, "top_p"),
     ("absurd logprobs", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 1000}, 400,
      "logprobs"),
-    ("n > 1", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "n": 2}, 400, "n"),
-    ("echo", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "echo": True}, 400, "echo"),
+    ("n too large", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "n": 1000}, 400, "n"),
+    ("echo with logprobs", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "echo": True, "logprobs": 1},
+     400, "echo"),
+    ("guided_json", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "guided_json": {}}, 400,
+     "guided_json"),
+    ("logit_bias outside vocab", "POST", "/v1/completions",
+     {"model": "tiny", "prompt": "a", "logit_bias": {"2000000000": 1}}, 400, None),
     ("token id outside vocab", "POST", "/v1/completions", {"model": "tiny", "prompt": [2_000_000_000]}, 400, None),
     ("stop_token_ids outside vocab", "POST", "/v1/completions",
      {"model": "tiny", "prompt": "a", "stop_token_ids": [2_000_000_000]}, 400, None),
@@ -399,5 +404,5 @@ def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="a", max_tokens=1)
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="tiny", prompt="a", max_tokens=1, n=3)
-    assert "'n' must be 1" in str(info.value)
+        client.completions.create(model="tiny", prompt="a", max_tokens=1, extra_body={"use_beam_search": True})
+    assert "beam search" in str(info.value)

@@ -74,26 +74,50 @@ def _decode_ms(costs: StepCosts, running: float, mean_context: float) -> float:
 
 
 def collocated(costs: StepCosts, wl: Workload, gpus: int, budget: int, rate: float) -> Point:
-    """`gpus` instances, each prefilling in chunks of `budget` tokens between its decodes."""
+    """`gpus` instances, each prefilling in chunks between its decodes, under one token budget
+    per step (`budget`, vLLM's max_num_batched_tokens) shared with the decoding requests: each
+    takes one token of it, so a step carries at most budget - running prompt tokens.
+
+    - running = decoding requests on one GPU = rate/GPU x OSL x TPOT (Little's law);
+    - a chunk step carries c = min(ISL, budget - running) prompt tokens; a prompt spans ISL / c
+      such steps (a step may finish one prompt and start the next); no steady state when the
+      decodes fill the budget;
+    - a prompt token adds chunk_extra(budget) / min(budget, ISL) ms to its step (the measured
+      extra of a step carrying a full chunk, per token);
+    - TPOT = decode step / (1 - rate/GPU x ISL x that per-token extra): the chunk steps stretch
+      the mean gap; the longest regular gap is a chunk step;
+    - prefill is one FCFS server per GPU: service S = ISL / c x (decode step + c x extra per
+      token), utilisation u = rate/GPU x S, an M/D/1 queue in front of it, so
+      TTFT = S x (1 + u / (2 (1 - u))); no steady state at u >= 1;
+    - KV = running x (ISL + OSL / 2) + u x ISL (the prompt in prefill)."""
     per_gpu = rate / gpus
-    chunks = math.ceil(wl.isl / budget)
-    extra = costs.chunk_extra(budget)
-    busy = per_gpu * chunks * extra / 1000.0  # share of wall time the chunks add
+    extra_per_token = costs.chunk_extra(budget) / min(budget, wl.isl)
     mean_context = wl.isl + wl.osl / 2.0
+    unsteady = Point(rate, math.inf, math.inf, math.inf, math.inf, math.inf, None)
+    busy = per_gpu * wl.isl * extra_per_token / 1000.0  # share of wall time the chunks add
     if busy >= 1.0:
-        return Point(rate, math.inf, math.inf, math.inf, math.inf, math.inf, None)
+        return unsteady
     tpot = costs.decode_base_ms
+    running = 0.0
     for _ in range(200):  # fixed point: more running requests -> slower steps -> longer lives
-        ttft = chunks * (tpot * (1.0 - busy) + extra)  # the prompt's chunks ride consecutive steps
-        running = per_gpu * (ttft + wl.osl * tpot) / 1000.0
         new_tpot = _decode_ms(costs, running, mean_context) / (1.0 - busy)
         if new_tpot > 1e6:
-            return Point(rate, math.inf, math.inf, math.inf, math.inf, math.inf, None)
+            return unsteady
+        running = per_gpu * wl.osl * new_tpot / 1000.0
         if abs(new_tpot - tpot) < 1e-9:
             break
         tpot = new_tpot
+    chunk = min(wl.isl, budget - running)
+    if chunk < 1.0:
+        return unsteady
     decode_ms = tpot * (1.0 - busy)
-    kv = running * mean_context
+    extra = chunk * extra_per_token
+    service_ms = wl.isl / chunk * (decode_ms + extra)
+    utilization = per_gpu * service_ms / 1000.0
+    if utilization >= 1.0:
+        return unsteady
+    ttft = service_ms * (1.0 + utilization / (2.0 * (1.0 - utilization)))
+    kv = running * mean_context + utilization * wl.isl
     return Point(rate, ttft, tpot, decode_ms + extra, running, kv,
                  _limit(wl, ttft, tpot, kv, costs.kv_tokens_per_gpu))
 

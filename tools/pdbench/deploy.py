@@ -12,7 +12,9 @@ Configurations (one instance per GPU with --device cuda; --gpus picks them):
 Every instance registers with the router over ZMQ (the heartbeat of DESIGN.md
 §3.5), so the router's /health shows them before the command starts. In the
 command, {url} is replaced by the router's base URL (it is also exported as
-PDBENCH_URL). After the command, the tool prints each instance's KV blocks in
+PDBENCH_URL), and {metrics_args} by `--metrics-url URL` for the router and for every instance
+(pdbench search reads their /metrics per window): separate arguments where it is a whole
+argument, text inside a longer one (a `bash -c` line). After the command, the tool prints each instance's KV blocks in
 use and KV transfer totals from /metrics, stops everything with SIGTERM and
 exits with the command's status (non-zero too when an instance died or still
 holds KV blocks). Standard library only: it runs on the GPU machine as it is.
@@ -208,7 +210,15 @@ def main() -> int:
         print(f"[deploy] {args.config}: router {router_url}, instances {instances}, logs {log_dir}", file=sys.stderr,
               flush=True)
 
-        argv = [part.replace("{url}", router_url) for part in command]
+        # pdbench's --metrics-url for the router and every instance: separate arguments, or
+        # spliced as text into a longer one (a `bash -c` command line).
+        metrics_args = [arg for url in [router_url, *instances.values()] for arg in ("--metrics-url", url)]
+        argv = []
+        for part in command:
+            if part == "{metrics_args}":
+                argv += metrics_args
+            else:
+                argv.append(part.replace("{url}", router_url).replace("{metrics_args}", " ".join(metrics_args)))
         env = dict(os.environ, PDBENCH_URL=router_url)
         status = subprocess.run(argv, env=env).returncode
 
@@ -226,8 +236,10 @@ def main() -> int:
             mean = f", mean transfer {seconds / count * 1e3:.2f} ms over {count:.0f}" if count else ""
             handed = metric_sum(metrics, "pd_connector_first_tokens_total", 'result="accepted"')
             handover = f", first tokens handed over {handed:.0f}" if handed else ""
-            print(f"[deploy] {name}: KV blocks in use {used:.0f}, KV bytes moved {moved:,.0f}{mean}{handover}",
-                  file=sys.stderr)
+            preempted = metric_sum(metrics, "pd_preemptions_total")
+            deferred = metric_sum(metrics, "pd_remote_admissions_deferred_total")
+            print(f"[deploy] {name}: KV blocks in use {used:.0f}, KV bytes moved {moved:,.0f}{mean}{handover}, "
+                  f"preemptions {preempted:.0f}, remote admissions deferred {deferred:.0f}", file=sys.stderr)
             if used != 0:
                 # Prefix-cache blocks are not "in use": the metric counts referenced blocks only.
                 print(f"[deploy] error: {name} still holds {used:.0f} KV blocks", file=sys.stderr)

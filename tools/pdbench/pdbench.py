@@ -24,10 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pdbenchlib import report  # noqa: E402
 from pdbenchlib.http_stream import Endpoint, PdbenchError, fetch_json  # noqa: E402
 from pdbenchlib.runner import ClientOptions, execute_run, rate_label  # noqa: E402
-from pdbenchlib.stats import Slo, goodput, lifetime_share_after, measured_spans, summarize_run  # noqa: E402
+from pdbenchlib.server_metrics import MetricsSampler  # noqa: E402
+from pdbenchlib.stats import (SLO_VARIANTS, Slo, attainment_interval, goodput, goodput_interval,  # noqa: E402
+                              lifetime_share_after, littles_law_check, measured_spans, next_search_rate,
+                              realised_rate, run_rate, summarize_run, within_slo)
 from pdbenchlib.workload import PlannedRequest, WorkloadSpec, length_bounds, plan_requests  # noqa: E402
 
-JSON_FORMAT_VERSION = 1
+JSON_FORMAT_VERSION = 2  # 2: SLO variants renamed (stats.LEGACY_SLO_VARIANTS), realised rates
 # Qwen2/2.5/3 tokenizers (and builtin:tiny, which uses Qwen3's) have their first special
 # token at 151643; Llama 3's is 128000.
 DEFAULT_VOCAB_SIZE = 151643
@@ -67,6 +70,25 @@ linearly interpolated towards the next rate up (whose attainment is below the ta
 rate_lo + (att_lo - target) / (att_lo - att_hi) * (rate_hi - rate_lo). Reported as
 "< LOWEST" when no rate reaches the target and ">= HIGHEST" when the highest rate does.
 Both SLO variants get a goodput."""
+
+
+SEARCH_HELP = """\
+Measures steady-state plateaus and bisects over the rate for the point where the attainment of
+--search-variant crosses --goodput-target, inside [--rate-lo, --rate-hi].
+
+A plateau is one run at one rate from an idle server: a lead-in, the measured window, a hold,
+all arriving at that rate (Poisson/gamma, drawn for that point alone); only the window's
+requests are measured, and they live their whole life among requests of the same rate. Lead and
+hold are at least --lifetime-factor x the request lifetime, estimated by a low-load probe and
+then by the plateau measured just below. The window stays open until --min-requests requests
+have arrived. Each plateau records its realised rate (arrivals / window), the Little's law
+check (mean requests in flight during the window vs realised rate x mean lifetime; `steady_state`
+is false when it fails), bootstrap 95% intervals of every attainment, and the servers' /metrics
+counters (preemptions, recomputed tokens, transfer failures, ...) and gauges (KV blocks, queues)
+over the window. Bisection: measure both ends; if --rate-lo misses or --rate-hi passes, stop
+(the crossing is outside); else halve the bracket between the highest passing and the lowest
+failing nominal rate until it is within --search-tolerance or --max-points are spent. Goodput:
+DistServe's interpolation over the realised rates of all plateaus, with a bootstrap interval."""
 
 
 def _positive_float(text: str) -> float:
@@ -158,7 +180,10 @@ def _add_load_flags(parser: argparse.ArgumentParser) -> None:
     slo.add_argument("--slo-ttft-ms", type=_positive_float, help="TTFT limit in ms")
     slo.add_argument("--slo-itl-ms", type=_positive_float, help="inter-token latency limit in ms")
     slo.add_argument("--goodput-target", type=float, default=0.9,
-                     help="attainment that defines goodput (sweep; default: %(default)s)")
+                     help="attainment that defines goodput (sweep, search; default: %(default)s)")
+    slo.add_argument("--bootstrap-resamples", type=_positive_int, default=1000,
+                     help="resamples of the bootstrap 95%% intervals of attainment and goodput "
+                          "(default: %(default)s)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--label", default="", help="name of this configuration in the JSON and in plots")
@@ -171,7 +196,7 @@ def _add_load_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdbench.py", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,plot}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,search,plot}")
 
     run = commands.add_parser("run", help="one run at one rate or fixed concurrency",
                               description="One run: --num-requests requests at --request-rate (default inf: all "
@@ -205,6 +230,48 @@ def build_parser() -> argparse.ArgumentParser:
                             "plateau per rate instead of a rising staircase)")
     _add_load_flags(sweep)
 
+    search = commands.add_parser(
+        "search", help="steady-state plateaus, bisection for the rate where attainment crosses the target",
+        description=SEARCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    search.add_argument("--rate-lo", type=_positive_float, required=True, help="lowest rate measured, req/s")
+    search.add_argument("--rate-hi", type=_positive_float, required=True, help="highest rate measured, req/s")
+    search.add_argument("--search-variant", choices=SLO_VARIANTS, default="ttft_tpot",
+                        help="SLO variant whose crossing is searched (all are reported; default: %(default)s)")
+    search.add_argument("--max-points", type=_positive_int, default=6,
+                        help="plateaus measured at most, the two ends included (default: %(default)s)")
+    search.add_argument("--search-tolerance", type=_positive_float, default=0.1,
+                        help="stop when the crossing is bracketed within this fraction of the rate "
+                             "(default: %(default)s)")
+    search.add_argument("--min-requests", type=_positive_int, default=200,
+                        help="measured requests per plateau at least: the window stays open until that many "
+                             "have arrived (default: %(default)s)")
+    search.add_argument("--window-s", type=float, default=0.0,
+                        help="shortest measured window, s (default: rate-driven, see --min-requests)")
+    search.add_argument("--lead-s", type=float, default=0.0,
+                        help="shortest unmeasured lead-in before the window, s; the lead is at least "
+                             "--lifetime-factor x the estimated request lifetime (default: 0)")
+    search.add_argument("--hold-s", type=float, default=0.0,
+                        help="shortest unmeasured hold after the window, s; at least --lifetime-factor x the "
+                             "estimated lifetime too (default: 0)")
+    search.add_argument("--lifetime-factor", type=float, default=1.5,
+                        help="lead and hold = this x the estimated request lifetime: the mean end-to-end "
+                             "latency of the plateau measured below this rate, else of the probe "
+                             "(default: %(default)s; at least 1)")
+    search.add_argument("--probe-requests", type=_positive_int, default=4,
+                        help="requests of the low-load probe (one at a time) that gives the first lifetime "
+                             "estimate (default: %(default)s)")
+    search.add_argument("--little-tolerance", type=_positive_float, default=0.15,
+                        help="Little's law check: a plateau whose mean requests in flight differ from "
+                             "realised rate x mean lifetime by more than this fraction is flagged "
+                             "(default: %(default)s)")
+    search.add_argument("--metrics-url", action="append", default=None,
+                        help="a server whose /metrics is read at each window's start and end and every "
+                             "--metrics-interval-s inside it (repeatable; default: --base-url)")
+    search.add_argument("--metrics-interval-s", type=_positive_float, default=1.0,
+                        help="gauge sampling interval inside a window (default: %(default)s)")
+    search.add_argument("--no-metrics", action="store_true", help="do not read /metrics")
+    _add_load_flags(search)
+
     plot = commands.add_parser("plot", help="PNGs from sweep JSON files",
                                description="Writes attainment.png (attainment vs rate, both SLO variants, one "
                                            "line per file), ttft_cdf.png and itl_cdf.png (one curve per file at "
@@ -229,6 +296,19 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--goodput-target must be in (0, 1], got {args.goodput_target}")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.command == "search":
+        if args.slo_ttft_ms is None and args.slo_itl_ms is None:
+            parser.error("search needs an SLO: --slo-ttft-ms and/or --slo-itl-ms")
+        if not args.rate_lo < args.rate_hi or not math.isfinite(args.rate_hi):
+            parser.error(f"need --rate-lo < --rate-hi (finite), got {args.rate_lo:g} and {args.rate_hi:g}")
+        if args.max_points < 2:
+            parser.error("--max-points must be >= 2 (the two ends)")
+        if args.lifetime_factor < 1.0:
+            parser.error(f"--lifetime-factor must be >= 1 (a hold of at least one lifetime), got "
+                         f"{args.lifetime_factor:g}")
+        for flag in ("window_s", "lead_s", "hold_s"):
+            if not getattr(args, flag) >= 0:
+                parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     for flag in ("staircase_tail_s", "staircase_lead_s", "staircase_hold_s"):
         if getattr(args, flag, None) and not getattr(args, "staircase_window_s", None):
             parser.error(f"--{flag.replace('_', '-')} needs --staircase-window-s")
@@ -266,19 +346,39 @@ def _write_json(path: Path, document: dict) -> None:
     temporary.replace(path)
 
 
-def _run_entry(args: argparse.Namespace, rate: float, results: list, slo: Slo, loop_lag_ms: dict) -> dict:
-    """One rate's record of the JSON document (per-request data with --save-requests)."""
+def _run_entry(args: argparse.Namespace, rate: float, results: list, slo: Slo, loop_lag_ms: dict,
+               window_s: float | None = None) -> tuple[dict, dict[str, list[bool]]]:
+    """One rate's record of the JSON document (per-request data with --save-requests), and the
+    per-request SLO outcomes of its measured requests (for the goodput's bootstrap).
+    `window_s`: the window the measured arrivals were drawn in (staircase, plateau), for the
+    realised rate."""
+    measured = [r for r in results if not r.warmup]
     run = {"label": rate_label(rate, args.max_concurrency), "request_rate": rate if math.isfinite(rate) else None,
+           "realised_rate": realised_rate([r.scheduled_s for r in measured], window_s)
+           if math.isfinite(rate) else None,
            "max_concurrency": args.max_concurrency, **summarize_run(results, slo), "client_loop_lag_ms": loop_lag_ms}
+    flags: dict[str, list[bool]] = {}
+    if slo.enabled:
+        for variant in SLO_VARIANTS:
+            flags[variant] = [within_slo(r, slo, variant) for r in measured]
+            run["slo"][variant]["interval"] = attainment_interval(flags[variant], args.bootstrap_resamples,
+                                                                  seed=args.seed)
     if args.save_requests:
         run["requests"] = [r.to_json() for r in results]
-    return run
+    return run, flags
 
 
-def _set_goodput(document: dict, target: float) -> None:
-    document["goodput"] = {
-        variant: goodput([(r["request_rate"], r["slo"][variant]["attainment"]) for r in document["runs"]], target)
-        for variant in ("mean_itl", "p99_itl")}
+def _set_goodput(document: dict, target: float, flags_per_run: list[dict[str, list[bool]]],
+                 num_resamples: int, seed: int) -> None:
+    """Goodput per variant over the runs' realised rates, with its bootstrap interval."""
+    document["goodput"] = {}
+    for variant in SLO_VARIANTS:
+        points = [(run_rate(r), r["slo"][variant]["attainment"]) for r in document["runs"]]
+        entry = goodput([(x, a) for x, a in points if x is not None], target)
+        entry["bootstrap"] = goodput_interval(
+            [(run_rate(r), flags[variant]) for r, flags in zip(document["runs"], flags_per_run)], target,
+            num_resamples, seed=seed)
+        document["goodput"][variant] = entry
 
 
 async def _benchmark(args: argparse.Namespace, rates: list[float], is_sweep: bool) -> int:
@@ -292,7 +392,7 @@ async def _benchmark(args: argparse.Namespace, rates: list[float], is_sweep: boo
                             temperature=args.temperature, extra_body=args.extra_body, show_progress=not args.quiet)
     document = {
         "pdbench": {"format_version": JSON_FORMAT_VERSION},
-        "kind": "sweep" if is_sweep else "run",
+        "kind": args.command,
         "label": args.label,
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
@@ -313,8 +413,11 @@ async def _benchmark(args: argparse.Namespace, rates: list[float], is_sweep: boo
               f"(+{args.warmup_requests} warm-up), input {args.input_len}, output {args.output_len}, "
               f"range ratio {args.range_ratio:g}", file=sys.stderr, flush=True)
     exit_code = EXIT_OK
+    if args.command == "search":
+        return await _search(args, options, slo, document)
     if is_sweep and args.staircase_window_s:
         return await _staircase(args, rates, options, slo, document)
+    flags_per_run: list[dict[str, list[bool]]] = []
     for run_index, rate in enumerate(rates):
         spec = WorkloadSpec(input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
                             vocab_size=args.vocab_size, min_token_id=args.min_token_id, seed=args.seed,
@@ -322,12 +425,13 @@ async def _benchmark(args: argparse.Namespace, rates: list[float], is_sweep: boo
                             burstiness=args.burstiness)
         label = rate_label(rate, args.max_concurrency)
         outcome = await execute_run(options, plan_requests(spec, run_index), label)
-        run = _run_entry(args, rate, outcome.results, slo, outcome.client_loop_lag_ms)
+        run, flags = _run_entry(args, rate, outcome.results, slo, outcome.client_loop_lag_ms)
         if run["completed"] == 0:
             exit_code = EXIT_RUN_FAILED
         document["runs"].append(run)
+        flags_per_run.append(flags)
         if is_sweep and slo.enabled:
-            _set_goodput(document, args.goodput_target)
+            _set_goodput(document, args.goodput_target, flags_per_run, args.bootstrap_resamples, args.seed)
         if args.json_out:
             _write_json(args.json_out, document)
         print(report.run_table(run, document["config"]["slo"]), flush=True)
@@ -397,20 +501,143 @@ async def _staircase(args: argparse.Namespace, rates: list[float], options: Clie
     outcome = await execute_run(options, [p for _, p in plan], label)
     exit_code = EXIT_OK
     last_arrival_s = max(p.arrival_s for _, p in plan)
+    flags_per_run: list[dict[str, list[bool]]] = []
     for k, rate in enumerate(rates):
         results = [res for (tag, _), res in zip(plan, outcome.results) if tag == k]
-        run = _run_entry(args, rate, results, slo, outcome.client_loop_lag_ms)
+        run, flags = _run_entry(args, rate, results, slo, outcome.client_loop_lag_ms,
+                                window_s=args.staircase_window_s)
         run["lifetime_after_arrivals_end"] = lifetime_share_after(measured_spans(results), last_arrival_s)
         if run["completed"] == 0:
             exit_code = EXIT_RUN_FAILED
         document["runs"].append(run)
+        flags_per_run.append(flags)
         print(report.run_table(run, document["config"]["slo"]), flush=True)
         print(flush=True)
     if slo.enabled:
-        _set_goodput(document, args.goodput_target)
+        _set_goodput(document, args.goodput_target, flags_per_run, args.bootstrap_resamples, args.seed)
     if args.json_out:
         _write_json(args.json_out, document)
     print(report.sweep_table(document), flush=True)
+    return exit_code
+
+
+def plateau_plan(args: argparse.Namespace, rate: float, lead_s: float, hold_s: float,
+                 run_index: int) -> tuple[list[PlannedRequest], float, float]:
+    """One plateau's requests in send order and its measured window [start, end) in run time.
+    Arrivals at `rate` from 0; those in [lead_s, end) are measured, where end is lead_s +
+    --window-s, or later until --min-requests have arrived; then hold_s more of arrivals,
+    unmeasured. The draws depend on (--seed, run_index) only."""
+    num_drawn = args.min_requests + math.ceil(rate * (lead_s + max(args.window_s, 0.0) + hold_s) * 1.5) + 20
+    while True:
+        spec = WorkloadSpec(input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
+                            vocab_size=args.vocab_size, min_token_id=args.min_token_id, seed=args.seed,
+                            num_requests=num_drawn, num_warmup=0, request_rate=rate, burstiness=args.burstiness)
+        drawn = plan_requests(spec, run_index)
+        in_window = [r.arrival_s for r in drawn if r.arrival_s >= lead_s]
+        if len(in_window) >= args.min_requests:
+            # Open until the min_requests-th arrival has come (just past it), if --window-s is shorter.
+            end = max(lead_s + args.window_s, math.nextafter(in_window[args.min_requests - 1], math.inf))
+            if drawn[-1].arrival_s >= end + hold_s:
+                break
+        num_drawn *= 2  # the draw did not reach the hold's end: draw more (the same sequence, longer)
+    plan = []
+    for r in drawn:
+        if r.arrival_s >= end + hold_s:
+            break
+        plan.append(dataclasses.replace(r, index=len(plan), warmup=not lead_s <= r.arrival_s < end))
+    return plan, lead_s, end
+
+
+def _lifetime_below(points: list[dict], rate: float, probe_s: float) -> float:
+    """The lifetime estimate for a plateau at `rate`: the mean end-to-end latency of the plateau
+    measured at the highest nominal rate below it, else the probe's; never below the probe's."""
+    below = [p for p in points if p["request_rate"] < rate and p["e2e_ms"]["mean"] is not None]
+    if not below:
+        return probe_s
+    return max(probe_s, max(below, key=lambda p: p["request_rate"])["e2e_ms"]["mean"] / 1000.0)
+
+
+async def _search(args: argparse.Namespace, options: ClientOptions, slo: Slo, document: dict) -> int:
+    config = document["config"]
+    config["search"] = {key: getattr(args, key) for key in (
+        "rate_lo", "rate_hi", "search_variant", "max_points", "search_tolerance", "min_requests", "window_s",
+        "lead_s", "hold_s", "lifetime_factor", "probe_requests", "little_tolerance", "metrics_interval_s")}
+    metrics_urls = [] if args.no_metrics else (args.metrics_url or [args.base_url])
+    config["search"]["metrics_urls"] = metrics_urls
+    sampler_endpoints = [Endpoint.parse(url, args.api_key) for url in metrics_urls]
+
+    # Low-load probe: one request at a time, for the first lifetime estimate.
+    probe_spec = WorkloadSpec(input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
+                              vocab_size=args.vocab_size, min_token_id=args.min_token_id, seed=args.seed,
+                              num_requests=args.probe_requests, num_warmup=0, request_rate=math.inf,
+                              burstiness=args.burstiness)
+    probe = await execute_run(dataclasses.replace(options, max_concurrency=1), plan_requests(probe_spec, 0),
+                              "lifetime probe")
+    lifetimes = [r.e2e_s for r in probe.results if r.ok and r.e2e_s is not None]
+    if not lifetimes:
+        raise PdbenchError("the lifetime probe had no successful request: "
+                           + "; ".join(sorted({r.error or "unknown error" for r in probe.results})))
+    probe_lifetime_s = sum(lifetimes) / len(lifetimes)
+    document["probe"] = {"num_requests": len(probe.results), "mean_lifetime_s": probe_lifetime_s}
+
+    flags_per_run: list[dict[str, list[bool]]] = []
+    exit_code = EXIT_OK
+    target = args.goodput_target
+    variant = args.search_variant
+    stop_reason = "max_points"
+    while len(document["runs"]) < args.max_points:
+        measured = [(r["request_rate"], r["slo"][variant]["attainment"]) for r in document["runs"]]
+        rate = next_search_rate(measured, target, args.rate_lo, args.rate_hi, args.search_tolerance)
+        if rate is None:
+            stop_reason = "decided"
+            break
+        lifetime_s = _lifetime_below(document["runs"], rate, probe_lifetime_s)
+        lead_s = max(args.lead_s, args.lifetime_factor * lifetime_s)
+        hold_s = max(args.hold_s, args.lifetime_factor * lifetime_s)
+        plan, start_s, end_s = plateau_plan(args, rate, lead_s, hold_s, run_index=1 + len(document["runs"]))
+        sampler = MetricsSampler(sampler_endpoints, args.metrics_interval_s)
+        observers = [lambda zero: sampler.observe(zero + start_s, zero + end_s)] if sampler_endpoints else []
+        outcome = await execute_run(options, plan, f"plateau at {rate:.3g} req/s", observers)
+        run, flags = _run_entry(args, rate, outcome.results, slo, outcome.client_loop_lag_ms,
+                                window_s=end_s - start_s)
+        spans = [(r.sent_s, r.finished_s) for r in outcome.results if r.finished_s is not None]
+        window_lifetimes = [r.e2e_s for r in outcome.results if not r.warmup and r.e2e_s is not None]
+        run["plateau"] = {"lifetime_estimate_s": lifetime_s, "lead_s": lead_s, "window_s": end_s - start_s,
+                          "hold_s": hold_s}
+        run["littles_law"] = littles_law_check(spans, (start_s, end_s), window_lifetimes, run["realised_rate"],
+                                               args.little_tolerance)
+        mean_lifetime_s = sum(window_lifetimes) / len(window_lifetimes) if window_lifetimes else None
+        run["plateau"]["hold_covers_lifetime"] = mean_lifetime_s is not None and mean_lifetime_s <= hold_s
+        run["steady_state"] = run["littles_law"]["holds"] and run["plateau"]["hold_covers_lifetime"]
+        if sampler_endpoints:
+            run["server_metrics"] = outcome.observed[0]
+            if sampler.errors:
+                run["server_metrics_errors"] = sampler.errors[:10]
+        if run["completed"] == 0:
+            exit_code = EXIT_RUN_FAILED
+        document["runs"].append(run)
+        flags_per_run.append(flags)
+        _set_goodput(document, target, flags_per_run, args.bootstrap_resamples, args.seed)
+        if args.json_out:
+            _write_json(args.json_out, document)
+        print(report.run_table(run, config["slo"]), flush=True)
+        print(flush=True)
+    passing = [r["request_rate"] for r in document["runs"] if r["slo"][variant]["attainment"] >= target]
+    failing = [r["request_rate"] for r in document["runs"] if r["slo"][variant]["attainment"] < target]
+    document["search"] = {"variant": variant, "target": target, "stopped": stop_reason,
+                          "highest_passing_rate": max(passing, default=None),
+                          "lowest_failing_rate": min(failing, default=None),
+                          "num_not_steady": sum(1 for r in document["runs"] if not r["steady_state"])}
+    order = sorted(range(len(document["runs"])), key=lambda i: run_rate(document["runs"][i]) or 0.0)
+    document["runs"] = [document["runs"][i] for i in order]
+    _set_goodput(document, target, [flags_per_run[i] for i in order], args.bootstrap_resamples, args.seed)
+    if args.json_out:
+        _write_json(args.json_out, document)
+    print(report.sweep_table(document), flush=True)
+    if document["search"]["num_not_steady"]:
+        print(f"WARNING: {document['search']['num_not_steady']} plateaus failed the steady-state checks "
+              "(Little's law or a hold shorter than the lifetime): their attainment is not a steady state's",
+              flush=True)
     return exit_code
 
 
@@ -427,8 +654,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
             return EXIT_OK
         _check_args(parser, args)
-        rates = args.rates if args.command == "sweep" else [args.request_rate]
-        return asyncio.run(_benchmark(args, rates, args.command == "sweep"))
+        rates = {"sweep": getattr(args, "rates", None), "run": [getattr(args, "request_rate", None)],
+                 "search": [getattr(args, "rate_lo", None), getattr(args, "rate_hi", None)]}[args.command]
+        return asyncio.run(_benchmark(args, rates, args.command in ("sweep", "search")))
     except PdbenchError as error:
         print(f"pdbench: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -4,11 +4,14 @@
 # CONFIG: collocated-default | collocated-tuned | pd-write | pd-read
 # Qwen3-32B-shaped dummy weights, one GPU per instance (GPUs 0 and 1), behind pdrouter.
 # Inside one deployment: a TTFT probe at low load (one request at a time, ISL 2000,
-# OSL 16), then a staircase sweep over $RATES (ISL 2000, OSL 1000, fixed lengths,
-# Poisson arrivals, $WINDOW_S s per rate) with SLO TTFT <= 1 s and ITL <= 50 ms.
-# Environment: BIN_DIR (pdserve/pdrouter), RATES, WINDOW_S, TAIL_S, LEAD_S and HOLD_S (a plateau
-# per rate: pdbench --staircase-lead-s / --staircase-hold-s), TUNED_BUDGET, MODEL, DEVICE (cuda).
-# ISL/OSL: ISL, OSL (2000/1000).
+# OSL 16), then (MODE=search, the default) a steady-state search between RATE_LO and RATE_HI
+# (plateaus of >= MIN_REQUESTS measured requests, Little's law checked, every server's /metrics
+# per window, bisection for the 90 % crossing of SEARCH_VARIANT, at most MAX_POINTS plateaus),
+# or (MODE=staircase) a staircase sweep over $RATES ($WINDOW_S s per rate), ISL 2000, OSL 1000,
+# fixed lengths, Poisson arrivals, SLO TTFT <= 1 s and ITL <= 50 ms.
+# Environment: BIN_DIR (pdserve/pdrouter), MODE, RATE_LO, RATE_HI, MIN_REQUESTS, MAX_POINTS,
+# SEARCH_VARIANT, RATES, WINDOW_S, TAIL_S, LEAD_S and HOLD_S (staircase plateaus), TUNED_BUDGET,
+# MODEL, DEVICE (cuda). ISL/OSL: ISL, OSL (2000/1000).
 set -uo pipefail
 config=${1:?config}
 out=${2:?out dir}
@@ -35,5 +38,11 @@ probe="$bench run --base-url {url} --max-concurrency 1 --num-requests 8 --warmup
 sweep="$bench sweep --base-url {url} --rates $rates --staircase-window-s $window --warmup-requests 4 \
   --staircase-tail-s ${TAIL_S:-$window} ${LEAD_S:+--staircase-lead-s $LEAD_S} ${HOLD_S:+--staircase-hold-s $HOLD_S} --input-len ${ISL:-2000} --output-len ${OSL:-1000} --slo-ttft-ms 1000 --slo-itl-ms 50 --request-timeout-s 240 \
   --label $config --save-requests --json-out $out/sweep_$config.json"
+if [ "${MODE:-search}" = search ]; then
+  sweep="$bench search --base-url {url} {metrics_args} --rate-lo ${RATE_LO:-1} --rate-hi ${RATE_HI:-4} \
+    --min-requests ${MIN_REQUESTS:-200} --max-points ${MAX_POINTS:-5} --search-variant ${SEARCH_VARIANT:-ttft_tpot} \
+    --input-len ${ISL:-2000} --output-len ${OSL:-1000} --slo-ttft-ms 1000 --slo-itl-ms 50 --request-timeout-s 240 \
+    --label $config --save-requests --json-out $out/search_$config.json"
+fi
 python3 "$root/tools/pdbench/deploy.py" --device "${DEVICE:-cuda}" --gpus 0,1 --bin-dir "$bin" --model "$model" \
   --log-dir "$out/logs_$config" "${deploy[@]}" -- bash -c "$probe && $sweep"

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "engine/kv_memory_budget.h"
 #include "engine/sampler.h"
 #include "kernels/cpu/cpu_kernels.h"
 
@@ -20,16 +21,19 @@ int32_t ceil_div(int32_t a, int32_t b) {
   return (a + b - 1) / b;
 }
 
-// A row needs the CPU sampler when it asks for something the GPU kernel does not do.
+// A row needs the CPU sampler when it asks for something the GPU kernel does not do
+// (top-k/top-p, top logprobs, long suppression lists, penalties, logit_bias,
+// allowed_token_ids, bad words).
 bool needs_host_sampling(const SeqStep& s) {
   return (s.sampling.temperature > 0.0f && (s.sampling.top_k > 0 || s.sampling.top_p < 1.0f)) ||
-         s.sampling.logprobs > 0 || static_cast<int32_t>(s.suppressed_token_ids.size()) > kc::kMaxSuppressedPerRow;
+         s.sampling.logprobs > 0 || static_cast<int32_t>(s.suppressed_token_ids.size()) > kc::kMaxSuppressedPerRow ||
+         s.sampling.has_logits_processing();
 }
 
 }  // namespace
 
 // Split-K partition of decode attention. Measured on an H200 inside CUDA graphs
-// (docs/perf/engine.md sessions 3 and 5, 2,048-token contexts, 8 kv heads, K/V
+// (docs/perf/engine.md, 2026-11-30 19:45 and 2026-12-01 01:35 UTC, 2,048-token contexts, 8 kv heads, K/V
 // evict-first): up to 64 (seq, kv head) rows 128 tokens (b1: 8.6 us vs 9.7 at 64
 // tokens, 8.9 at 256: fewer partials to merge, two blocks per warp to overlap); up to
 // 128 rows 1,024 (b16: 39.4 us vs 42.1 at 256, 41.3 at 512: each CTA's fixed start-up
@@ -45,7 +49,7 @@ int32_t CudaModelRunner::decode_partition_tokens_for(int32_t num_seqs, int32_t n
 
 // K/V ring depth of decode attention: 3 blocks per warp up to 128 (seq, kv head) rows,
 // where each SM holds only ~2 CTAs (1,024-token partitions) and deeper rings keep more
-// in flight; measured on an H200 (docs/perf/engine.md, session 5), whole Qwen3-8B steps
+// in flight; measured on an H200 (docs/perf/engine.md, 2026-12-01 01:35 UTC), whole Qwen3-8B steps
 // at b16 6.10-6.17 ms with 3 against 6.20-6.30 with 2 in three pairs of runs; b64/b128
 // equal within the spread, so they keep the 70 KiB CTA (3 per SM).
 int32_t CudaModelRunner::decode_kv_stages_for(int32_t num_seqs, int32_t num_kv_heads) {
@@ -112,6 +116,9 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
   }
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
+  // The KV budget counts what this instance allocates from here on (weights, buffers), not other processes.
+  size_t total_bytes = 0;
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaMemGetInfo(&free_bytes_at_start_, &total_bytes), "cudaMemGetInfo"));
   PD_ASSIGN_OR_RETURN(gemm_, kc::Gemm::create(64ull << 20, options_.gemm_policy));
   PD_RETURN_IF_ERROR(upload_weights(host_weights));
   PD_RETURN_IF_ERROR(allocate_buffers());
@@ -375,16 +382,17 @@ Status CudaModelRunner::allocate_kv_pool() {
   if (blocks <= 0) {
     size_t free_bytes = 0, total_bytes = 0;
     PD_RETURN_IF_ERROR(kc::cuda_status(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
-    const double budget = options_.gpu_memory_utilization * static_cast<double>(total_bytes) -
-                          static_cast<double>(total_bytes - free_bytes);
+    KvMemoryBudgetInput budget;
+    budget.total_bytes = total_bytes;
+    budget.free_bytes_at_start = free_bytes_at_start_;
+    budget.free_bytes_now = free_bytes;
+    budget.gpu_memory_utilization = options_.gpu_memory_utilization;
     // Leave room for cuBLASLt, graphs and the CUDA context's own growth.
-    const double reserve = 512.0 * (1 << 20);
-    blocks =
-        budget > reserve ? static_cast<int64_t>((budget - reserve) / static_cast<double>(per_block_all_layers)) : 0;
-  }
-  if (blocks <= 0) {
-    return resource_exhausted("cuda runner: no memory left for the KV cache after {} bytes of weights (utilization {})",
-                              weight_bytes_, options_.gpu_memory_utilization);
+    budget.reserve_bytes = 512ull << 20;
+    budget.bytes_per_block = per_block_all_layers;
+    Result<int64_t> fitted = kv_cache_blocks_for_budget(budget);
+    if (!fitted.ok()) return fitted.status().with_context("cuda runner");
+    blocks = *fitted;
   }
   if (blocks > INT32_MAX / options_.block_size) blocks = INT32_MAX / options_.block_size;
   spec_.num_blocks = static_cast<int32_t>(blocks);
@@ -770,7 +778,7 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
   for (size_t k = 0; k < host_rows.size(); ++k) {
     const int32_t r = host_rows[k];
     const SeqStep& s = input.seqs[static_cast<size_t>(sampled_seq[static_cast<size_t>(r)])];
-    out.sampled[static_cast<size_t>(r)] = sample_token(host_logits[k], s.sampling, s.rng_seed, s.suppressed_token_ids);
+    out.sampled[static_cast<size_t>(r)] = sample_step_token(host_logits[k], s);
   }
   return out;
 }

@@ -39,8 +39,8 @@ struct CudaRunnerOptions {
   kernels::cuda::GemmPolicy gemm_policy = kernels::cuda::GemmPolicy::kAutotune;
   // Programmatic dependent launch for the decode-path kernels (kernels.h) in passes of
   // at most programmatic_launch_max_tokens tokens; set process-wide at each forward pass.
-  // Measured on an H200, Qwen3-8B decode (docs/perf/engine.md): session 3, b1 4.63 ms with
-  // vs 4.91 without, but b16 6.67 vs 6.34 (worse). Session 5, after the skinny GEMMs began
+  // Measured on an H200, Qwen3-8B decode (docs/perf/engine.md): 2026-11-30 19:45 UTC, b1 4.63 ms
+  // with vs 4.91 without, but b16 6.67 vs 6.34 (worse). 2026-12-01 01:45 UTC, after the skinny GEMMs began
   // loading weights before their wait (and o_proj at M = 16 became one): b16 6.14 with vs
   // 6.28-6.34 without, b64 9.76 vs 9.80, b128 14.69 vs 14.75-14.78.
   bool programmatic_launch = true;
@@ -48,13 +48,13 @@ struct CudaRunnerOptions {
   // Decode attention merges its split-K partitions in its last CTA per (sequence, kv head)
   // instead of a second (reduce) kernel; kTensorCore only. Off by default: alone the two
   // take the same time, but whole decode steps measured 0.1-0.4 ms slower at b1 with it in
-  // three runs out of three (docs/perf/engine.md, session 4).
+  // three runs out of three (docs/perf/engine.md, 2026-11-30 22:47 UTC).
   bool decode_merge_in_attention = false;
   // Decode attention split-K partition in tokens (a multiple of 16 up to 2,048); 0 = the
   // rule of decode_partition_tokens_for.
   int32_t decode_partition_tokens = 0;
   // Decode attention loads K/V with an L2 evict-first hint (AttentionArgs). Measured on an
-  // H200 (docs/perf/engine.md, session 5): attention 1-4 % faster at b16-b128, whole
+  // H200 (docs/perf/engine.md, 2026-12-01 01:35 UTC): attention 1-4 % faster at b16-b128, whole
   // steps b64/b128 1.5-2 % faster, b1/b16 equal.
   bool decode_kv_evict_first = true;
   // Decode attention: 16-token K/V blocks each warp keeps in flight (AttentionArgs, 2 or
@@ -164,6 +164,7 @@ class CudaModelRunner final : public ModelRunner {
   std::unique_ptr<kernels::cuda::Gemm> gemm_;
   std::vector<void*> allocations_;
   size_t weight_bytes_ = 0;
+  size_t free_bytes_at_start_ = 0;  // device memory free before this instance allocated (KV budget)
 
   __nv_bfloat16* embed_ = nullptr;
   __nv_bfloat16* final_norm_ = nullptr;

@@ -27,7 +27,7 @@
 // piece times its weight piece, the row scale on the sums) needed 16-30 more registers,
 // dropped a CTA per SM or spilled, and measured about 25 % slower; persistent 16-warp CTAs
 // normalizing up to 16 rows once lost to the norm kernel + the usual variants by 50 %
-// (docs/perf/engine.md, session 6).
+// (docs/perf/engine.md, 2026-12-01 04:38 UTC).
 //
 // k permutation: a lane of quad t4 loads 8 consecutive k (16 bytes) of its w
 // row and of the activation rows; those 8 values feed the mma's k slots
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kUnroll == 8 ? 2 : 3)
 // inside the loop. The first stages' weight copies are issued before the PDL
 // wait (pdl.cuh: weights are not written during a step). Variant 5: m <= 16;
 // variant 6: m <= 8 (no activation rows 8..15: more stages in the same memory).
-// Measured (docs/perf/engine.md, session 5): at M = 16 it wins o_proj (10.8 us vs
+// Measured (docs/perf/engine.md, 2026-12-01 01:35 UTC): at M = 16 it wins o_proj (10.8 us vs
 // 13.4 for cuBLASLt, weights rotated through HBM) but not the wide or long shapes
 // (gate_up 60.7 vs 49.3, down 35.0 vs 28.5). A 32-column version (half the activation
 // reads per weight byte, activations through L1) was slower everywhere and was removed.

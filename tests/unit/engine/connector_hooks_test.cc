@@ -335,6 +335,7 @@ TEST(ConnectorHooks, WaitingRequestsHoldingReceivedKvCannotStallAHeadThatNeedsTh
   conn.match = {63, true, 60'000};
   SchedulerConfig c = config(/*num_blocks=*/9);
   c.max_num_seqs = 1;
+  c.remote_output_reserve = -1.0;  // the reserve would keep "b" from taking blocks at all
   SchedulerHarness h(c, &conn);
   std::vector<int32_t> prompt_a = iota_tokens(64);
   std::vector<int32_t> prompt_b = iota_tokens(64);
@@ -370,6 +371,107 @@ TEST(ConnectorHooks, RequestWithoutRoomIsAskedAgainAndKeepsItsTransfer) {
   EXPECT_EQ(pd->state(), RequestState::kWaitingForRemoteKv);
   EXPECT_EQ(conn.alloc_external_tokens, 48);
   EXPECT_GE(conn.num_match_calls, 2);
+}
+
+// A P/D consumer under KV pressure: eight requests whose 32-token prompts
+// arrive from a producer (2 blocks each) and which each grow by 4 blocks of
+// output, on 20 blocks. Every waiting load is delivered after each step.
+struct ConsumerRun {
+  int32_t max_requests_holding_blocks = 0;
+  int64_t num_preemptions = 0;
+  int64_t num_recomputed_tokens = 0;
+  int64_t num_deferred = 0;
+  bool outputs_match = true;
+};
+
+ConsumerRun run_consumer_under_pressure(double reserve) {
+  ScriptedConnector conn;
+  conn.match = {32, true, 60'000};
+  SchedulerConfig c = config(/*num_blocks=*/20);
+  c.remote_output_reserve = reserve;
+  c.kv_watermark = 0.0;
+  SchedulerHarness h(c, &conn);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int32_t i = 0; i < 8; ++i) {
+    prompts.push_back(iota_tokens(32, 1 + 100 * i));  // no shared prefix
+    h.add("r" + std::to_string(i), prompts.back(), 64, kParams);
+  }
+  ConsumerRun run;
+  for (int i = 0; i < 2000 && h.scheduler.has_unfinished(); ++i) {
+    h.step();
+    ConnectorEvents arrived;
+    int32_t holding = 0;
+    for (Request* r : h.scheduler.live_requests()) {
+      holding += !r->block_ids.empty();
+      if (r->state() == RequestState::kWaitingForRemoteKv) arrived.finished_recving.push_back(r->request_id());
+    }
+    run.max_requests_holding_blocks = std::max(run.max_requests_holding_blocks, holding);
+    deliver(h, arrived);
+  }
+  EXPECT_FALSE(h.scheduler.has_unfinished());
+  for (int32_t i = 0; i < 8; ++i) {
+    run.outputs_match = run.outputs_match && h.outputs("r" + std::to_string(i)) == reference_outputs(prompts[i], 64);
+  }
+  run.num_preemptions = h.scheduler.counters().num_preemptions;
+  run.num_recomputed_tokens = h.scheduler.counters().num_recomputed_tokens;
+  run.num_deferred = h.scheduler.counters().num_remote_admissions_deferred;
+  EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 20);
+  return run;
+}
+
+TEST(ConnectorHooks, AConsumerUnderKvPressureAdmitsFewerAndNeverPreempts) {
+  // 6 blocks per request at its end: the reserve admits three at a time.
+  const ConsumerRun reserved = run_consumer_under_pressure(1.0);
+  EXPECT_TRUE(reserved.outputs_match);
+  EXPECT_EQ(reserved.num_preemptions, 0);
+  EXPECT_EQ(reserved.num_recomputed_tokens, 0);
+  EXPECT_EQ(reserved.max_requests_holding_blocks, 3);
+  // Three run in lockstep and finish together, so the next three are admitted
+  // at once: only the head of each later wave (r3, r6) waited, each counted
+  // once although it waited many steps.
+  EXPECT_EQ(reserved.num_deferred, 2);
+
+  // Without it every prompt fits at first, and growing forces preemptions
+  // that throw received prompts away.
+  const ConsumerRun unreserved = run_consumer_under_pressure(-1.0);
+  EXPECT_TRUE(unreserved.outputs_match);
+  EXPECT_GT(unreserved.max_requests_holding_blocks, 3);
+  EXPECT_GT(unreserved.num_preemptions, 0);
+  EXPECT_GT(unreserved.num_recomputed_tokens, 0);
+  EXPECT_EQ(unreserved.num_deferred, 0);
+}
+
+TEST(ConnectorHooks, TheReserveCountsAFractionOfTheOutputAndTheWatermark) {
+  // Half the output reserved (4 blocks per request at the end of its reserve)
+  // and a watermark of 2 blocks on 20: four requests fit (4 x 4 + 2 = 18 <= 20),
+  // a fifth does not (22).
+  ScriptedConnector conn;
+  conn.match = {32, true, 60'000};
+  SchedulerConfig c = config(/*num_blocks=*/20);
+  c.remote_output_reserve = 0.5;
+  c.kv_watermark = 0.1;
+  SchedulerHarness h(c, &conn);
+  for (int32_t i = 0; i < 6; ++i) h.add("r" + std::to_string(i), iota_tokens(32, 1 + 100 * i), 64, kParams);
+  h.step();
+  EXPECT_EQ(h.scheduler.num_remote_waiting(), 4);
+  EXPECT_EQ(h.scheduler.counters().num_remote_admissions_deferred, 1) << "only the head of the rest was asked";
+}
+
+TEST(ConnectorHooks, ARemoteRequestAloneIsAdmittedWhateverTheReserve) {
+  // Its reserve (6 blocks) plus the watermark (3) exceed the 6-block cache;
+  // with nothing else holding blocks it still runs, or it would never run.
+  ScriptedConnector conn;
+  conn.match = {32, true, 60'000};
+  SchedulerConfig c = config(/*num_blocks=*/6);
+  c.kv_watermark = 0.5;
+  SchedulerHarness h(c, &conn);
+  h.add("pd", iota_tokens(32), 64, kParams);
+  h.step();
+  ASSERT_EQ(h.scheduler.num_remote_waiting(), 1);
+  deliver(h, ConnectorEvents{{"pd"}, {}, {}, {}, {}});
+  h.run_until_idle();
+  EXPECT_EQ(h.outputs("pd"), reference_outputs(iota_tokens(32), 64));
+  EXPECT_EQ(h.scheduler.counters().num_preemptions, 0);
 }
 
 }  // namespace

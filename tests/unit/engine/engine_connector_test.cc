@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "common/clock.h"
 #include "engine/engine.h"
@@ -28,6 +29,7 @@ class LoopbackConnector : public KvConnector {
 
   // Test-thread side.
   ExternalMatch match;
+  Status refusal = Status::Ok();  // answered instead of `match` when set
   bool delay_free = false;
   RemoteKvTimeoutAction timeout_action = RemoteKvTimeoutAction::kFail;
 
@@ -99,6 +101,7 @@ class LoopbackConnector : public KvConnector {
   void bind_engine_wakeup(std::function<void()> wakeup) override { wakeup_ = std::move(wakeup); }
   Result<ExternalMatch> get_num_new_matched_tokens(const Request&, int32_t) override {
     std::lock_guard lock(mutex_);
+    if (!refusal.ok()) return refusal;
     return match;
   }
   void update_state_after_alloc(const Request& r, std::span<const int32_t> block_ids, int32_t num_external) override {
@@ -295,6 +298,24 @@ TEST(EngineConnector, TransferFailureReportedByTheConnectorFailsTheWaitingReques
   EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
 }
 
+TEST(EngineConnector, AConnectorRefusingARequestAsAConflictMarksItsOutputSo) {
+  Rig rig = make_rig(64, ExternalMatch{24, true, 60'000});
+  rig.connector->refusal = failed_precondition("transfer t is already active");
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("dup", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(out.wait_finished("dup"));
+  EXPECT_EQ(out.last("dup").finish_reason, FinishReason::kError);
+  EXPECT_TRUE(out.last("dup").conflict);
+  EXPECT_NE(out.last("dup").error.find("already active"), std::string::npos);
+  // Any other refusal is not a conflict.
+  rig.connector->refusal = internal_error("connector bug");
+  ASSERT_TRUE(rig.engine->add_request(pd_request("bug", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(out.wait_finished("bug"));
+  EXPECT_FALSE(out.last("bug").conflict);
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+}
+
 TEST(EngineConnector, ConnectorValidationRejectsBadTransferParamsUpFront) {
   Rig rig = make_rig(64, ExternalMatch{24, true, 60'000});
   Outputs out;
@@ -382,6 +403,93 @@ TEST(EngineConnector, AHandedOverTokenThatEndsTheRequestFinishesItWithoutAStep) 
   rig.engine->shutdown();
   EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
   EXPECT_EQ(rig.engine->stats().num_blocks_free, 64);
+}
+
+// A runner whose steps wait at a gate the test opens one step at a time, so
+// the test knows which step is in flight when something arrives.
+class GatedRunner : public PagedKvTestRunner {
+ public:
+  using PagedKvTestRunner::PagedKvTestRunner;
+  Result<StepOutput> execute(const StepInput& input) override {
+    {
+      std::unique_lock lock(mutex_);
+      const int64_t mine = ++num_started_;
+      cv_.notify_all();
+      if (!cv_.wait_until(lock, Deadline::after_ms(20'000).when(), [&] { return num_released_ >= mine; })) {
+        return internal_error("gate never opened for step {}", mine);
+      }
+    }
+    return PagedKvTestRunner::execute(input);
+  }
+  int64_t num_started() {
+    std::lock_guard lock(mutex_);
+    return num_started_;
+  }
+  bool wait_started(int64_t n) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_until(lock, Deadline::after_ms(20'000).when(), [&] { return num_started_ >= n; });
+  }
+  void release(int64_t n) {
+    std::lock_guard lock(mutex_);
+    num_released_ += n;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int64_t num_started_ = 0;
+  int64_t num_released_ = 0;
+};
+
+TEST(EngineConnector, AHandedOverTokenArrivingDuringAStepIsEmittedBeforeTheNextStepStarts) {
+  auto owned = std::make_unique<GatedRunner>(64, kBlockSize, kVocab);
+  GatedRunner* runner = owned.get();
+  auto connector = std::make_unique<LoopbackConnector>(runner);
+  connector->match = handover_match();
+  LoopbackConnector* conn = connector.get();
+  EngineConfig config;
+  config.max_num_batched_tokens = 64;
+  config.max_model_len = 128;
+  auto created = Engine::create(config, std::move(owned), nullptr, std::move(connector));
+  ASSERT_TRUE(created.ok()) << created.status().to_string();
+  std::unique_ptr<Engine> engine = std::move(created).value();
+
+  // The steps already started when the consumer's first token reached the client.
+  std::mutex mutex;
+  std::optional<int64_t> steps_at_first_token;
+  Outputs out;
+  OutputCallback record = out.callback();
+  auto on_c = [&](RequestOutput o) {
+    {
+      std::lock_guard lock(mutex);
+      if (!steps_at_first_token && !o.new_token_ids.empty()) steps_at_first_token = runner->num_started();
+    }
+    record(std::move(o));
+  };
+  ASSERT_TRUE(engine->add_request(pd_request("c", 26, 3), on_c).ok());
+  ASSERT_TRUE(conn->wait_allocated("c"));
+  // Another request keeps the engine busy: its prefill is step 1, held at the gate.
+  ASSERT_TRUE(engine->add_request(pd_request("busy", 20, 4, /*with_params=*/false), out.callback()).ok());
+  ASSERT_TRUE(runner->wait_started(1));
+  // The KV and the producer's token arrive while step 1 runs.
+  const std::vector<int32_t> reference = reference_greedy(prompt_of(26), 3, kVocab);
+  conn->deliver_with_token("c", reference[0]);
+  runner->release(1);
+  // Step 2 (the first with "c" decoding) waits at the gate; the token must be out by then.
+  ASSERT_TRUE(runner->wait_started(2));
+  {
+    std::lock_guard lock(mutex);
+    ASSERT_TRUE(steps_at_first_token.has_value()) << "the handed-over token waited for a later step";
+    EXPECT_EQ(*steps_at_first_token, 1) << "emitted after the step in flight, before the next one";
+  }
+  runner->release(100);
+  ASSERT_TRUE(out.wait_finished("c"));
+  ASSERT_TRUE(out.wait_finished("busy"));
+  EXPECT_EQ(out.tokens("c"), reference);
+  EXPECT_EQ(out.tokens("busy"), reference_greedy(prompt_of(20), 4, kVocab));
+  engine->shutdown();
+  EXPECT_EQ(engine->stats().num_blocks_in_use, 0);
 }
 
 }  // namespace

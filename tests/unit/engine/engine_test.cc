@@ -128,6 +128,13 @@ std::vector<int32_t> tokens_from(int32_t n, int32_t start) {
   return t;
 }
 
+SamplingParams greedy_params_for_engine(int32_t max_tokens) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = max_tokens;
+  return p;
+}
+
 // ---------------------------------------------------------------------------
 
 TEST(Engine, ConcurrentRequestsWithSharedPrefixesAndPreemptionMatchTheReference) {
@@ -379,9 +386,126 @@ TEST(Engine, MetricsAreExported) {
   for (const char* name :
        {"pd_num_requests_running", "pd_num_requests_waiting", "pd_kv_blocks_used", "pd_kv_blocks_free",
         "pd_prompt_tokens_total", "pd_generation_tokens_total", "pd_time_to_first_token_seconds_bucket",
-        "pd_inter_token_latency_seconds_bucket", "pd_preemptions_total", "pd_prefix_cache_hit_tokens_total"}) {
+        "pd_inter_token_latency_seconds_bucket", "pd_preemptions_total", "pd_prefix_cache_hit_tokens_total",
+        "pd_recomputed_tokens_total", "pd_remote_admissions_deferred_total", "pd_num_requests_waiting_for_remote_kv"}) {
     EXPECT_NE(text.find(name), std::string::npos) << name;
   }
+}
+
+// The value of one rendered series ("name{labels} value"), or -1 when absent.
+double series_value(const std::string& text, const std::string& series) {
+  const std::string prefix = series + " ";
+  for (size_t at = text.find(prefix); at != std::string::npos; at = text.find(prefix, at + 1)) {
+    if (at == 0 || text[at - 1] == '\n') return std::stod(text.substr(at + prefix.size()));
+  }
+  return -1.0;
+}
+
+TEST(Engine, VllmSeriesCountAFinishedRequestUnderItsModelName) {
+  EngineConfig config = small_engine_config();
+  config.model_name = "vllm-series-test";
+  auto e = make_engine(config, 64);
+  Collector c;
+  ASSERT_TRUE(e.engine->add_request(make_request("v", tokens_from(7, 1), 3), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(1));
+  e.engine->shutdown();
+  const std::string text = metrics::Registry::global().render_prometheus();
+  const std::string m = R"(model_name="vllm-series-test")";
+  EXPECT_EQ(series_value(text, "vllm:request_success_total{" + m + R"(,finished_reason="length"})"), 1.0) << text;
+  EXPECT_EQ(series_value(text, "vllm:request_success_total{" + m + R"(,finished_reason="stop"})"), 0.0);
+  EXPECT_EQ(series_value(text, "vllm:prompt_tokens_total{" + m + "}"), 7.0);
+  EXPECT_EQ(series_value(text, "vllm:generation_tokens_total{" + m + "}"), 3.0);
+  EXPECT_EQ(series_value(text, "vllm:request_prompt_tokens_sum{" + m + "}"), 7.0);
+  EXPECT_EQ(series_value(text, "vllm:request_generation_tokens_sum{" + m + "}"), 3.0);
+  EXPECT_EQ(series_value(text, "vllm:request_generation_tokens_bucket{" + m + R"(,le="2"})"), 0.0);
+  EXPECT_EQ(series_value(text, "vllm:request_generation_tokens_bucket{" + m + R"(,le="5"})"), 1.0);
+  for (const char* histogram :
+       {"vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+        "vllm:request_time_per_output_token_seconds"}) {
+    EXPECT_EQ(series_value(text, std::string(histogram) + "_count{" + m + "}"), 1.0) << histogram;
+    EXPECT_GE(series_value(text, std::string(histogram) + "_sum{" + m + "}"), 0.0) << histogram;
+  }
+  EXPECT_EQ(series_value(text, "vllm:inter_token_latency_seconds_count{" + m + "}"), 2.0);
+  EXPECT_EQ(series_value(text, "vllm:time_per_output_token_seconds_count{" + m + "}"), 2.0);
+  EXPECT_EQ(series_value(text, "vllm:num_requests_running{" + m + "}"), 0.0);
+  EXPECT_EQ(series_value(text, "vllm:num_requests_waiting{" + m + "}"), 0.0);
+  EXPECT_GE(series_value(text, "vllm:kv_cache_usage_perc{" + m + "}"), 0.0);
+  EXPECT_EQ(series_value(text, "vllm:num_preemptions_total{" + m + "}"), 0.0);
+}
+
+TEST(Engine, AbortedRequestCountsUnderFinishedReasonAbort) {
+  EngineConfig config = small_engine_config();
+  config.model_name = "vllm-abort-test";
+  auto e = make_engine(config, 64);
+  Collector c;
+  ASSERT_TRUE(e.engine->add_request(make_request("a", tokens_from(7, 1), 200), c.callback()).ok());
+  e.engine->abort("a");
+  ASSERT_TRUE(c.wait_finished(1));
+  e.engine->shutdown();
+  const std::string text = metrics::Registry::global().render_prometheus();
+  EXPECT_EQ(series_value(text, R"(vllm:request_success_total{model_name="vllm-abort-test",finished_reason="abort"})"),
+            1.0)
+      << text;
+}
+
+// A model whose logits never change: token 5 first, then 6, then 7 (by a
+// margin of 1 each). What comes out depends only on the logits processing.
+PagedKvTestRunner::LogitsFn fixed_preferences() {
+  return [](std::span<const int32_t>, int32_t vocab) {
+    std::vector<float> logits(static_cast<size_t>(vocab), 0.0f);
+    logits[5] = 3.0f;
+    logits[6] = 2.0f;
+    logits[7] = 1.0f;
+    return logits;
+  };
+}
+
+std::vector<int32_t> run_processed(SamplingParams sampling, std::vector<int32_t> prompt = {1, 2, 3}) {
+  auto e = make_engine(small_engine_config(), 64, 4, nullptr, fixed_preferences());
+  Collector c;
+  GenerateRequest r = make_request("p", std::move(prompt), sampling.max_tokens);
+  r.sampling = std::move(sampling);
+  EXPECT_TRUE(e.engine->add_request(std::move(r), c.callback()).ok());
+  EXPECT_TRUE(c.wait_finished(1));
+  return c.tokens("p");
+}
+
+TEST(EngineLogitsProcessing, PenaltiesSeeTheTokensGeneratedSoFar) {
+  SamplingParams p = greedy_params_for_engine(4);
+  EXPECT_EQ(run_processed(p), (std::vector<int32_t>{5, 5, 5, 5}));
+  p.presence_penalty = 1.5f;  // 5 generated: 1.5 < 2 -> 6; both generated: 5 (1.5) beats 7 (1) and 6 (0.5)
+  EXPECT_EQ(run_processed(p), (std::vector<int32_t>{5, 6, 5, 5}));
+  p = greedy_params_for_engine(4);
+  p.frequency_penalty = 0.6f;  // 5: 3, 2.4, 1.8 (< 2 -> 6), ...
+  EXPECT_EQ(run_processed(p), (std::vector<int32_t>{5, 5, 6, 5}));
+}
+
+TEST(EngineLogitsProcessing, RepetitionPenaltyCountsThePrompt) {
+  SamplingParams p = greedy_params_for_engine(2);
+  p.repetition_penalty = 2.0f;  // 5 in the prompt: 1.5 < 2 -> 6 first; then 6 generated: 1 < 1.5 -> 5
+  EXPECT_EQ(run_processed(p, {5, 9}), (std::vector<int32_t>{6, 5}));
+}
+
+TEST(EngineLogitsProcessing, BiasAllowedIdsAndBadWordsReachTheSampler) {
+  SamplingParams p = greedy_params_for_engine(3);
+  p.logit_bias = {{9, 10.0f}};
+  EXPECT_EQ(run_processed(p), (std::vector<int32_t>{9, 9, 9}));
+  p = greedy_params_for_engine(3);
+  p.allowed_token_ids = {7, 11};
+  EXPECT_EQ(run_processed(p), (std::vector<int32_t>{7, 7, 7}));
+  p = greedy_params_for_engine(3);
+  p.bad_words_token_ids = {{5, 5}};  // 5 may not follow 5
+  EXPECT_EQ(run_processed(p), (std::vector<int32_t>{5, 6, 5}));
+}
+
+TEST(EngineLogitsProcessing, MinTokensHoldsBackAStopIdThatTheBiasFavours) {
+  SamplingParams p = greedy_params_for_engine(6);
+  p.stop_token_ids = {9};
+  p.logit_bias = {{9, 10.0f}};
+  p.min_tokens = 3;
+  auto tokens = run_processed(p);
+  EXPECT_EQ(tokens, (std::vector<int32_t>{5, 5, 5, 9}));
 }
 
 // --- text, stop strings, EOS: a byte-level tokenizer (token id = byte) ------

@@ -129,7 +129,7 @@ class PagedKvTestRunner : public ModelRunner {
       }
       std::vector<float> logits =
           logits_fn_ ? logits_fn_(context, vocab_size_) : reference_logits(context, vocab_size_);
-      out.sampled.push_back(sample_token(logits, seq.sampling, seq.rng_seed, seq.suppressed_token_ids));
+      out.sampled.push_back(sample_step_token(logits, seq));
     }
     return out;
   }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -201,6 +202,174 @@ TEST(Sampler, RngSeedDependsOnRequestSeedAndIndex) {
   EXPECT_LT(u, 1.0);
 }
 
+// ---- logits processing (vLLM semantics) ----
+
+SamplingParams greedy_params() {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  return p;
+}
+
+std::vector<float> processed(std::vector<float> logits, const SamplingParams& p, std::vector<int32_t> prompt,
+                             std::vector<int32_t> output, std::vector<int32_t> suppressed = {}) {
+  apply_logits_processing(logits, p, suppressed, SamplingHistory{prompt, output});
+  return logits;
+}
+
+TEST(LogitsProcessing, NothingSetLeavesTheLogitsAlone) {
+  const std::vector<float> raw = ramp_logits();
+  EXPECT_EQ(processed(raw, SamplingParams{}, {1, 2, 3}, {5, 5}), raw);
+  EXPECT_FALSE(SamplingParams{}.has_logits_processing());
+}
+
+TEST(LogitsProcessing, PresencePenaltySubtractsOnceForEveryGeneratedTokenNotThePrompt) {
+  SamplingParams p;
+  p.presence_penalty = 0.5f;
+  const std::vector<float> raw = ramp_logits();
+  auto out = processed(raw, p, /*prompt=*/{0, 1}, /*output=*/{5, 5, 5, 3});
+  EXPECT_FLOAT_EQ(out[5], raw[5] - 0.5f);
+  EXPECT_FLOAT_EQ(out[3], raw[3] - 0.5f);
+  EXPECT_FLOAT_EQ(out[0], raw[0]);  // prompt tokens are not penalized
+  EXPECT_FLOAT_EQ(out[1], raw[1]);
+  EXPECT_FLOAT_EQ(out[7], raw[7]);
+}
+
+TEST(LogitsProcessing, FrequencyPenaltyScalesWithTheCountAmongGeneratedTokens) {
+  SamplingParams p;
+  p.frequency_penalty = 0.25f;
+  const std::vector<float> raw = ramp_logits();
+  auto out = processed(raw, p, {0}, {5, 5, 5, 3});
+  EXPECT_FLOAT_EQ(out[5], raw[5] - 0.75f);
+  EXPECT_FLOAT_EQ(out[3], raw[3] - 0.25f);
+  EXPECT_FLOAT_EQ(out[0], raw[0]);
+  p.frequency_penalty = -0.5f;  // negative values encourage repetition
+  out = processed(raw, p, {0}, {5, 5});
+  EXPECT_FLOAT_EQ(out[5], raw[5] + 1.0f);
+}
+
+TEST(LogitsProcessing, RepetitionPenaltyDividesPositiveAndMultipliesNegativeOverPromptAndOutput) {
+  SamplingParams p;
+  p.repetition_penalty = 2.0f;
+  const std::vector<float> raw = ramp_logits();  // raw[1] = 2, raw[2] = -1, raw[5] = 3, raw[6] = -2
+  auto out = processed(raw, p, /*prompt=*/{1, 2, 2}, /*output=*/{5, 6});
+  EXPECT_FLOAT_EQ(out[1], 1.0f);   // prompt, positive: divided
+  EXPECT_FLOAT_EQ(out[2], -2.0f);  // prompt, negative: multiplied
+  EXPECT_FLOAT_EQ(out[5], 1.5f);   // output, positive
+  EXPECT_FLOAT_EQ(out[6], -4.0f);  // output, negative
+  EXPECT_FLOAT_EQ(out[3], raw[3]);
+  EXPECT_FLOAT_EQ(out[4], raw[4]);  // 0 stays 0 either way
+}
+
+TEST(LogitsProcessing, RepetitionThenFrequencyThenPresence) {
+  SamplingParams p;
+  p.repetition_penalty = 2.0f;
+  p.frequency_penalty = 0.5f;
+  p.presence_penalty = 0.25f;
+  auto out = processed(ramp_logits(), p, {}, {5, 5});
+  EXPECT_FLOAT_EQ(out[5], 3.0f / 2.0f - 2 * 0.5f - 0.25f);
+}
+
+TEST(LogitsProcessing, LogitBiasAddsToTheNamedIds) {
+  SamplingParams p;
+  p.logit_bias = {{2, 10.0f}, {5, -100.0f}, {99, 5.0f}};
+  const std::vector<float> raw = ramp_logits();
+  auto out = processed(raw, p, {}, {});
+  EXPECT_FLOAT_EQ(out[2], raw[2] + 10.0f);
+  EXPECT_FLOAT_EQ(out[5], raw[5] - 100.0f);
+  std::vector<float> row = ramp_logits();
+  EXPECT_EQ(sample_token(row, greedy_params(), 0, {}, {}).token_id, 5);
+  SamplingParams g = greedy_params();
+  g.logit_bias = p.logit_bias;
+  row = ramp_logits();
+  EXPECT_EQ(sample_token(row, g, 0, {}).token_id, 2);
+}
+
+TEST(LogitsProcessing, AllowedTokenIdsAreTheOnlyOnesEverSampled) {
+  SamplingParams p = random_params();
+  p.allowed_token_ids = {0, 4, 6};
+  EXPECT_EQ(reachable(ramp_logits(), p), (std::set<int32_t>{0, 4, 6}));
+  SamplingParams g = greedy_params();
+  g.allowed_token_ids = {2, 6};
+  std::vector<float> row = ramp_logits();
+  EXPECT_EQ(sample_token(row, g, 0, {}).token_id, 2);
+}
+
+TEST(LogitsProcessing, BadWordBansItsLastTokenOnlyAfterItsPrefix) {
+  SamplingParams p = greedy_params();
+  p.bad_words_token_ids = {{7, 5}, {1}};
+  // Single-token word: always banned. Two-token word: 5 banned only right after 7.
+  std::vector<float> row = ramp_logits();
+  std::vector<int32_t> output = {3};
+  EXPECT_EQ(sample_token(row, p, 0, {}, SamplingHistory{{}, output}).token_id, 5);
+  row = ramp_logits();
+  output = {3, 7};
+  EXPECT_EQ(sample_token(row, p, 0, {}, SamplingHistory{{}, output}).token_id, 3);  // 5 and 1 banned
+  auto out = processed(ramp_logits(), p, /*prompt=*/{7}, /*output=*/{});
+  EXPECT_FLOAT_EQ(out[5], 3.0f);  // the prefix must be among the generated tokens, not the prompt
+  EXPECT_EQ(out[1], -std::numeric_limits<float>::infinity());
+}
+
+TEST(LogitsProcessing, LogprobsStayThoseOfTheRawLogits) {
+  SamplingParams p = greedy_params();
+  p.logprobs = 2;
+  p.logit_bias = {{0, 50.0f}};
+  p.presence_penalty = 2.0f;
+  std::vector<float> row = ramp_logits();
+  std::vector<int32_t> output = {5};
+  SampledToken t = sample_token(row, p, 0, {}, SamplingHistory{{}, output});
+  EXPECT_EQ(t.token_id, 0);
+  ASSERT_EQ(t.top_logprobs.size(), 2u);
+  EXPECT_EQ(t.top_logprobs[0].first, 5);  // rank of the raw distribution
+  EXPECT_EQ(t.top_logprobs[1].first, 1);
+  std::vector<float> plain = ramp_logits();
+  SamplingParams q = greedy_params();
+  q.logprobs = 0;
+  EXPECT_FLOAT_EQ(t.logprob, sample_token(plain, q, 0, {}).logprob - (3.0f - 0.5f));
+}
+
+TEST(LogitsProcessing, SampleStepTokenUsesTheStepsHistory) {
+  SeqStep step;
+  step.sample = true;
+  step.sampling = greedy_params();
+  step.sampling.frequency_penalty = 2.0f;
+  const std::vector<int32_t> output = {5, 5};
+  step.output_token_ids = output;
+  std::vector<float> row = ramp_logits();
+  EXPECT_EQ(sample_step_token(row, step).token_id, 1);  // 3 - 4 < 2
+  step.output_token_ids = {};
+  row = ramp_logits();
+  EXPECT_EQ(sample_step_token(row, step).token_id, 5);
+}
+
+TEST(SamplingParamsValidation, NamesTheFieldOfEveryOutOfRangeValue) {
+  auto error_of = [](auto mutate) {
+    SamplingParams p;
+    mutate(p);
+    Status s = p.validate(8);
+    return s.ok() ? std::string() : s.message();
+  };
+  EXPECT_NE(error_of([](SamplingParams& p) { p.presence_penalty = 2.5f; }).find("presence_penalty"), std::string::npos);
+  EXPECT_NE(error_of([](SamplingParams& p) { p.frequency_penalty = -3.0f; }).find("frequency_penalty"),
+            std::string::npos);
+  EXPECT_NE(error_of([](SamplingParams& p) { p.repetition_penalty = 0.0f; }).find("repetition_penalty"),
+            std::string::npos);
+  EXPECT_NE(error_of([](SamplingParams& p) { p.logit_bias = {{8, 1.0f}}; }).find("logit_bias"), std::string::npos);
+  EXPECT_NE(error_of([](SamplingParams& p) { p.logit_bias = {{1, 101.0f}}; }).find("logit_bias"), std::string::npos);
+  EXPECT_NE(error_of([](SamplingParams& p) { p.allowed_token_ids = {9}; }).find("allowed_token_ids"),
+            std::string::npos);
+  EXPECT_NE(error_of([](SamplingParams& p) { p.bad_words_token_ids = {{1, 8}}; }).find("bad_words"), std::string::npos);
+  EXPECT_NE(error_of([](SamplingParams& p) { p.bad_words_token_ids = {{}}; }).find("bad_words"), std::string::npos);
+  EXPECT_EQ(error_of([](SamplingParams& p) {
+              p.presence_penalty = -2.0f;
+              p.frequency_penalty = 2.0f;
+              p.repetition_penalty = 2.0f;
+              p.logit_bias = {{7, -100.0f}};
+              p.allowed_token_ids = {0, 7};
+              p.bad_words_token_ids = {{3, 4}};
+            }),
+            "");
+}
+
 TEST(FirstTokenSamplingKey, EqualForLegsThatSampleAlikeAndDifferentOtherwise) {
   SamplingParams a;
   a.temperature = 0.7f;
@@ -221,7 +390,13 @@ TEST(FirstTokenSamplingKey, EqualForLegsThatSampleAlikeAndDifferentOtherwise) {
   EXPECT_TRUE(differs([](SamplingParams& b) { b.min_p = 0.1f; }));
   EXPECT_TRUE(differs([](SamplingParams& b) { b.seed = 43; }));
   EXPECT_TRUE(differs([](SamplingParams& b) { b.seed.reset(); }));
-  EXPECT_TRUE(differs([](SamplingParams& b) { b.min_tokens = 2; }));  // EOS suppressed at the first token
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.min_tokens = 2; }));             // EOS suppressed at the first token
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.repetition_penalty = 1.2f; }));  // the prompt counts
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.presence_penalty = 0.5f; }));
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.frequency_penalty = 0.5f; }));
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.logit_bias = {{3, 1.0f}}; }));
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.allowed_token_ids = {3}; }));
+  EXPECT_TRUE(differs([](SamplingParams& b) { b.bad_words_token_ids = {{3}}; }));
   SamplingParams suppressing = a;
   suppressing.min_tokens = 2;
   SamplingParams other_ids = suppressing;

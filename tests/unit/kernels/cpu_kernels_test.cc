@@ -2,10 +2,13 @@
 // Outputs are poisoned (NaN) first so a kernel that skips an element fails.
 #include "kernels/cpu/cpu_kernels.h"
 
+#include "model/fp8.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -233,6 +236,129 @@ TEST(CpuKernels, PagedAttentionWithShuffledBlockTableEqualsContiguousAttention) 
   paged_attention(q.data(), num_queries, positions.data(), cache.data(), layout, table, heads, scale, out.data(),
                   scratch.data());
   expect_close(out, contiguous_attention(q, k, v, num_queries, first_pos, heads, kv_heads, d), 1e-5);
+}
+
+TEST(CpuKernels, Fp8ActivationsQuantisePerTokenPer128ColumnGroupWithAPartialLastGroup) {
+  std::mt19937 rng(21);
+  const int rows = 3, cols = 192;  // groups [0, 128) and [128, 192)
+  auto x = random_vec(static_cast<size_t>(rows) * cols, &rng);
+  for (int c = 128; c < cols; ++c) x[static_cast<size_t>(cols + c)] *= 100.0f;  // row 1, group 1: another scale
+  for (int c = 0; c < 128; ++c) x[static_cast<size_t>(2 * cols + c)] = 0.0f;    // row 2, group 0: all zero
+  std::vector<float> out(x.size(), kNaN);
+  fp8_quantize_activations(x.data(), rows, cols, out.data());
+  for (int r = 0; r < rows; ++r) {
+    for (int g = 0; g < 2; ++g) {
+      const int c0 = g * 128, c1 = std::min(cols, c0 + 128);
+      float amax = 0.0f;
+      for (int c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[static_cast<size_t>(r * cols + c)]));
+      const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+      for (int c = c0; c < c1; ++c) {
+        const float v = x[static_cast<size_t>(r * cols + c)];
+        EXPECT_EQ(out[static_cast<size_t>(r * cols + c)], model::fp8_e4m3_to_f32(model::f32_to_fp8_e4m3(v / s)) * s)
+            << "row " << r << " col " << c;
+      }
+    }
+  }
+  // The largest magnitude of each group maps to 448 and comes back (448 * (amax / 448): within an ulp).
+  const auto it = std::max_element(x.begin() + cols + 128, x.begin() + 2 * cols,
+                                   [](float a, float b) { return std::fabs(a) < std::fabs(b); });
+  EXPECT_FLOAT_EQ(out[static_cast<size_t>(it - x.begin())], *it);
+  for (int c = 0; c < 128; ++c) EXPECT_EQ(out[static_cast<size_t>(2 * cols + c)], 0.0f);
+}
+
+TEST(CpuKernels, MoeRouteIsSoftmaxTopKAndOptionalRenormalisation) {
+  const int rows = 2, experts = 6, top_k = 3;
+  const std::vector<float> logits = {0.5f, 2.0f, -1.0f, 1.5f, 1.0f, 0.0f,   // top: 1, 3, 4
+                                     3.0f, 3.0f, -2.0f, 0.0f, 2.5f, 1.0f};  // tie 0/1: lower id first; then 4
+  for (bool norm : {false, true}) {
+    std::vector<int32_t> ids(rows * top_k, -1);
+    std::vector<float> weights(rows * top_k, kNaN);
+    moe_route(logits.data(), rows, experts, top_k, norm, ids.data(), weights.data());
+    EXPECT_EQ(ids, (std::vector<int32_t>{1, 3, 4, 0, 1, 4}));
+    for (int r = 0; r < rows; ++r) {
+      double denom = 0.0, top = 0.0;
+      for (int e = 0; e < experts; ++e) denom += std::exp(static_cast<double>(logits[r * experts + e]));
+      for (int i = 0; i < top_k; ++i) top += std::exp(static_cast<double>(logits[r * experts + ids[r * top_k + i]]));
+      for (int i = 0; i < top_k; ++i) {
+        const double p = std::exp(static_cast<double>(logits[r * experts + ids[r * top_k + i]])) / denom;
+        EXPECT_NEAR(weights[r * top_k + i], norm ? p / (top / denom) : p, 1e-6) << "row " << r << " k " << i;
+      }
+    }
+  }
+}
+
+TEST(CpuKernels, Fp8KvCacheStoresCodesThenPerTokenHeadScalesInsideTheBlock) {
+  std::mt19937 rng(8);
+  const int kv_heads = 2, d = 8, block_size = 4, num_blocks = 3;
+  PagedKvLayout layout{num_blocks, block_size, kv_heads, d};
+  EXPECT_EQ(layout.fp8_block_bytes(), 2 * block_size * kv_heads * (d + 4));
+  std::vector<uint8_t> cache(static_cast<size_t>(layout.fp8_block_bytes() * num_blocks), 0xAB);
+  auto k = random_vec(static_cast<size_t>(kv_heads) * d, &rng);
+  auto v = random_vec(k.size(), &rng, 3.0f);
+  const int64_t slot = 2 * block_size + 3;  // block 2, offset 3
+  write_kv_cache_fp8(cache.data(), layout, k.data(), v.data(), 1, &slot);
+  const uint8_t* block = cache.data() + 2 * layout.fp8_block_bytes();
+  const int heads_per_block = block_size * kv_heads;
+  for (int h = 0; h < kv_heads; ++h) {
+    const int row = 3 * kv_heads + h;
+    for (int tensor = 0; tensor < 2; ++tensor) {
+      const float* src = (tensor == 0 ? k.data() : v.data()) + h * d;
+      float amax = 0.0f;
+      for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(src[i]));
+      float scale;
+      std::memcpy(&scale, block + 2 * block_size * kv_heads * d + 4 * (tensor * heads_per_block + row), 4);
+      EXPECT_EQ(scale, amax / 448.0f);
+      const uint8_t* codes = block + tensor * block_size * kv_heads * d + row * d;
+      for (int i = 0; i < d; ++i) EXPECT_EQ(codes[i], model::f32_to_fp8_e4m3(src[i] / scale)) << h << " " << i;
+    }
+  }
+  // Nothing else changed: blocks 0 and 1 and the other slots of block 2 keep the poison.
+  size_t written = 0;
+  for (uint8_t b : cache) written += b != 0xAB;
+  EXPECT_LE(written, static_cast<size_t>(2 * kv_heads * (d + 4)));
+  for (int64_t i = 0; i < 2 * layout.fp8_block_bytes(); ++i) ASSERT_EQ(cache[static_cast<size_t>(i)], 0xAB) << i;
+}
+
+TEST(CpuKernels, Fp8PagedAttentionEqualsAttentionOverTheDequantisedValues) {
+  std::mt19937 rng(9);
+  const int heads = 4, kv_heads = 2, d = 16, block_size = 4, num_blocks = 12;
+  const int seq_len = 29, num_queries = 5, first_pos = seq_len - num_queries;
+  PagedKvLayout layout{num_blocks, block_size, kv_heads, d};
+  std::vector<int32_t> table(num_blocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  table.resize((seq_len + block_size - 1) / block_size);
+  auto k = random_vec(static_cast<size_t>(seq_len) * kv_heads * d, &rng);
+  auto v = random_vec(k.size(), &rng);
+  for (int i = 0; i < d; ++i) k[static_cast<size_t>(5 * kv_heads * d + i)] = 0.0f;  // an all-zero key row
+  auto q = random_vec(static_cast<size_t>(num_queries) * heads * d, &rng);
+  std::vector<uint8_t> cache(static_cast<size_t>(layout.fp8_block_bytes() * num_blocks), 0xFF);  // 0xff = NaN codes
+  std::vector<int64_t> slots(seq_len);
+  for (int p = 0; p < seq_len; ++p)
+    slots[p] = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+  write_kv_cache_fp8(cache.data(), layout, k.data(), v.data(), seq_len, slots.data());
+
+  // The reference reads the values the cache denotes: each row quantised on its own.
+  auto dequantised = [&](const std::vector<float>& x) {
+    std::vector<float> out(x.size());
+    for (size_t row = 0; row < x.size() / d; ++row) {
+      std::vector<uint8_t> codes(d);
+      float scale;
+      quantize_kv_row(x.data() + row * d, d, codes.data(), &scale);
+      for (int i = 0; i < d; ++i) out[row * d + i] = model::fp8_e4m3_to_f32(codes[static_cast<size_t>(i)]) * scale;
+    }
+    return out;
+  };
+  std::vector<int32_t> positions(num_queries);
+  std::iota(positions.begin(), positions.end(), first_pos);
+  std::vector<float> out(q.size(), kNaN), scratch(seq_len);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  paged_attention_fp8(q.data(), num_queries, positions.data(), cache.data(), layout, table, heads, scale, out.data(),
+                      scratch.data());
+  expect_close(out, contiguous_attention(q, dequantised(k), dequantised(v), num_queries, first_pos, heads, kv_heads, d),
+               1e-5);
+  // ...and differs from the unquantised attention by e4m3's precision only.
+  expect_close(out, contiguous_attention(q, k, v, num_queries, first_pos, heads, kv_heads, d), 0.1);
 }
 
 }  // namespace

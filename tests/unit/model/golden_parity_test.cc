@@ -3,7 +3,8 @@
 // prompt and 32 greedy steps (tools/golden/make_golden.py). We load the folder
 // with our own reader, run the CPU runner over a paged cache with a scattered
 // block table, and require identical greedy tokens and logits within 1e-4
-// relative per row. qwen3_long does the same at head_dim 128 over a 1.5k-token
+// relative per row (qwen3_moe: Qwen3-MoE; qwen3_fp8, qwen3_moe_fp8: block-FP8
+// checkpoints). qwen3_long does the same at head_dim 128 over a 1.5k-token
 // prompt (some of its prompt rows are stored, 8 greedy steps).
 #include <gtest/gtest.h>
 
@@ -246,7 +247,8 @@ TEST_P(GoldenParity, PrefixHitBatchedWithDecodeReadsCachedKv) {
                 g.vocab, family + " prefix-hit B position " + std::to_string(8 + r), &stats);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, GoldenParity, ::testing::Values("llama", "qwen2", "qwen3"));
+INSTANTIATE_TEST_SUITE_P(Families, GoldenParity,
+                         ::testing::Values("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_fp8", "qwen3_moe_fp8"));
 
 // Qwen3 at head_dim 128 (bf16 weights, RoPE theta 1e6) over a 1500-token prompt run as
 // two chunks, then 7 greedy decode steps at positions up to 1507. RoPE angles reach

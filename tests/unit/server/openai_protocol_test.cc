@@ -121,14 +121,149 @@ TEST(CompletionRequestParsing, RejectsNegativeAndAbsurdParameters) {
   EXPECT_EQ(completion_error(R"({"prompt": "a", "min_tokens": 9, "max_tokens": 4})").param, "min_tokens");
 }
 
-TEST(CompletionRequestParsing, OnlyNEqualsOneAndEchoFalseAreServed) {
-  auto n = completion_error(R"({"prompt": "a", "n": 2})");
-  EXPECT_EQ(n.param, "n");
-  EXPECT_NE(n.message.find("'n' must be 1"), std::string::npos);
-  EXPECT_EQ(completion_error(R"({"prompt": "a", "echo": true})").param, "echo");
+TEST(CompletionRequestParsing, NEchoAndBestOfEqualToN) {
+  EXPECT_EQ(completion(R"({"prompt": "a", "n": 3})").fields.n, 3);
+  EXPECT_EQ(completion(R"({"prompt": "a"})").fields.n, 1);
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "n": 0})").param, "n");
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "n": 65})").param, "n");
+  EXPECT_EQ(completion_error(R"({"prompt": ["a", "b", "c", "d", "e"], "n": 64})").param, "n");  // 320 choices
+  EXPECT_EQ(completion_error(R"({"prompt": "a", "n": 2, "kv_transfer_params": {}})").param, "kv_transfer_params");
+  EXPECT_TRUE(completion(R"({"prompt": "a", "echo": true})").echo);
+  EXPECT_FALSE(completion(R"({"prompt": "a"})").echo);
+  auto echo_logprobs = completion_error(R"({"prompt": "a", "echo": true, "logprobs": 1})");
+  EXPECT_EQ(echo_logprobs.param, "echo");
+  EXPECT_EQ(echo_logprobs.code, "unsupported_parameter");
   EXPECT_EQ(completion_error(R"({"prompt": "a", "best_of": 3})").param, "best_of");
-  EXPECT_EQ(completion_error(R"({"prompt": "a", "frequency_penalty": 0.5})").param, "frequency_penalty");
-  completion(R"({"prompt": "a", "n": 1, "echo": false, "frequency_penalty": 0, "presence_penalty": 0.0})");
+  completion(R"({"prompt": "a", "n": 3, "best_of": 3})");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "echo": true})").param, "echo");
+}
+
+TEST(CompletionRequestParsing, ReadsPenaltiesBiasAllowedIdsAndBadWords) {
+  auto request = completion(R"({"prompt": "a", "presence_penalty": -1.5, "frequency_penalty": 2,
+      "repetition_penalty": 1.3, "logit_bias": {"7": 5.5, "12": -300}, "allowed_token_ids": [1, 2, 3],
+      "bad_words": ["foo", " bar baz"], "truncate_prompt_tokens": 5, "add_special_tokens": false})");
+  const auto& s = request.fields.sampling;
+  EXPECT_FLOAT_EQ(s.presence_penalty, -1.5f);
+  EXPECT_FLOAT_EQ(s.frequency_penalty, 2.0f);
+  EXPECT_FLOAT_EQ(s.repetition_penalty, 1.3f);
+  ASSERT_EQ(s.logit_bias.size(), 2u);
+  EXPECT_EQ(s.logit_bias[0], (std::pair<int32_t, float>{7, 5.5f}));
+  EXPECT_EQ(s.logit_bias[1], (std::pair<int32_t, float>{12, -100.0f})) << "clamped to [-100, 100] as vLLM does";
+  EXPECT_EQ(s.allowed_token_ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(request.fields.bad_words, (std::vector<std::string>{"foo", " bar baz"}));
+  EXPECT_EQ(request.fields.truncate_prompt_tokens, 5);
+  EXPECT_FALSE(request.add_special_tokens);
+  EXPECT_EQ(completion(R"({"prompt": "a", "truncate_prompt_tokens": -1})").fields.truncate_prompt_tokens, 128);
+}
+
+TEST(CompletionRequestParsing, RejectsBadPenaltiesBiasAllowedIdsAndBadWordsNamingTheField) {
+  for (auto [body, param] : std::vector<std::pair<const char*, const char*>>{
+           {R"({"prompt": "a", "presence_penalty": 2.5})", "presence_penalty"},
+           {R"({"prompt": "a", "frequency_penalty": -2.5})", "frequency_penalty"},
+           {R"({"prompt": "a", "repetition_penalty": 0})", "repetition_penalty"},
+           {R"({"prompt": "a", "repetition_penalty": 2.5})", "repetition_penalty"},
+           {R"({"prompt": "a", "logit_bias": {"x": 1}})", "logit_bias"},
+           {R"({"prompt": "a", "logit_bias": {"-1": 1}})", "logit_bias"},
+           {R"({"prompt": "a", "logit_bias": {"99999999999": 1}})", "logit_bias"},
+           {R"({"prompt": "a", "logit_bias": {"1": "x"}})", "logit_bias"},
+           {R"({"prompt": "a", "logit_bias": [1]})", "logit_bias"},
+           {R"({"prompt": "a", "allowed_token_ids": []})", "allowed_token_ids"},
+           {R"({"prompt": "a", "allowed_token_ids": [-1]})", "allowed_token_ids"},
+           {R"({"prompt": "a", "allowed_token_ids": "1"})", "allowed_token_ids"},
+           {R"({"prompt": "a", "bad_words": "foo"})", "bad_words"},
+           {R"({"prompt": "a", "bad_words": ["  "]})", "bad_words"},
+           {R"({"prompt": "a", "bad_words": [1]})", "bad_words"},
+           {R"({"prompt": "a", "truncate_prompt_tokens": 0})", "truncate_prompt_tokens"},
+           {R"({"prompt": "a", "truncate_prompt_tokens": -2})", "truncate_prompt_tokens"},
+           {R"({"prompt": "a", "truncate_prompt_tokens": 129})", "truncate_prompt_tokens"},
+       }) {
+    auto error = completion_error(body);
+    EXPECT_EQ(error.http_status, 400) << body;
+    EXPECT_EQ(error.param, param) << body;
+  }
+}
+
+// Every vLLM request field this server does not implement is refused with a
+// 400 naming it when set to anything but its "off" value, never ignored.
+TEST(RequestParsing, UnimplementedVllmFieldsAreRefusedNamingTheField) {
+  const std::vector<std::pair<const char*, const char*>> refused = {
+      {"use_beam_search", "true"},
+      {"length_penalty", "0.5"},
+      {"prompt_logprobs", "1"},
+      {"guided_json", R"({"type": "object"})"},
+      {"guided_json", "{}"},  // the empty schema still constrains the output to JSON
+      {"structured_outputs", "{}"},
+      {"guided_regex", R"("a+")"},
+      {"guided_choice", R"(["a", "b"])"},
+      {"guided_grammar", R"("root ::= 'a'")"},
+      {"guided_decoding_backend", R"("xgrammar")"},
+      {"guided_whitespace_pattern", R"(" ")"},
+      {"structured_outputs", R"({"choice": ["a"]})"},
+      {"structural_tag", R"("x")"},
+      {"response_format", R"({"type": "json_object"})"},
+      {"response_format", R"({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})"},
+      {"logits_processors", R"(["x"])"},
+      {"vllm_xargs", R"({"a": 1})"},
+      {"spaces_between_special_tokens", "false"},
+      {"priority", "1"},
+      {"cache_salt", R"("s")"},
+      {"prompt_embeds", R"("AAAA")"},
+      {"mm_processor_kwargs", R"({"a": 1})"},
+      {"parallel_tool_calls", "true"},
+      {"functions", R"([{"name": "f"}])"},
+      {"function_call", R"("auto")"},
+      {"reasoning_effort", R"("low")"},
+      {"include_reasoning", "false"},
+      {"prediction", R"({"type": "content", "content": "x"})"},
+      {"tools", R"([{"type": "function", "function": {"name": "f"}}])"},
+      {"tool_choice", R"("auto")"},
+      {"tool_choice", R"("required")"},
+      {"suffix", R"("x")"},
+  };
+  for (const auto& [field, value] : refused) {
+    for (bool chat : {false, true}) {
+      ojson body = chat ? ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})")
+                        : ojson::parse(R"({"prompt": "a"})");
+      body[field] = ojson::parse(value);
+      if (chat && std::string(field) == "suffix") continue;  // a completions field
+      auto error =
+          chat ? error_of(parse_chat_request(body, limits())) : error_of(parse_completion_request(body, limits()));
+      EXPECT_EQ(error.http_status, 400) << body.dump();
+      EXPECT_EQ(error.param, field) << body.dump();
+      EXPECT_EQ(error.type, "invalid_request_error") << body.dump();
+      EXPECT_EQ(error.code, "unsupported_parameter") << body.dump();
+    }
+  }
+}
+
+TEST(RequestParsing, OffValuesOfUnimplementedFieldsAreAccepted) {
+  for (const char* extra : {R"("use_beam_search": false)", R"("length_penalty": 1)", R"("prompt_logprobs": null)",
+                            R"("guided_json": null)", R"("spaces_between_special_tokens": true)", R"("priority": 0)",
+                            R"("tools": [])", R"("logits_processors": [])", R"("response_format": {"type": "text"})",
+                            R"("include_reasoning": true)", R"("best_of": 1)", R"("stream_options": null)"}) {
+    std::string body = std::string(R"({"prompt": "a", )") + extra + "}";
+    auto parsed = parse_completion_request(ojson::parse(body), limits());
+    EXPECT_FALSE(failed(parsed)) << body << ": " << (failed(parsed) ? std::get<ApiError>(parsed).message : "");
+  }
+}
+
+TEST(ChatRequestParsing, ToolsOnlyWithToolChoiceNone) {
+  const char* tools = R"([{"type": "function", "function": {"name": "f"}}])";
+  ojson body = ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})");
+  body["tools"] = ojson::parse(tools);
+  body["tool_choice"] = "none";
+  auto parsed = parse_chat_request(body, limits());
+  ASSERT_FALSE(failed(parsed));
+  EXPECT_EQ(std::get<ChatRequest>(parsed).tools.size(), 1u);
+  body["tool_choice"] = ojson::parse(R"({"type": "function", "function": {"name": "f"}})");
+  EXPECT_EQ(error_of(parse_chat_request(body, limits())).param, "tool_choice");
+}
+
+TEST(CompletionRequestParsing, ContinuousUsageStatsIsRead) {
+  auto request = completion(
+      R"({"prompt": "a", "stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}})");
+  EXPECT_TRUE(request.fields.include_usage);
+  EXPECT_TRUE(request.fields.continuous_usage_stats);
 }
 
 TEST(CompletionRequestParsing, ReadsSamplingFields) {
@@ -256,7 +391,18 @@ TEST(RequestParsing, NoFieldValueOfAnyTypeMakesAParserThrow) {
                                            "chat_template",
                                            "add_special_tokens",
                                            "return_token_strs",
-                                           "tokens"};
+                                           "tokens",
+                                           "allowed_token_ids",
+                                           "bad_words",
+                                           "truncate_prompt_tokens",
+                                           "use_beam_search",
+                                           "length_penalty",
+                                           "prompt_logprobs",
+                                           "guided_json",
+                                           "guided_choice",
+                                           "priority",
+                                           "spaces_between_special_tokens",
+                                           "include_reasoning"};
   const std::vector<ojson> scalars = {
       nullptr, true,           false,          0, 5, -1, 2.5, -1e300, 18446744073709551615u, "", "x",
       "text",  ojson::array(), ojson::object()};
@@ -377,11 +523,55 @@ TEST(ResponseShaping, CompletionLogprobsCarryOffsetsAndTopCandidates) {
                                                 {70, -2.0f, {{70, -2.0f}, {1, -2.5f}}}};
   int64_t offset = 3;
   auto json = completion_logprobs_json(logprobs, token_text, offset);
-  EXPECT_EQ(json["tokens"], nlohmann::json({"t5", "t70"}));
-  EXPECT_EQ(json["text_offset"], nlohmann::json({3, 5}));
+  EXPECT_EQ(json["tokens"], ResponseJson({"t5", "t70"}));
+  EXPECT_EQ(json["text_offset"], ResponseJson({3, 5}));
   EXPECT_EQ(offset, 8);
   EXPECT_DOUBLE_EQ(json["top_logprobs"][1]["t1"].get<double>(), -2.5);
   EXPECT_DOUBLE_EQ(json["token_logprobs"][0].get<double>(), -0.5);
+}
+
+TEST(ResponseShaping, CompletionTopLogprobsHoldTheSampledTokenInRankOrder) {
+  // Sampled token 9 is not among the top-2: it joins them at its rank (3 entries).
+  std::vector<engine::TokenLogprob> logprobs = {{9, -3.0f, {{20, -0.1f}, {3, -2.0f}}},
+                                                // Sampled token among the top-2: 2 entries, no duplicate.
+                                                {3, -2.0f, {{20, -0.1f}, {3, -2.0f}}},
+                                                // Sampled token between the candidates.
+                                                {4, -1.0f, {{20, -0.1f}, {3, -2.0f}}}};
+  int64_t offset = 0;
+  auto json = completion_logprobs_json(logprobs, token_text, offset);
+  auto keys = [&](size_t step) {
+    std::vector<std::string> out;
+    for (auto it = json["top_logprobs"][step].begin(); it != json["top_logprobs"][step].end(); ++it)
+      out.push_back(it.key());
+    return out;
+  };
+  EXPECT_EQ(keys(0), (std::vector<std::string>{"t20", "t3", "t9"}));
+  EXPECT_EQ(keys(1), (std::vector<std::string>{"t20", "t3"}));
+  EXPECT_EQ(keys(2), (std::vector<std::string>{"t20", "t4", "t3"}));
+  EXPECT_DOUBLE_EQ(json["top_logprobs"][0]["t9"].get<double>(), -3.0);
+  // The dump keeps the rank order (not alphabetical: "t20" < "t3" < "t9" would hide it at step 2).
+  EXPECT_NE(json.dump().find(R"({"t20":-0.10000000149011612,"t4":-1.0,"t3":-2.0})"), std::string::npos) << json.dump();
+}
+
+TEST(ResponseShaping, CompletionLogprobsZeroGivesOnlyTheSampledToken) {
+  std::vector<engine::TokenLogprob> logprobs = {{9, -3.0f, {}}};
+  int64_t offset = 0;
+  auto json = completion_logprobs_json(logprobs, token_text, offset);
+  ASSERT_EQ(json["top_logprobs"][0].size(), 1u);
+  EXPECT_DOUBLE_EQ(json["top_logprobs"][0]["t9"].get<double>(), -3.0);
+}
+
+TEST(ResponseShaping, CompletionTextOffsetCountsCharactersNotBytes) {
+  // "é" is 2 bytes, "€" 3, "😀" 4: one character each, as Python's len() counts them.
+  std::vector<std::string> texts = {"é", "€x", "😀", "ab"};
+  std::vector<engine::TokenLogprob> logprobs;
+  for (int32_t i = 0; i < 4; ++i) logprobs.push_back({i, -1.0f, {}});
+  int64_t offset = 0;
+  auto json = completion_logprobs_json(
+      logprobs, [&](int32_t id) { return texts[static_cast<size_t>(id)]; }, offset);
+  EXPECT_EQ(json["text_offset"], ResponseJson({0, 1, 3, 4}));
+  EXPECT_EQ(offset, 6);
+  EXPECT_EQ(utf8_length("h\xc3\xa9llo"), 5);
 }
 
 TEST(ResponseShaping, ChatLogprobsHaveBytesAndTopList) {
@@ -389,7 +579,7 @@ TEST(ResponseShaping, ChatLogprobsHaveBytesAndTopList) {
   auto json = chat_logprobs_json(logprobs, token_text);
   const auto& entry = json["content"][0];
   EXPECT_EQ(entry["token"], "t5");
-  EXPECT_EQ(entry["bytes"], nlohmann::json({'t', '5'}));
+  EXPECT_EQ(entry["bytes"], ResponseJson({'t', '5'}));
   ASSERT_EQ(entry["top_logprobs"].size(), 2u);
   EXPECT_EQ(entry["top_logprobs"][1]["token"], "t6");
 }
@@ -406,13 +596,13 @@ TEST(ResponseShaping, UsageTotalsAndChunks) {
   EXPECT_EQ(chunk["usage"]["total_tokens"], 10);
   auto response =
       completion_response(header, {ChoiceResult{"hi", nullptr, engine::FinishReason::kLength, nullptr, std::nullopt}},
-                          Usage{1, 2, 0}, nlohmann::json{{"transfer_id", "x"}});
+                          Usage{1, 2, 0}, ResponseJson{{"transfer_id", "x"}});
   EXPECT_EQ(response["choices"][0]["finish_reason"], "length");
   EXPECT_FALSE(response["choices"][0].contains("token_ids")) << "only when return_token_ids asked for them";
   auto with_ids = completion_response(
       header, {ChoiceResult{"hi", nullptr, engine::FinishReason::kLength, nullptr, std::vector<int32_t>{5, 9}}},
       Usage{1, 2, 0}, std::nullopt);
-  EXPECT_EQ(with_ids["choices"][0]["token_ids"], nlohmann::json::array({5, 9}));
+  EXPECT_EQ(with_ids["choices"][0]["token_ids"], ResponseJson::array({5, 9}));
   EXPECT_EQ(response["kv_transfer_params"]["transfer_id"], "x");
   EXPECT_EQ(response["usage"]["total_tokens"], 3);
   auto chat = chat_chunk(header, 0, {{"content", "x"}}, nullptr, "stop", "</s>");

@@ -38,6 +38,18 @@ TEST(ServerCli, ReadsVllmFlags) {
   EXPECT_EQ(c.block_size, 32);
 }
 
+TEST(ServerCli, ReadsTheRemoteAdmissionReserve) {
+  auto defaults = parse({});
+  ASSERT_TRUE(defaults.config);
+  EXPECT_EQ(defaults.config->remote_output_reserve, 1.0);
+  EXPECT_EQ(defaults.config->kv_watermark, 0.01);
+  auto outcome = parse({"--remote-output-reserve", "-1", "--kv-watermark", "0.05"});
+  ASSERT_TRUE(outcome.config);
+  EXPECT_EQ(outcome.config->remote_output_reserve, -1.0);
+  EXPECT_EQ(outcome.config->kv_watermark, 0.05);
+  EXPECT_TRUE(validate_server_config(*outcome.config).ok());
+}
+
 TEST(ServerCli, UnknownFlagIsAnErrorAndHelpExitsZero) {
   auto bad = parse({"--no-such-flag"});
   EXPECT_FALSE(bad.config);
@@ -102,7 +114,10 @@ TEST(ServerConfigValidation, RangesAreChecked) {
                                                                              {"--io-threads", "0"},
                                                                              {"--max-waiting-requests", "0"},
                                                                              {"--max-connections", "0"},
-                                                                             {"--max-connections", "-3"}}) {
+                                                                             {"--max-connections", "-3"},
+                                                                             {"--kv-watermark", "1"},
+                                                                             {"--kv-watermark", "-0.1"},
+                                                                             {"--remote-output-reserve", "1.5"}}) {
     auto outcome = parse(args);
     ASSERT_TRUE(outcome.config) << args[0];
     EXPECT_FALSE(validate_server_config(*outcome.config).ok()) << args[0];

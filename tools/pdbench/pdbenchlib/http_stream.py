@@ -198,14 +198,14 @@ def describe_connection_error(endpoint: Endpoint, error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-async def fetch_json(endpoint: Endpoint, path: str, timeout_s: float) -> tuple[int, object, str]:
-    """One GET on a fresh connection: (status, parsed JSON or None, error text for non-200).
-    Raises PdbenchError when the endpoint cannot be reached or does not speak HTTP."""
+async def _get(endpoint: Endpoint, path: str, timeout_s: float, accept: str) -> tuple[int, bytes]:
+    """One GET on a fresh connection: (status, body). Raises PdbenchError when the endpoint
+    cannot be reached or does not speak HTTP."""
     try:
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
             try:
-                writer.write(endpoint.request_head("GET", path, 0, keep_alive=False, accept="application/json"))
+                writer.write(endpoint.request_head("GET", path, 0, keep_alive=False, accept=accept))
                 await writer.drain()
                 status, headers = await _read_head(reader)
                 body = b"".join([piece async for piece in _body_pieces(reader, headers)])
@@ -215,12 +215,25 @@ async def fetch_json(endpoint: Endpoint, path: str, timeout_s: float) -> tuple[i
         raise PdbenchError(f"GET {endpoint.url}{path}: no answer within {timeout_s:g} s") from None
     except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as error:
         raise PdbenchError(f"GET {endpoint.url}{path}: {describe_connection_error(endpoint, error)}") from None
+    return status, body
+
+
+async def fetch_json(endpoint: Endpoint, path: str, timeout_s: float) -> tuple[int, object, str]:
+    """One GET on a fresh connection: (status, parsed JSON or None, error text for non-200).
+    Raises PdbenchError when the endpoint cannot be reached or does not speak HTTP."""
+    status, body = await _get(endpoint, path, timeout_s, "application/json")
     if status != 200:
         return status, None, _error_text(body)
     try:
         return status, json.loads(body), ""
     except ValueError:
         raise PdbenchError(f"GET {endpoint.url}{path}: answer is not JSON: {body[:200]!r}") from None
+
+
+async def fetch_text(endpoint: Endpoint, path: str, timeout_s: float) -> tuple[int, str]:
+    """One GET on a fresh connection: (status, body as text). Raises PdbenchError as fetch_json."""
+    status, body = await _get(endpoint, path, timeout_s, "text/plain")
+    return status, body.decode("utf-8", errors="replace")
 
 
 async def _send(pool: ConnectionPool, head: bytes, body: bytes) -> tuple[Connection, int, dict[str, str]]:

@@ -12,13 +12,20 @@ import json
 from pathlib import Path
 
 from .http_stream import PdbenchError
-from .stats import staircase_drain_shares
+from .stats import LEGACY_SLO_VARIANTS, SLO_VARIANT_TEXT, SLO_VARIANTS, run_rate, staircase_drain_shares
 
 # A staircase window whose requests spent more than this share of their lifetime after the last
 # arrival (load only falling) is drawn hollow: its attainment is optimistic.
 OPTIMISTIC_DRAIN_SHARE = 0.10
 
-VARIANT_TITLES = {"mean_itl": "TTFT and mean ITL (TPOT) within SLO", "p99_itl": "TTFT and p99 of own ITL within SLO"}
+
+
+def _normalise(document: dict) -> None:
+    """Files of the first format name two variants mean_itl / p99_itl and have no realised rate."""
+    for run in document["runs"]:
+        for old, new in LEGACY_SLO_VARIANTS.items():
+            if old in run.get("slo", {}):
+                run["slo"][new] = run["slo"].pop(old)
 
 
 def load_sweep(path: Path) -> dict:
@@ -30,6 +37,7 @@ def load_sweep(path: Path) -> dict:
         raise PdbenchError(f"{path} is not JSON: {error}") from None
     if not isinstance(document, dict) or "pdbench" not in document or not document.get("runs"):
         raise PdbenchError(f"{path} is not a pdbench result with runs")
+    _normalise(document)
     return document
 
 
@@ -84,14 +92,14 @@ def plot_files(paths: list[Path], labels: list[str] | None, out_dir: Path, cdf_r
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
 
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    figure, axes = plt.subplots(1, len(SLO_VARIANTS), figsize=(6 * len(SLO_VARIANTS), 4.5), sharey=True)
     any_hollow = False
-    for axis, (variant, title) in zip(axes, VARIANT_TITLES.items()):
+    for axis, variant in zip(axes, SLO_VARIANTS):
         for document in documents:
             optimistic = optimistic_rates(document)
-            runs = [r for r in _finite_runs(document) if "slo" in r]
+            runs = sorted((r for r in _finite_runs(document) if variant in r.get("slo", {})), key=run_rate)
             if runs:
-                xs = [r["request_rate"] for r in runs]
+                xs = [run_rate(r) for r in runs]
                 ys = [100.0 * r["slo"][variant]["attainment"] for r in runs]
                 (line,) = axis.plot(xs, ys, label=document["_label"])
                 for x, y, r in zip(xs, ys, runs):
@@ -99,10 +107,14 @@ def plot_files(paths: list[Path], labels: list[str] | None, out_dir: Path, cdf_r
                     any_hollow = any_hollow or hollow
                     axis.plot([x], [y], marker="o", color=line.get_color(),
                               markerfacecolor="none" if hollow else line.get_color())
+                    interval = r["slo"][variant].get("interval")
+                    if interval:  # the bootstrap 95 % interval as a vertical bar
+                        axis.plot([x, x], [100.0 * interval[0], 100.0 * interval[1]], color=line.get_color(),
+                                  linewidth=1)
         target = documents[0]["config"].get("goodput_target", 0.9)
         axis.axhline(100.0 * target, color="grey", linestyle="--", linewidth=1)
-        axis.set_title(title)
-        axis.set_xlabel("request rate (req/s)")
+        axis.set_title(f"{SLO_VARIANT_TEXT[variant]} within SLO")
+        axis.set_xlabel("realised request rate (req/s)")
         axis.set_ylim(-2, 102)
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("requests within SLO (%)")

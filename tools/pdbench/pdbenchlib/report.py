@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from .stats import SLO_VARIANT_TEXT, SLO_VARIANTS
+
 MAX_ERROR_LINES = 5
 
 
@@ -38,10 +40,26 @@ def run_table(run: dict, slo: dict) -> str:
                      f"{_num(s['p99']):>10}{s['count']:>9}")
     if "slo" in run:
         limits = f"TTFT <= {_num(slo.get('ttft_ms'), 0)} ms, ITL <= {_num(slo.get('itl_ms'), 0)} ms"
-        for variant, name in (("mean_itl", "mean ITL"), ("p99_itl", "p99 ITL")):
+        for variant in SLO_VARIANTS:
             v = run["slo"][variant]
-            lines.append(f"SLO ({limits}, {name}): {v['num_within']}/{run['num_requests']} within "
-                         f"= {100.0 * (v['attainment'] or 0.0):.1f}%")
+            interval = v.get("interval")
+            ci = f" (95% CI {100.0 * interval[0]:.1f}-{100.0 * interval[1]:.1f}%)" if interval else ""
+            lines.append(f"SLO {SLO_VARIANT_TEXT[variant]} ({limits}): {v['num_within']}/{run['num_requests']} "
+                         f"within = {100.0 * (v['attainment'] or 0.0):.1f}%{ci}")
+    if run.get("realised_rate") is not None:
+        lines.append(f"realised arrival rate (req/s)     {run['realised_rate']:.3g}")
+    little = run.get("littles_law")
+    if little:
+        verdict = "holds" if little["holds"] else "FAILS: not a steady state"
+        lines.append(f"Little's law: {_num(little['mean_in_flight'], 2)} in flight vs rate x lifetime "
+                     f"{_num(little['expected'], 2)} (ratio {_num(little['ratio'], 3)}): {verdict}")
+    for url, window in (run.get("server_metrics") or {}).items():
+        if window is None:
+            lines.append(f"server {url}: /metrics not read")
+            continue
+        counters = ", ".join(f"{name.removeprefix('pd_')} {value:g}" for name, value in window["counters"].items()
+                             if value)
+        lines.append(f"server {url}: {counters or 'no preemptions, recomputes or transfer failures'}")
     drain = run.get("lifetime_after_arrivals_end")
     if drain:
         lines.append(f"staircase: {100.0 * drain:.1f}% of these requests' lifetime came after the last arrival "
@@ -67,24 +85,26 @@ def sweep_table(report: dict) -> str:
     has_slo = "goodput" in report
     header = (f"{'rate':>8}{'done':>6}{'fail':>6}{'req/s':>8}{'tok/s':>9}{'TTFTp50':>9}{'TTFTp99':>9}"
               f"{'TPOTp50':>9}{'TPOTp99':>9}{'ITLp99':>9}")
+    header = f"{'realised':>9}" + header
     if has_slo:
-        header += f"{'att(mean)':>11}{'within':>8}{'att(p99)':>10}{'within':>8}"
+        header += "".join(f"{'att(' + v.removeprefix('ttft_') + ')':>16}" for v in SLO_VARIANTS)
     lines = ["============ pdbench sweep" + (f": {report['label']}" if report.get("label") else "") +
              " (latencies in ms) ============", header]
     for run in report["runs"]:
-        line = (f"{_rate(run['request_rate']):>8}{run['completed']:>6}{run['failed']:>6}"
+        line = (f"{_num(run.get('realised_rate'), 3):>9}{_rate(run['request_rate']):>8}{run['completed']:>6}{run['failed']:>6}"
                 f"{_num(run['request_throughput'], 2):>8}{_num(run['output_throughput'], 0):>9}"
                 f"{_num(run['ttft_ms']['p50']):>9}{_num(run['ttft_ms']['p99']):>9}"
                 f"{_num(run['tpot_ms']['p50']):>9}{_num(run['tpot_ms']['p99']):>9}{_num(run['itl_ms']['p99']):>9}")
         if has_slo:
-            mean, strict = run["slo"]["mean_itl"], run["slo"]["p99_itl"]
-            line += (f"{100.0 * mean['attainment']:>10.1f}%{mean['num_within']:>8}"
-                     f"{100.0 * strict['attainment']:>9.1f}%{strict['num_within']:>8}")
+            line += "".join(f"{100.0 * (run['slo'][v]['attainment'] or 0.0):>15.1f}%" for v in SLO_VARIANTS)
         lines.append(line)
     if has_slo:
         target = 100.0 * report["config"]["goodput_target"]
-        for variant, name in (("mean_itl", "mean ITL"), ("p99_itl", "p99 ITL")):
+        for variant in SLO_VARIANTS:
             g = report["goodput"][variant]
             note = " (attainment is not monotonic in rate: look at the table)" if g["non_monotonic"] else ""
-            lines.append(f"goodput ({name} variant, >= {target:g}% within SLO): {g['text']}{note}")
+            interval = (g.get("bootstrap") or {}).get("interval")
+            ci = f" (95% CI {interval[0]:.3g}-{interval[1]:.3g})" if interval else ""
+            lines.append(f"goodput ({SLO_VARIANT_TEXT[variant]}, >= {target:g}% within SLO, realised rates): "
+                         f"{g['text']}{ci}{note}")
     return "\n".join(lines)

@@ -84,9 +84,14 @@ async def _measure_loop_lag(lags_s: list[float]) -> None:
 class RunOutcome:
     results: list[RequestResult]
     client_loop_lag_ms: dict
+    observed: list = field(default_factory=list)  # what each observer returned, in order
 
 
-async def execute_run(options: ClientOptions, planned: list[PlannedRequest], label: str) -> RunOutcome:
+async def execute_run(options: ClientOptions, planned: list[PlannedRequest], label: str,
+                      observers: list | None = None) -> RunOutcome:
+    """`observers`: callables taking the run's clock zero (time.perf_counter()) and returning
+    a coroutine that runs beside the requests (e.g. reads the servers' /metrics in a window);
+    the run ends when the requests and the observers are done."""
     bodies = [request_body(options, p) for p in planned]  # serialised before the clock starts
     results = [RequestResult(index=p.index, warmup=p.warmup, input_len=len(p.prompt_ids), output_len=p.output_len,
                              scheduled_s=p.arrival_s) for p in planned]
@@ -118,9 +123,15 @@ async def execute_run(options: ClientOptions, planned: list[PlannedRequest], lab
 
     lags_s: list[float] = []
     helpers = [asyncio.create_task(_measure_loop_lag(lags_s)), asyncio.create_task(progress.report_periodically())]
+    observed: list = []
+    watching = None
     try:
+        watching = asyncio.gather(*(observe(clock_zero) for observe in observers or []))
         await asyncio.gather(*(send_one(p, b, r) for p, b, r in zip(planned, bodies, results)))
+        observed = list(await watching)
     finally:
+        if watching is not None and not watching.done():
+            watching.cancel()
         for helper in helpers:
             helper.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
@@ -128,7 +139,7 @@ async def execute_run(options: ClientOptions, planned: list[PlannedRequest], lab
     progress.print()
     lag = summarize_ms(lags_s)
     lag["max"] = 1000.0 * max(lags_s) if lags_s else None
-    return RunOutcome(results, lag)
+    return RunOutcome(results, lag, observed)
 
 
 def rate_label(rate: float, max_concurrency: int | None) -> str:

@@ -8,6 +8,7 @@ Times are seconds inside this module; summaries convert to milliseconds at the e
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 
 PERCENTILES = (50, 90, 99)
@@ -111,10 +112,16 @@ class Slo:
         return self.ttft_s is not None or self.itl_s is not None
 
 
-# The two attainment variants. "mean_itl": TTFT <= limit and TPOT (the request's mean
-# inter-token latency) <= limit. "p99_itl": TTFT <= limit and the p99 of the request's own
-# inter-token gaps <= limit (stricter: one long stall fails the request).
-SLO_VARIANTS = ("mean_itl", "p99_itl")
+# The attainment variants, named for what each checks (every one also needs TTFT <= limit):
+# "ttft_tpot": the request's TPOT (its mean inter-token time) <= limit: DistServe's and vLLM's
+#   per-request SLO; one long stall can hide in the mean.
+# "ttft_p99_gap": the p99 of the request's own inter-token gaps <= limit (a few stalls fail it).
+# "ttft_every_gap": every gap of the request <= limit (one stall fails it).
+SLO_VARIANTS = ("ttft_tpot", "ttft_p99_gap", "ttft_every_gap")
+SLO_VARIANT_TEXT = {"ttft_tpot": "TTFT + TPOT (DistServe/vLLM)", "ttft_p99_gap": "TTFT + p99 of own gaps",
+                    "ttft_every_gap": "TTFT + every gap"}
+# Names the first JSON format used for two of them.
+LEGACY_SLO_VARIANTS = {"mean_itl": "ttft_tpot", "p99_itl": "ttft_p99_gap"}
 
 
 def within_slo(result: RequestResult, slo: Slo, variant: str) -> bool:
@@ -126,12 +133,14 @@ def within_slo(result: RequestResult, slo: Slo, variant: str) -> bool:
         return False
     if slo.itl_s is None:
         return True
-    if variant == "mean_itl":
+    if variant == "ttft_tpot":
         tpot = result.tpot_s
         return tpot is None or tpot <= slo.itl_s
-    if variant == "p99_itl":
+    if variant == "ttft_p99_gap":
         gaps = sorted(result.gaps_s)
         return not gaps or percentile(gaps, 99) <= slo.itl_s
+    if variant == "ttft_every_gap":
+        return all(gap <= slo.itl_s for gap in result.gaps_s)
     raise ValueError(f"unknown SLO variant {variant!r}")
 
 
@@ -244,3 +253,120 @@ def goodput(points: list[tuple[float, float]], target: float = 0.9) -> dict:
     value = rate_lo + (att_lo - target) / (att_lo - att_hi) * (rate_hi - rate_lo)
     return {"value": value, "bound": "interpolated", "text": f"{value:.3g} req/s",
             "non_monotonic": non_monotonic, "between": [rate_lo, rate_hi]}
+
+
+def realised_rate(arrivals_s: list[float], window_s: float | None = None) -> float | None:
+    """The arrival rate a run actually carried. With the window the arrivals were drawn for
+    (a staircase or plateau window): their count / the window. Without (a run per rate): the
+    mean gap between the first and the last arrival, (n - 1) / (last - first). None when
+    that is undefined (no window and fewer than two arrivals, or all at once)."""
+    if window_s is not None:
+        return len(arrivals_s) / window_s if window_s > 0 else None
+    if len(arrivals_s) < 2:
+        return None
+    span = max(arrivals_s) - min(arrivals_s)
+    return (len(arrivals_s) - 1) / span if span > 0 else None
+
+
+def bootstrap_interval(values: list[float], statistic, num_resamples: int = 1000, confidence: float = 0.95,
+                       seed: int = 0) -> list[float] | None:
+    """Percentile-bootstrap interval [lo, hi] of statistic(values), resampling values with
+    replacement (seeded, so a document is reproducible). None for no values."""
+    if not values:
+        return None
+    rng = random.Random(f"pdbench-bootstrap-{seed}")
+    n = len(values)
+    estimates = sorted(statistic([values[rng.randrange(n)] for _ in range(n)]) for _ in range(num_resamples))
+    tail = (1.0 - confidence) / 2.0 * 100.0
+    return [percentile(estimates, tail), percentile(estimates, 100.0 - tail)]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def attainment_interval(within: list[bool], num_resamples: int = 1000, confidence: float = 0.95,
+                        seed: int = 0) -> list[float] | None:
+    """Bootstrap interval of an attainment from its per-request outcomes."""
+    return bootstrap_interval([1.0 if w else 0.0 for w in within], _mean, num_resamples, confidence, seed)
+
+
+def goodput_interval(points: list[tuple[float, list[bool]]], target: float, num_resamples: int = 1000,
+                     confidence: float = 0.95, seed: int = 0) -> dict:
+    """Bootstrap of the goodput: each resample redraws every point's requests (with
+    replacement), recomputes its attainment and the interpolated goodput. Returns the
+    [lo, hi] interval over the resamples that bracket the target, and the share that did not
+    (below the lowest or at least the highest rate): a large share means the points do not
+    pin the crossing down."""
+    usable = [(rate, flags) for rate, flags in points if flags and rate is not None]
+    if not usable:
+        return {"interval": None, "unbracketed_share": None}
+    rng = random.Random(f"pdbench-goodput-{seed}")
+    values: list[float] = []
+    unbracketed = 0
+    for _ in range(num_resamples):
+        resampled = []
+        for rate, flags in usable:
+            n = len(flags)
+            resampled.append((rate, sum(1 for _ in range(n) if flags[rng.randrange(n)]) / n))
+        g = goodput(resampled, target)
+        if g["bound"] == "interpolated":
+            values.append(g["value"])
+        else:
+            unbracketed += 1
+    tail = (1.0 - confidence) / 2.0 * 100.0
+    values.sort()
+    return {"interval": [percentile(values, tail), percentile(values, 100.0 - tail)] if values else None,
+            "unbracketed_share": unbracketed / num_resamples}
+
+
+def mean_in_flight(spans: list[tuple[float, float]], start_s: float, end_s: float) -> float:
+    """Time-average number of requests alive (send <= t < last token) over [start_s, end_s)."""
+    if end_s <= start_s:
+        raise ValueError("empty interval")
+    alive = sum(max(0.0, min(finished, end_s) - max(sent, start_s)) for sent, finished in spans)
+    return alive / (end_s - start_s)
+
+
+def littles_law_check(all_spans: list[tuple[float, float]], window: tuple[float, float],
+                      measured_lifetimes_s: list[float], rate: float | None, tolerance: float) -> dict:
+    """Steady state means L = lambda x W: the mean number of requests alive during the window
+    (every request, lead and hold included) equals the realised rate times the mean lifetime of
+    the window's requests. A ratio outside 1 +- tolerance means the window was no plateau (the
+    server was filling, draining or falling behind): `holds` is false."""
+    mean_alive = mean_in_flight(all_spans, *window)
+    if not measured_lifetimes_s or not rate:
+        return {"mean_in_flight": mean_alive, "expected": None, "ratio": None, "holds": False,
+                "tolerance": tolerance}
+    expected = rate * _mean(measured_lifetimes_s)
+    ratio = mean_alive / expected if expected > 0 else None
+    return {"mean_in_flight": mean_alive, "expected": expected, "ratio": ratio,
+            "holds": ratio is not None and abs(ratio - 1.0) <= tolerance, "tolerance": tolerance}
+
+
+def next_search_rate(points: list[tuple[float, float]], target: float, lo: float, hi: float,
+                     relative_tolerance: float) -> float | None:
+    """Bisection for the rate where attainment crosses `target`, bounded to [lo, hi].
+    `points` are (nominal rate, attainment) measured so far. Returns the next nominal rate to
+    measure, or None when the crossing is bracketed within relative_tolerance, or when an end
+    of [lo, hi] decides it (lo misses: the crossing is below the range; hi passes: above it)."""
+    done = dict(points)
+    if lo not in done:
+        return lo
+    if done[lo] < target:
+        return None
+    if hi not in done:
+        return hi
+    if done[hi] >= target:
+        return None
+    passing = max(r for r, a in done.items() if a >= target)
+    failing = min((r for r, a in done.items() if a < target and r > passing), default=hi)
+    if failing - passing <= relative_tolerance * passing:
+        return None
+    return (passing + failing) / 2.0
+
+
+def run_rate(run: dict) -> float | None:
+    """A run's x-axis rate: the realised one, else (files without it) the nominal one."""
+    realised = run.get("realised_rate")
+    return realised if realised is not None else run.get("request_rate")

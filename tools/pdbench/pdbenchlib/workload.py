@@ -1,9 +1,11 @@
 """The random dataset and the arrival schedule of one run (pure, seeded).
 
-Lengths and arrival gaps come from `seed` alone, so every rate of a sweep sends the same
-length sequence with the same arrival pattern (scaled by 1/rate). Token ids come from
-(`seed`, `run_index`): each rate of a sweep sends different prompts, so a server's prefix
-cache cannot serve one rate's prompts from an earlier rate's KV.
+Everything comes from (`seed`, `run_index`): each rate of a sweep (each window of a staircase,
+each point of a search) draws its own lengths, arrival gaps and token ids, independently of
+the others, so no two rates replay one gap sequence (the same opening burst scaled by 1/rate)
+and a server's prefix cache cannot serve one rate's prompts from an earlier rate's KV. A run
+carries the rate it drew, not exactly the nominal one: the results record the realised rate
+(stats.realised_rate) and use it.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
 
 def plan_requests(spec: WorkloadSpec, run_index: int) -> list[PlannedRequest]:
     spec.validate()
-    shape_rng = random.Random(f"pdbench-shape-{spec.seed}")
+    shape_rng = random.Random(f"pdbench-shape-{spec.seed}-{run_index}")
     token_rng = random.Random(f"pdbench-tokens-{spec.seed}-{run_index}")
     in_lo, in_hi = length_bounds(spec.input_len, spec.range_ratio)
     out_lo, out_hi = length_bounds(spec.output_len, spec.range_ratio)
