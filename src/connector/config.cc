@@ -110,18 +110,6 @@ Status validate_peer_entry(const std::string& entry) {
 
 }  // namespace
 
-const char* kv_role_short_name(KvRole role) {
-  switch (role) {
-    case KvRole::kProducer:
-      return "producer";
-    case KvRole::kConsumer:
-      return "consumer";
-    case KvRole::kBoth:
-      return "both";
-  }
-  return "?";
-}
-
 const char* transfer_backend_name(TransferBackend backend) {
   switch (backend) {
     case TransferBackend::kAuto:

@@ -20,12 +20,16 @@
 #include <vector>
 
 #include "common/status.h"
+#include "contract/roles.h"
 
 namespace pd::connector {
 
-enum class KvRole : uint8_t { kProducer, kConsumer, kBoth };
+// The contract's role (src/contract/roles.h); kv_role spells it "kv_producer" etc.
+using KvRole = contract::Role;
 // "producer" | "consumer" | "both" (the spelling of the registration record).
-const char* kv_role_short_name(KvRole role);
+inline const char* kv_role_short_name(KvRole role) {
+  return contract::role_name(role);
+}
 
 enum class TransferBackend : uint8_t { kAuto, kCuda, kUcx };
 const char* transfer_backend_name(TransferBackend backend);

@@ -1,49 +1,43 @@
 #include "connector/heartbeat.h"
 
-#include <msgpack.hpp>
-
 #include "common/log.h"
 #include "common/metrics.h"
 
 namespace pd::connector {
-namespace {
 
-void pack_kv(msgpack::packer<msgpack::sbuffer>& pk, const char* key, const std::string& value) {
-  pk.pack(std::string_view(key));
-  pk.pack(value);
-}
-
-}  // namespace
-
-std::vector<uint8_t> encode_registration(const RegistrationRecord& r) {
-  msgpack::sbuffer buffer;
-  msgpack::packer<msgpack::sbuffer> pk(buffer);
-  pk.pack_map(11);
-  pk.pack(std::string_view("v"));
-  pk.pack(1u);
-  pack_kv(pk, "type", "register");
-  pack_kv(pk, "role", r.role);
-  pack_kv(pk, "http", r.http);
-  pack_kv(pk, "control", r.control);
-  pack_kv(pk, "instance_id", r.instance_id);
-  pk.pack(std::string_view("boot_nonce"));
-  pk.pack(r.boot_nonce);
-  pk.pack(std::string_view("tp_size"));
-  pk.pack(static_cast<uint32_t>(r.tp_size));
-  pk.pack(std::string_view("dp_size"));
-  pk.pack(static_cast<uint32_t>(r.dp_size));
-  pack_kv(pk, "mode", r.mode);
-  pack_kv(pk, "model", r.model);
-  const auto* begin = reinterpret_cast<const uint8_t*>(buffer.data());
-  return {begin, begin + buffer.size()};
+Result<contract::RegistrationRecord> to_contract_record(const RegistrationRecord& text) {
+  contract::RegistrationRecord record;
+  PD_ASSIGN_OR_RETURN(record.role, contract::parse_role(text.role));
+  if (!text.http.empty()) {
+    auto http = contract::parse_host_port(text.http);
+    if (!http.ok()) return invalid_argument("registration field 'http': {}", http.status().message());
+    record.http = *http;
+  }
+  if (!text.control.empty()) {
+    auto control = contract::parse_host_port(text.control);
+    if (!control.ok()) return invalid_argument("registration field 'control': {}", control.status().message());
+    record.control = *control;
+  }
+  record.instance_id = text.instance_id;
+  record.boot_nonce = text.boot_nonce;
+  if (text.tp_size < 1 || text.dp_size < 1) {
+    return invalid_argument("registration fields 'tp_size' {} and 'dp_size' {} must be at least 1", text.tp_size,
+                            text.dp_size);
+  }
+  record.tp_size = static_cast<uint32_t>(text.tp_size);
+  record.dp_size = static_cast<uint32_t>(text.dp_size);
+  PD_ASSIGN_OR_RETURN(record.mode, contract::parse_mode(text.mode));
+  record.model = text.model;
+  return record;
 }
 
 Result<std::unique_ptr<RegistrationHeartbeat>> RegistrationHeartbeat::start(RegistrationRecord record,
                                                                             std::string router_address,
                                                                             int64_t interval_ms,
                                                                             std::optional<auth::CurveKeys> curve) {
+  PD_ASSIGN_OR_RETURN(contract::RegistrationRecord contract_record, to_contract_record(record));
   std::unique_ptr<RegistrationHeartbeat> hb(new RegistrationHeartbeat());
-  hb->frame_ = encode_registration(record);
+  hb->frame_ = contract::encode_registration(contract_record);
   hb->interval_ms_ = interval_ms;
   try {
     hb->socket_ = zmq::socket_t(hb->context_, zmq::socket_type::dealer);

@@ -1,7 +1,7 @@
-// Registration with pdrouter (pd_contract.md): a dedicated thread sends the
-// instance record over a ZMQ DEALER every interval. Model work never runs on
-// this thread, so a busy engine cannot starve it; a dead router cannot block it
-// (non-blocking sends into a small bounded queue, linger 0).
+// Registration with pdrouter (docs/pd_contract.md "Registration"): a dedicated
+// thread sends the instance record over a ZMQ DEALER every interval. Model work
+// never runs on this thread, so a busy engine cannot starve it; a dead router
+// cannot block it (non-blocking sends into a small bounded queue, linger 0).
 #pragma once
 
 #include <zmq.hpp>
@@ -17,13 +17,16 @@
 
 #include "common/curve_auth.h"
 #include "common/status.h"
+#include "contract/registration.h"
 
 namespace pd::connector {
 
+// The record as this instance states it, in the contract's spellings; its
+// schema, checks and encodings are contract::RegistrationRecord's.
 struct RegistrationRecord {
-  std::string role;  // "producer" | "consumer" | "both"
-  std::string http;  // "host:port"
-  std::string control;
+  std::string role;     // "producer" | "consumer" | "both"
+  std::string http;     // "host:port"; empty until the HTTP server listens
+  std::string control;  // empty only without a connector
   std::string instance_id;
   uint64_t boot_nonce = 0;
   int32_t tp_size = 1;
@@ -32,12 +35,14 @@ struct RegistrationRecord {
   std::string model;
 };
 
-// The msgpack frame the router expects: {"v":1,"type":"register", ...record}.
-std::vector<uint8_t> encode_registration(const RegistrationRecord& record);
+// Parses the text into the contract's record (an empty http or control is "not
+// known" / "none", written as "" again); kInvalidArgument names the field.
+Result<contract::RegistrationRecord> to_contract_record(const RegistrationRecord& record);
 
 class RegistrationHeartbeat {
  public:
-  // router_address: "host:port" of the router's ROUTER socket.
+  // router_address: "host:port" of the router's ROUTER socket. A record the
+  // contract refuses (to_contract_record) is refused here, before any send.
   static Result<std::unique_ptr<RegistrationHeartbeat>> start(RegistrationRecord record, std::string router_address,
                                                               int64_t interval_ms,
                                                               std::optional<auth::CurveKeys> curve);

@@ -279,14 +279,6 @@ Status check_layout_compatible(const KvFingerprint& local, const KvFingerprint& 
   return failed_precondition("KV layout mismatch, refusing the peer: {}", diffs);
 }
 
-bool is_valid_transfer_id(std::string_view id) {
-  if (id.size() != 32) return false;
-  for (char c : id) {
-    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'))) return false;
-  }
-  return true;
-}
-
 namespace {
 
 void pack_first_token(Packer& pk, const ControlMessage& msg) {

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "contract/transfer_params.h"
 
 namespace pd::connector {
 
@@ -34,7 +35,7 @@ namespace pd::connector {
 // (first-token hand-over).
 inline constexpr uint32_t kProtocolVersion = 2;
 inline constexpr size_t kMaxFrameBytes = 8u << 20;
-inline constexpr size_t kMaxInstanceIdBytes = 128;
+inline constexpr size_t kMaxInstanceIdBytes = contract::kMaxInstanceIdBytes;
 inline constexpr size_t kMaxBlocksPerTransfer = 1u << 20;
 inline constexpr size_t kMaxLayers = 1024;
 inline constexpr size_t kMaxDescriptorBytes = 64u << 10;
@@ -56,8 +57,10 @@ struct KvFingerprint {
 // Ok when equal; else kFailedPrecondition naming every field that differs (local vs remote).
 Status check_layout_compatible(const KvFingerprint& local, const KvFingerprint& remote);
 
-// True for exactly 32 hex digits (the router's transfer ids).
-bool is_valid_transfer_id(std::string_view id);
+// True for exactly 32 hex digits (the router's transfer ids; contract::is_transfer_id).
+inline bool is_valid_transfer_id(std::string_view id) {
+  return contract::is_transfer_id(id);
+}
 
 // One decoded message. Fields not used by `type` stay default.
 struct ControlMessage {

@@ -196,10 +196,14 @@ Status PdConnector::init() {
   record_.role = kv_role_short_name(config_.role);
   record_.http = options_.http_address;
   record_.control = control_->address();
-  record_.mode = config_.read_mode ? "read" : "write";
+  record_.mode =
+      contract::mode_name(config_.read_mode ? contract::TransferMode::kRead : contract::TransferMode::kWrite);
   record_.model = options_.served_model_name;
   record_.tp_size = 1;
   record_.dp_size = 1;
+  // /pd/info and the registration hold only what the contract accepts (a control address
+  // it cannot parse, e.g. an IPv6 kv_ip without brackets, would be refused by the router).
+  if (auto checked = to_contract_record(record_); !checked.ok()) return checked.status();
   curve_ = curve;
   completion_thread_ = std::thread([this] { completion_loop(); });
   PD_LOG_INFO("connector: {} {} mode, instance {} nonce {}, control {}", record_.role, record_.mode,
@@ -232,7 +236,18 @@ Status PdConnector::start_registration(const std::string& http_address) {
   RegistrationRecord record;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!http_address.empty()) record_.http = http_address;
+    if (!http_address.empty()) {
+      RegistrationRecord with_http = record_;
+      with_http.http = http_address;
+      if (auto checked = to_contract_record(with_http); checked.ok()) {
+        record_.http = http_address;
+      } else if (config_.registers_with_router()) {
+        return checked.status();
+      } else {
+        // Without a router the address only shows in /pd/info, as not known ("").
+        PD_LOG_WARN("connector: {}; /pd/info leaves http empty", checked.status().message());
+      }
+    }
     record = record_;
   }
   if (!config_.registers_with_router() || heartbeat_) return Status::Ok();
@@ -244,15 +259,9 @@ Status PdConnector::start_registration(const std::string& http_address) {
 
 nlohmann::json PdConnector::info_json() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return nlohmann::json{{"role", record_.role},
-                        {"http", record_.http},
-                        {"control", record_.control},
-                        {"instance_id", record_.instance_id},
-                        {"boot_nonce", record_.boot_nonce},
-                        {"tp_size", record_.tp_size},
-                        {"dp_size", record_.dp_size},
-                        {"mode", record_.mode},
-                        {"model", record_.model}};
+  // record_ passed to_contract_record in init and whenever its http changed.
+  Result<contract::RegistrationRecord> record = to_contract_record(record_);
+  return record.ok() ? contract::registration_to_json(*record) : nlohmann::json::object();
 }
 
 Status PdConnector::validate_request(const engine::GenerateRequest& request) const {
@@ -451,14 +460,16 @@ engine::FinishDecision PdConnector::request_finished(const engine::Request& requ
     std::vector<int32_t> blocks(block_ids.begin(), block_ids.end());
     decision.delay_free_blocks = producer_->request_finished(transfer_id, blocks, kv_complete, now_ms());
     if (kv_complete) {
-      nlohmann::json params{{"transfer_id", transfer_id},           {"remote_instance_id", record_.instance_id},
-                            {"remote_control", record_.control},    {"remote_boot_nonce", record_.boot_nonce},
-                            {"mode", read_mode ? "read" : "write"}, {"num_tokens", request.num_prompt_tokens()}};
+      contract::ProducerAnswer answer;
+      answer.transfer_id = transfer_id;
+      answer.producer = contract::ProducerLocation{record_.instance_id, record_.control, record_.boot_nonce};
+      answer.mode = read_mode ? contract::TransferMode::kRead : contract::TransferMode::kWrite;
+      answer.num_tokens = request.num_prompt_tokens();
       if (decision.delay_free_blocks) {
         const size_t n = static_cast<size_t>(blocks_for_tokens(request.num_prompt_tokens(), spec_.block_size));
-        params["block_ids"] = std::vector<int32_t>(blocks.begin(), blocks.begin() + std::min(n, blocks.size()));
+        answer.block_ids = std::vector<int32_t>(blocks.begin(), blocks.begin() + std::min(n, blocks.size()));
       }
-      decision.kv_transfer_params = std::move(params);
+      decision.kv_transfer_params = contract::encode_producer_answer(answer);
     }
     run_actions();
     return decision;

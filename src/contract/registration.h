@@ -48,7 +48,9 @@ struct RegistrationRecord {
   uint32_t tp_size = 1;     // 1..kMaxParallelSize
   uint32_t dp_size = 1;     // 1..kMaxParallelSize
   TransferMode mode = TransferMode::kWrite;
-  std::string model;  // served model name, 1..kMaxModelNameBytes bytes of UTF-8
+  // Served model name, 1..kMaxModelNameBytes bytes of UTF-8 in everything decoded; empty
+  // only where the router describes a static instance it knows from /v1/models alone.
+  std::string model;
 
   bool operator==(const RegistrationRecord&) const = default;
 };

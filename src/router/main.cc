@@ -1,4 +1,4 @@
-// pdrouter: the PD-aware OpenAI router (DESIGN.md §3.5, pd_contract.md).
+// pdrouter: the PD-aware OpenAI router (DESIGN.md §3.5, docs/pd_contract.md).
 #include <CLI/CLI.hpp>
 
 #include <pthread.h>

@@ -29,18 +29,6 @@ Result<ClientRequest> parse_client_request(std::string_view body) {
   return request;
 }
 
-std::string format_transfer_id(uint64_t high, uint64_t low) {
-  return fmt::format("{:016x}{:016x}", high, low);
-}
-
-bool is_transfer_id(std::string_view text) {
-  if (text.size() != 32) return false;
-  for (char c : text) {
-    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
-  }
-  return true;
-}
-
 namespace {
 
 // An integer (or a float with an integral value, which pdserve also takes as one) above 1.
@@ -69,35 +57,17 @@ nlohmann::ordered_json make_producer_body(const nlohmann::ordered_json& body, st
   if (auto it = leg.find("min_tokens"); it != leg.end() && is_integral_above_one(*it)) *it = 1;
   leg["stream"] = false;
   leg.erase("stream_options");
-  leg["kv_transfer_params"] = {
-      {"transfer_id", transfer_id},
-      {"do_remote_decode", true},
-      {"mode", mode_name(mode)},
-  };
+  leg["kv_transfer_params"] = contract::encode_producer_leg(contract::ProducerLeg{std::string(transfer_id), mode});
   return leg;
 }
 
 nlohmann::ordered_json make_write_consumer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
                                                 const InstanceInfo& producer) {
   nlohmann::ordered_json leg = body;
-  leg["kv_transfer_params"] = {
-      {"transfer_id", transfer_id},
-      {"do_remote_prefill", true},
-      {"mode", "write"},
-      {"remote_instance_id", producer.instance_id},
-      {"remote_control", producer.control ? producer.control->to_string() : std::string()},
-      {"remote_boot_nonce", producer.boot_nonce},
-  };
+  leg["kv_transfer_params"] = contract::encode_write_consumer_leg(
+      contract::WriteConsumerLeg{std::string(transfer_id), contract::producer_location(producer)});
   return leg;
 }
-
-namespace {
-
-bool is_non_negative_integer(const nlohmann::ordered_json& value) {
-  return value.is_number_unsigned() || (value.is_number_integer() && value.get<int64_t>() >= 0);
-}
-
-}  // namespace
 
 Result<nlohmann::ordered_json> make_read_consumer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
                                                        std::string_view producer_response_text,
@@ -110,35 +80,9 @@ Result<nlohmann::ordered_json> make_read_consumer_body(const nlohmann::ordered_j
   if (params_it == producer_response.end() || !params_it->is_object()) {
     return invalid_argument("producer response has no kv_transfer_params object");
   }
-  const nlohmann::ordered_json& params = *params_it;
-  auto id_it = params.find("transfer_id");
-  if (id_it == params.end() || !id_it->is_string() || id_it->get_ref<const std::string&>() != transfer_id) {
-    return invalid_argument("producer kv_transfer_params.transfer_id does not match the minted {}", transfer_id);
-  }
-  auto require = [&](const char* key, auto check, const char* what) -> Status {
-    auto it = params.find(key);
-    if (it == params.end() || !check(*it))
-      return invalid_argument("producer kv_transfer_params.{} must be {}", key, what);
-    return Status::Ok();
-  };
-  PD_RETURN_IF_ERROR(require(
-      "remote_instance_id", [](const nlohmann::ordered_json& v) { return v.is_string(); }, "a string"));
-  PD_RETURN_IF_ERROR(require(
-      "remote_control", [](const nlohmann::ordered_json& v) { return v.is_string(); }, "a string"));
-  PD_RETURN_IF_ERROR(require("remote_boot_nonce", is_non_negative_integer, "an unsigned integer"));
-  PD_RETURN_IF_ERROR(require(
-      "block_ids", [](const nlohmann::ordered_json& v) { return v.is_array(); }, "an array"));
-  PD_RETURN_IF_ERROR(require("num_tokens", is_non_negative_integer, "an unsigned integer"));
-  if (!expected_producer_id.empty() &&
-      params["remote_instance_id"].get_ref<const std::string&>() != expected_producer_id) {
-    return invalid_argument("producer kv_transfer_params.remote_instance_id '{}' is not the chosen producer '{}'",
-                            params["remote_instance_id"].get<std::string>(), expected_producer_id);
-  }
+  PD_ASSIGN_OR_RETURN(nlohmann::ordered_json consumer_params,
+                      contract::make_read_consumer_params(*params_it, transfer_id, expected_producer_id));
   nlohmann::ordered_json leg = body;
-  nlohmann::ordered_json consumer_params = params;
-  consumer_params["do_remote_prefill"] = true;
-  consumer_params["mode"] = "read";
-  consumer_params.erase("do_remote_decode");
   leg["kv_transfer_params"] = std::move(consumer_params);
   return leg;
 }

@@ -1,6 +1,8 @@
-// Request rewriting for the P/D legs (pd_contract.md "Request legs"). Pure
-// JSON in, JSON out. The client's own kv_transfer_params are removed when the
-// request is parsed, so no later step can forward them by accident.
+// Request rewriting for the P/D legs (docs/pd_contract.md "Request legs"). Pure
+// JSON in, JSON out; the kv_transfer_params themselves are the contract's
+// (src/contract/transfer_params.h). The client's own kv_transfer_params are
+// removed when the request is parsed, so no later step can forward them by
+// accident.
 //
 // Bodies are nlohmann::ordered_json, so every leg keeps the client's key order
 // at every depth: chat templates (Qwen2.5 and others) render `tools` and JSON
@@ -18,6 +20,7 @@
 
 #include "common/json_depth.h"
 #include "common/status.h"
+#include "contract/transfer_params.h"
 #include "router/instance_info.h"
 
 namespace pd::router {
@@ -47,8 +50,11 @@ Result<nlohmann::ordered_json> parse_json_bounded(std::string_view text, size_t 
 Result<ClientRequest> parse_client_request(std::string_view body);
 
 // 32 lowercase hex chars from 128 random bits.
-std::string format_transfer_id(uint64_t high, uint64_t low);
-bool is_transfer_id(std::string_view text);
+using contract::format_transfer_id;
+// Exactly what format_transfer_id writes.
+inline bool is_transfer_id(std::string_view text) {
+  return contract::is_minted_transfer_id(text);
+}
 
 // Producer leg: max_tokens (and max_completion_tokens) = 1, min_tokens at
 // most 1, stream = false, no stream_options, kv_transfer_params =

@@ -1,6 +1,6 @@
 """Shared helpers for the P/D connector suites (test_pd_*.py): start producer / consumer / collocated
 pdserve instances, play the router's part (mint transfer ids, send the two legs exactly as
-pd_contract.md specifies), compare outputs token for token, and check that no KV block stays in use.
+docs/pd_contract.md specifies), compare outputs token for token, and check that no KV block stays in use.
 
 This module holds no tests; the suites import it.
 """

@@ -1,4 +1,4 @@
-"""pdrouter discovery: ZMQ registration (pd_contract.md), expiry, boot-nonce replacement,
+"""pdrouter discovery: ZMQ registration (docs/pd_contract.md), expiry, boot-nonce replacement,
 malformed registrations, CURVE. The registrations come from a real ZMQ client of the
 router's real listener; what the router believes is read back from its /health."""
 

@@ -1,5 +1,5 @@
 """Client-supplied kv_transfer_params never reach an engine (DESIGN.md §6 item 9), and the
-legs the router writes follow pd_contract.md. The engines here are RecordingBackends:
+legs the router writes follow docs/pd_contract.md. The engines here are RecordingBackends:
 tiny HTTP servers that only record the bodies they receive (the one place these tests
 use a stand-in, because the assertion is about exactly what arrives at an engine)."""
 

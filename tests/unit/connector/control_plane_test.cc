@@ -203,5 +203,31 @@ TEST(RegistrationHeartbeat, ADeadRouterNeverBlocksShutdown) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
 }
 
+TEST(RegistrationHeartbeat, ARecordTheContractRefusesIsNeverSent) {
+  const RegistrationRecord valid{"consumer", "127.0.0.1:1", "127.0.0.1:2", "c0", 1, 1, 1, "read", "m"};
+  std::vector<std::pair<RegistrationRecord, std::string>> refused;
+  refused.emplace_back(valid, "role");
+  refused.back().first.role = "decode";
+  refused.emplace_back(valid, "'http'");
+  refused.back().first.http = ":::8000";  // an IPv6 host without brackets
+  refused.emplace_back(valid, "'control'");
+  refused.back().first.control = "127.0.0.1";
+  refused.emplace_back(valid, "mode");
+  refused.back().first.mode = "push";
+  refused.emplace_back(valid, "tp_size");
+  refused.back().first.tp_size = 0;
+  for (const auto& [record, field] : refused) {
+    auto hb = RegistrationHeartbeat::start(record, "127.0.0.1:1", 10, std::nullopt);
+    ASSERT_FALSE(hb.ok()) << field;
+    EXPECT_EQ(hb.status().code(), ErrorCode::kInvalidArgument) << field;
+    EXPECT_NE(hb.status().message().find(field), std::string::npos) << hb.status().message();
+  }
+  auto converted = to_contract_record(valid);
+  ASSERT_TRUE(converted.ok()) << converted.status().to_string();
+  EXPECT_EQ(converted->role, contract::Role::kConsumer);
+  EXPECT_EQ(converted->mode, contract::TransferMode::kRead);
+  EXPECT_EQ(converted->control->to_string(), "127.0.0.1:2");
+}
+
 }  // namespace
 }  // namespace pd::connector
