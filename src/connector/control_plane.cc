@@ -3,6 +3,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/log.h"
 #include "common/metrics.h"
 
@@ -179,6 +180,17 @@ void ControlPlane::drain_outbox() {
   }
 }
 
+void ControlPlane::note_malformed(const std::string& what) {
+  // Counted always (above); logged at most once a second, saying how many it stands for.
+  if (!malformed_log_.admit(now_ns())) return;
+  if (malformed_log_.num_held_back() > 0) {
+    PD_LOG_WARN("control plane: dropped {} (and {} more malformed frames since the last such line)", what,
+                malformed_log_.num_held_back());
+  } else {
+    PD_LOG_WARN("control plane: dropped {}", what);
+  }
+}
+
 void ControlPlane::deliver(const PeerKey& from, std::span<const uint8_t> frame, zmq::socket_t* reply_router,
                            const zmq::message_t* routing_id) {
   num_received_.fetch_add(1);
@@ -186,7 +198,7 @@ void ControlPlane::deliver(const PeerKey& from, std::span<const uint8_t> frame, 
   if (!decoded.ok()) {
     num_malformed_.fetch_add(1);
     malformed_counter(config_.instance_label).inc();
-    PD_LOG_WARN("control plane: dropped a malformed frame from {}: {}", from, decoded.status().message());
+    note_malformed(fmt::format("a malformed frame from {}: {}", from, decoded.status().message()));
     if (reply_router != nullptr && routing_id != nullptr) {
       ControlMessage error;
       error.type = MessageType::kError;
@@ -238,7 +250,7 @@ void ControlPlane::receive_router() {
       num_received_.fetch_add(1);
       num_malformed_.fetch_add(1);
       malformed_counter(config_.instance_label).inc();
-      PD_LOG_WARN("control plane: dropped a {}-part message from {}", parts.size(), from);
+      note_malformed(fmt::format("a {}-part message from {}", parts.size(), from));
       continue;
     }
     deliver(from, {static_cast<const uint8_t*>(parts[1].data()), parts[1].size()}, &router_, &parts[0]);

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/curve_auth.h"
+#include "common/log_throttle.h"
 #include "common/status.h"
 #include "connector/messages.h"
 
@@ -95,6 +96,7 @@ class ControlPlane {
                const zmq::message_t* routing_id);
   zmq::socket_t& dealer(const std::string& host_port);
   void wake();
+  void note_malformed(const std::string& what);
 
   struct Outgoing {
     PeerKey to;
@@ -119,6 +121,7 @@ class ControlPlane {
   std::atomic<uint64_t> num_malformed_{0};
   std::atomic<uint64_t> num_send_dropped_{0};
   std::atomic<uint64_t> num_handler_errors_{0};
+  LogThrottle malformed_log_{1'000'000'000};  // I/O thread only
   std::thread thread_;
 };
 

@@ -295,6 +295,10 @@ ControlMessage PdConnector::meta_message(MessageType type) const {
   return m;
 }
 
+void PdConnector::release_transfer(std::string transfer_id, std::function<void(bool)> done) {
+  push_inbox(ReleaseCall{std::move(transfer_id), std::move(done)});
+}
+
 void PdConnector::bind_engine_wakeup(std::function<void()> wakeup) {
   std::lock_guard<std::mutex> lock(mutex_);
   wakeup_ = std::move(wakeup);
@@ -390,7 +394,10 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   match.num_external_tokens = num_external;
   match.includes_last_prompt_token = want_first_token;
   match.load_async = true;
-  match.timeout_ms = config_.recv_abort_timeout_ms;
+  // Every consumer state is bounded by transfer_timeout (after the handshake's own bound):
+  // a producer that stopped answering costs that, not recv_abort_timeout.
+  match.timeout_ms =
+      std::min(config_.recv_abort_timeout_ms, config_.handshake_timeout_ms + config_.transfer_timeout_ms);
   return match;
 }
 
@@ -476,10 +483,17 @@ engine::FinishDecision PdConnector::request_finished(const engine::Request& requ
 }
 
 engine::RemoteKvTimeoutAction PdConnector::on_remote_kv_timeout(const engine::Request& request) {
+  const auto transfer = consumer_->transfer_of_request(request.request_id());
+  const bool fail = config_.on_failure == FailurePolicy::kFail;
+  PD_LOG_WARN("connector: request {} (transfer {}) got no KV within {} ms; {}", request.request_id(),
+              transfer.value_or("?"),
+              std::min(config_.recv_abort_timeout_ms, config_.handshake_timeout_ms + config_.transfer_timeout_ms),
+              fail ? "failing it" : "recomputing");
   consumer_->on_remote_kv_timeout(request.request_id());
   consumer_requests_.erase(request.request_id());
+  if (transfer) metrics_.failed_consumer->inc();
   run_actions();
-  if (config_.on_failure == FailurePolicy::kFail) return engine::RemoteKvTimeoutAction::kFail;
+  if (fail) return engine::RemoteKvTimeoutAction::kFail;
   metrics_.recomputes->inc();
   return engine::RemoteKvTimeoutAction::kRecomputeLocally;
 }
@@ -494,9 +508,15 @@ engine::ConnectorEvents PdConnector::poll() {
     items.swap(inbox_);
   }
   const int64_t now = now_ms();
+  std::vector<std::pair<std::function<void(bool)>, bool>> release_answers;
   for (auto& item : items) {
     if (auto* in = std::get_if<InboundMessage>(&item)) {
       handle_message(*in, now);
+    } else if (auto* call = std::get_if<ReleaseCall>(&item)) {
+      const bool released = config_.is_producer() && producer_->release(call->transfer_id);
+      PD_LOG_INFO("connector: transfer {} released on request ({})", call->transfer_id,
+                  released ? "was active" : "not active here");
+      release_answers.emplace_back(std::move(call->done), released);
     } else {
       const auto& c = std::get<Completion>(item);
       if (c.ok)
@@ -515,6 +535,9 @@ engine::ConnectorEvents PdConnector::poll() {
   consumer_->tick(now);
   run_actions();
   metrics_.blocks_held->set(static_cast<double>(producer_->num_blocks_held()));
+  for (auto& [done, released] : release_answers) {
+    if (done) done(released);
+  }
   engine::ConnectorEvents out = std::move(events_);
   events_ = engine::ConnectorEvents{};
   return out;
@@ -528,6 +551,17 @@ void PdConnector::reply_error(const PeerKey& to, const std::string& transfer_id,
   send(OutgoingMessage{to, std::move(m)});
 }
 
+void PdConnector::warn_peer(const std::string& what) {
+  // What peers can trigger at their own rate is counted by its metric and logged at most
+  // once a second, with how many lines it stands for.
+  if (!peer_log_.admit(now_ns())) return;
+  if (peer_log_.num_held_back() > 0) {
+    PD_LOG_WARN("connector: {} (and {} more such lines held back)", what, peer_log_.num_held_back());
+  } else {
+    PD_LOG_WARN("connector: {}", what);
+  }
+}
+
 void PdConnector::note_refused(int32_t count) {
   if (count > 0) metrics_.refused->inc(count);
 }
@@ -536,6 +570,12 @@ void PdConnector::handle_message(const InboundMessage& in, int64_t now) {
   const ControlMessage& msg = in.message;
   PD_LOG_DEBUG("connector: recv {} {} from {}", message_type_name(msg.type), msg.transfer_id, in.from);
   const bool via_router = !is_dealer_peer(in.from);
+  if (!via_router && msg.type != MessageType::kMetaOk) {
+    // Only the process listening at an address we dialled speaks on that connection: a new
+    // identity there means the producer restarted, and what waited on the old one fails now.
+    consumer_->on_producer_identity(in.from.substr(2), msg.instance_id, msg.boot_nonce);
+    run_actions();
+  }
   switch (msg.type) {
     case MessageType::kMeta:
       if (!via_router) break;
@@ -579,7 +619,7 @@ void PdConnector::handle_message(const InboundMessage& in, int64_t now) {
     case MessageType::kError:
       if (via_router) {
         if (msg.type == MessageType::kError) {
-          PD_LOG_WARN("connector: error from consumer {}: {}", msg.instance_id, msg.text);
+          warn_peer(fmt::format("error from consumer {}: {}", msg.instance_id, msg.text));
           return;
         }
         break;
@@ -596,7 +636,7 @@ void PdConnector::handle_message(const InboundMessage& in, int64_t now) {
       return;
   }
   note_refused(1);
-  PD_LOG_WARN("connector: '{}' from {} is not expected on this side; dropped", message_type_name(msg.type), in.from);
+  warn_peer(fmt::format("'{}' from {} is not expected on this side; dropped", message_type_name(msg.type), in.from));
 }
 
 Result<PdConnector::PeerInfo> PdConnector::peer_from_meta(const ControlMessage& msg) {
@@ -632,7 +672,7 @@ void PdConnector::handle_meta(const InboundMessage& in) {
   auto peer = peer_from_meta(in.message);
   if (!peer.ok()) {
     metrics_.handshakes_refused->inc();
-    PD_LOG_WARN("connector: refused handshake from {}: {}", in.message.instance_id, peer.status().message());
+    warn_peer(fmt::format("refused handshake from {}: {}", in.message.instance_id, peer.status().message()));
     reply_error(in.from, "", peer.status().message());
     return;
   }
@@ -656,7 +696,7 @@ void PdConnector::handle_meta_ok(const InboundMessage& in) {
   auto peer = peer_from_meta(in.message);
   if (!peer.ok()) {
     metrics_.handshakes_refused->inc();
-    PD_LOG_WARN("connector: producer {} at {} refused: {}", in.message.instance_id, control, peer.status().message());
+    warn_peer(fmt::format("producer {} at {} refused: {}", in.message.instance_id, control, peer.status().message()));
     consumer_->on_peer_failed(control, peer.status().message());
     return;
   }

@@ -29,6 +29,7 @@
 #include <variant>
 #include <vector>
 
+#include "common/log_throttle.h"
 #include "common/metrics.h"
 #include "common/status.h"
 #include "connector/config.h"
@@ -73,6 +74,11 @@ class PdConnector final : public engine::KvConnector {
   uint64_t boot_nonce() const { return record_.boot_nonce; }
   const std::string& control_address() const { return record_.control; }
   const KvTransferConfig& config() const { return config_; }
+  // POST /pd/release: ends a producer transfer as if its consumer had sent
+  // `abort` (ProducerTransfers::release). Runs on the engine thread at its next
+  // poll; `done` is called there with whether the transfer was active, after the
+  // blocks-held gauge is updated. It must not block.
+  void release_transfer(std::string transfer_id, std::function<void(bool released)> done);
 
   // ---- engine::KvConnector (engine thread) ---------------------------------
   void bind_engine_wakeup(std::function<void()> wakeup) override;
@@ -98,7 +104,11 @@ class PdConnector final : public engine::KvConnector {
     uint64_t bytes = 0;
     std::string message;
   };
-  using InboxItem = std::variant<InboundMessage, Completion>;
+  struct ReleaseCall {
+    std::string transfer_id;
+    std::function<void(bool)> done;
+  };
+  using InboxItem = std::variant<InboundMessage, Completion, ReleaseCall>;
   struct PendingBatch {
     xfer::XferId id = 0;
     Completion completion;
@@ -134,6 +144,7 @@ class PdConnector final : public engine::KvConnector {
   Status post_batch(PeerInfo& peer, bool is_write, const std::string& transfer_id, int32_t layer,
                     std::vector<xfer::Op> ops);
   void note_refused(int32_t count);
+  void warn_peer(const std::string& what);
 
   PdConnectorOptions options_;
   const KvTransferConfig config_;
@@ -174,6 +185,7 @@ class PdConnector final : public engine::KvConnector {
   std::vector<std::string> final_step_transfers_;
   std::unique_ptr<StepHooks> hooks_;
   engine::ConnectorEvents events_;
+  LogThrottle peer_log_{1'000'000'000};
 
   struct Metrics {
     metrics::Counter* started_producer;

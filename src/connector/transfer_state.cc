@@ -352,41 +352,53 @@ void ProducerTransfers::on_release(const PeerRef& from, const ControlMessage& ms
 
 void ProducerTransfers::on_abort(const PeerRef& from, const ControlMessage& msg) {
   auto early = early_blocks_.find(msg.transfer_id);
-  if (early != early_blocks_.end() && early->second.from == from) {
-    // Acknowledged, so the consumer can release the blocks it holds for us at once.
-    send(from, MessageType::kAbort, msg.transfer_id, "aborted before the producer saw the request");
-    erase_early(early);
-    remember_closed(msg.transfer_id);
-    return;
-  }
-  auto it = transfers_.find(msg.transfer_id);
-  if (it == transfers_.end()) {
-    // Our leg has not arrived yet (legs race): remember, so it never holds blocks for nobody.
-    remember_closed(msg.transfer_id);
-    return;
-  }
-  Transfer& t = it->second;
-  if (t.read_mode) {
-    if (t.reader && !(*t.reader == from)) {
-      ++actions_.num_refused;
-      return;
-    }
-    if (t.holding) {
-      actions_.released_request_ids.push_back(t.request_id);
-      remember_closed(msg.transfer_id);
-      transfers_.erase(it);
-    } else {
-      fail(msg.transfer_id, t, "consumer aborted");
-    }
-    return;
-  }
-  if (t.dest && !(t.dest->peer == from)) {
+  if (early != early_blocks_.end() && !(early->second.from == from)) {
     ++actions_.num_refused;
     return;
   }
-  // The done{ok:false} that follows (after in-flight writes) is the consumer's
+  auto it = transfers_.find(msg.transfer_id);
+  if (it != transfers_.end()) {
+    const Transfer& t = it->second;
+    const bool bound_elsewhere = t.read_mode ? t.reader && !(*t.reader == from) : t.dest && !(t.dest->peer == from);
+    if (bound_elsewhere) {
+      ++actions_.num_refused;
+      return;
+    }
+  }
+  abort_transfer(msg.transfer_id, "consumer aborted: " + msg.text);
+}
+
+bool ProducerTransfers::release(const std::string& transfer_id) {
+  const bool active = early_blocks_.count(transfer_id) > 0 || transfers_.count(transfer_id) > 0;
+  abort_transfer(transfer_id, "released by the router");
+  return active;
+}
+
+void ProducerTransfers::abort_transfer(const std::string& transfer_id, const std::string& reason) {
+  auto early = early_blocks_.find(transfer_id);
+  if (early != early_blocks_.end()) {
+    // Acknowledged, so the consumer can release the blocks it holds for us at once.
+    send(early->second.from, MessageType::kAbort, transfer_id, "aborted before the producer saw the request");
+    erase_early(early);
+    remember_closed(transfer_id);
+    return;
+  }
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) {
+    // Our leg has not arrived yet (legs race): remember, so it never holds blocks for nobody.
+    remember_closed(transfer_id);
+    return;
+  }
+  Transfer& t = it->second;
+  if (t.read_mode && t.holding) {
+    actions_.released_request_ids.push_back(t.request_id);
+    remember_closed(transfer_id);
+    transfers_.erase(it);
+    return;
+  }
+  // WRITE: the done{ok:false} that follows (after in-flight writes) is the consumer's
   // acknowledgement that no more writes will land in its blocks.
-  fail(msg.transfer_id, t, "consumer aborted: " + msg.text);
+  fail(transfer_id, t, reason);
 }
 
 void ProducerTransfers::on_peer_gone(const std::string& instance_id, uint64_t boot_nonce) {
@@ -636,26 +648,15 @@ void ConsumerTransfers::on_peer_ready(const std::string& control, const std::str
   const uint64_t previous_nonce = std::exchange(peer.boot_nonce, boot_nonce);
   peer.phase = PeerPhase::kReady;
   peer.num_blocks = peer_num_blocks;
+  if (previous_nonce != 0 && (previous_instance != instance_id || previous_nonce != boot_nonce)) {
+    fail_orphans(control, previous_instance, previous_nonce,
+                 fmt::format("producer at {} restarted (nonce {} -> {}) during the transfer", control, previous_nonce,
+                             boot_nonce));
+  }
   std::vector<std::string> waiting;
-  std::vector<std::string> orphaned;  // in flight with an incarnation that no longer answers there
   for (auto& [id, t] : transfers_) {
     if (t.params.remote_control != control) continue;
-    if (t.phase == Phase::kAwaitingPeer || t.phase == Phase::kNotifyOnly) {
-      waiting.push_back(id);
-    } else if ((t.phase == Phase::kWaitingDone || t.phase == Phase::kAwaitingReadOk) && previous_nonce != 0 &&
-               (previous_instance != instance_id || previous_nonce != boot_nonce) &&
-               t.params.remote_instance_id == previous_instance && t.params.remote_boot_nonce == previous_nonce) {
-      orphaned.push_back(id);
-    }
-  }
-  // Another process owns the address now: the old incarnation is gone and will neither
-  // write nor answer, so its transfers recompute now instead of at their timeouts. (Reads
-  // of our own in flight, kReading, end through their completions.)
-  for (const auto& id : orphaned) {
-    auto it = transfers_.find(id);
-    finish(id, it->second, false,
-           fmt::format("producer at {} restarted (nonce {} -> {}) during the transfer", control, previous_nonce,
-                       boot_nonce));
+    if (t.phase == Phase::kAwaitingPeer || t.phase == Phase::kNotifyOnly) waiting.push_back(id);
   }
   for (const auto& id : waiting) {
     auto it = transfers_.find(id);
@@ -673,6 +674,38 @@ void ConsumerTransfers::on_peer_ready(const std::string& control, const std::str
     }
     proceed(id, t, peer);
   }
+}
+
+void ConsumerTransfers::fail_orphans(const std::string& control, const std::string& instance_id, uint64_t boot_nonce,
+                                     const std::string& reason) {
+  // Another process owns the address now: the old incarnation is gone and will neither
+  // write nor answer, so its transfers recompute now instead of at their timeouts. (Reads
+  // of our own in flight, kReading, end through their completions.)
+  std::vector<std::string> orphaned;
+  for (auto& [id, t] : transfers_) {
+    if (t.params.remote_control == control && (t.phase == Phase::kWaitingDone || t.phase == Phase::kAwaitingReadOk) &&
+        t.params.remote_instance_id == instance_id && t.params.remote_boot_nonce == boot_nonce) {
+      orphaned.push_back(id);
+    }
+  }
+  for (const auto& id : orphaned) {
+    auto it = transfers_.find(id);
+    finish(id, it->second, false, reason);
+  }
+}
+
+void ConsumerTransfers::on_producer_identity(const std::string& control, const std::string& instance_id,
+                                             uint64_t boot_nonce) {
+  auto it = peers_.find(control);
+  if (it == peers_.end() || it->second.phase != PeerPhase::kReady) return;
+  if (it->second.instance_id == instance_id && it->second.boot_nonce == boot_nonce) return;
+  const std::string previous_instance = it->second.instance_id;
+  const uint64_t previous_nonce = it->second.boot_nonce;
+  // The next request for this address handshakes again (ensure_peer on an unknown peer).
+  peers_.erase(it);
+  fail_orphans(control, previous_instance, previous_nonce,
+               fmt::format("producer at {} restarted (now {} nonce {}, was nonce {}) during the transfer", control,
+                           instance_id, boot_nonce, previous_nonce));
 }
 
 void ConsumerTransfers::on_peer_failed(const std::string& control, const std::string& reason) {
@@ -837,7 +870,9 @@ void ConsumerTransfers::on_remote_kv_timeout(const std::string& request_id) {
   Transfer& t = transfers_.at(transfer_id);
   ++actions_.num_timeouts;
   t.silent = true;  // the engine handles the request; we only look after the blocks
-  if (!t.params.read_mode && (t.data_may_move || peer_ready(t.params.remote_control))) {
+  // WRITE: stop the producer's writes. READ before read_ok: let the producer's hold go.
+  if ((!t.params.read_mode && (t.data_may_move || peer_ready(t.params.remote_control))) ||
+      t.phase == Phase::kAwaitingReadOk) {
     send(t.params.remote_control, MessageType::kAbort, transfer_id, "consumer timed out waiting for the KV");
   }
   if (!t.data_may_move) {

@@ -108,6 +108,12 @@ class ProducerTransfers {
   void on_abort(const PeerRef& from, const ControlMessage& msg);
   // A consumer instance restarted (new nonce) or its connection is gone.
   void on_peer_gone(const std::string& instance_id, uint64_t boot_nonce);
+  // An explicit release from the router (POST /pd/release): exactly what an
+  // `abort` from the bound consumer does, without the peer check. In-flight
+  // writes end before the blocks are freed; an id not seen yet is remembered
+  // (bounded tombstones), so its leg holds nothing when it arrives. Returns
+  // true when the transfer was active here (held, computing or buffered).
+  bool release(const std::string& transfer_id);
 
   void tick(int64_t now_ms);
   ProducerActions take_actions();
@@ -159,6 +165,8 @@ class ProducerTransfers {
   void fail(const std::string& transfer_id, Transfer& t, const std::string& reason);
   void maybe_finish(const std::string& transfer_id);
   void remember_closed(const std::string& transfer_id);
+  // Ends a transfer its consumer (or the router) gave up on; see on_abort.
+  void abort_transfer(const std::string& transfer_id, const std::string& reason);
   void send(const PeerRef& to, MessageType type, const std::string& transfer_id, std::string text = {}, bool ok = false,
             int32_t num_tokens = 0);
   // Drops a buffered list, keeping early_block_ids_ in step; returns the next entry.
@@ -251,6 +259,10 @@ class ConsumerTransfers {
   void on_peer_ready(const std::string& control, const std::string& instance_id, uint64_t boot_nonce,
                      int32_t peer_num_blocks);
   void on_peer_failed(const std::string& control, const std::string& reason);
+  // Any other message on the connection to `control` names its sender's identity: a
+  // new one there (the producer restarted) fails the transfers waiting on the old
+  // incarnation at once, and the next request handshakes again.
+  void on_producer_identity(const std::string& control, const std::string& instance_id, uint64_t boot_nonce);
 
   void on_done(const PeerRef& from, const ControlMessage& msg);
   void on_read_ok(const PeerRef& from, const ControlMessage& msg);
@@ -320,6 +332,9 @@ class ConsumerTransfers {
   };
 
   void ensure_peer(const std::string& transfer_id, Transfer& t, int64_t now_ms);
+  // Fails the transfers at `control` waiting on (instance_id, boot_nonce), which no longer answers there.
+  void fail_orphans(const std::string& control, const std::string& instance_id, uint64_t boot_nonce,
+                    const std::string& reason);
   void proceed(const std::string& transfer_id, Transfer& t, const Peer& peer);
   void finish(const std::string& transfer_id, Transfer& t, bool ok, const std::string& reason,
               bool invalid_params = false);

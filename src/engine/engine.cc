@@ -210,6 +210,7 @@ class EngineImpl final : public Engine {
     out.text_delta = std::move(text_delta);
     out.error = std::move(error);
     out.invalid_request = invalid_request;
+    out.conflict = finished.conflict;
     out.kv_transfer_params = std::move(finished.decision.kv_transfer_params);
     OutputCallback callback = std::move(it->second.callback);
     io_.erase(it);

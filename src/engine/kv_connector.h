@@ -136,7 +136,9 @@ class KvConnector {
 
   // Admission of a request with external_kv_eligible set. num_local_computed_tokens
   // is the block-aligned local prefix-cache hit. An error (e.g. malformed
-  // kv_transfer_params) finishes the request with kFinishedError and that message.
+  // kv_transfer_params) finishes the request with kFinishedError and that message;
+  // kFailedPrecondition says it conflicts with a request in flight (a transfer id
+  // already active here): RequestOutput::conflict, the caller's error.
   virtual Result<ExternalMatch> get_num_new_matched_tokens(const Request& request,
                                                            int32_t num_local_computed_tokens) = 0;
 

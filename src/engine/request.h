@@ -71,6 +71,9 @@ struct RequestOutput {
   // producer refused its kv_transfer_params) -- the client's fault (HTTP 400),
   // not the engine's.
   bool invalid_request = false;
+  // With kError: the request names state already in use here (a P/D transfer id
+  // that is active on this instance): the caller's error (HTTP 409).
+  bool conflict = false;
   std::optional<nlohmann::json> kv_transfer_params;  // returned by a P/D producer on finish
 };
 

@@ -146,6 +146,7 @@ Scheduler::Admit Scheduler::try_admit(Request& request, int32_t* budget, StepPla
       if (!match.ok()) {
         *failed = finish_request(request, RequestState::kFinishedError, FinishReason::kError);
         failed->error = "KV connector rejected the request: " + match.status().message();
+        failed->conflict = match.status().code() == ErrorCode::kFailedPrecondition;
         return Admit::kFailed;
       }
       // A hand-over brings the last prompt token's KV too (and the token it

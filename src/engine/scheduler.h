@@ -52,6 +52,9 @@ struct FinishedRequest {
   std::unique_ptr<Request> request;
   FinishDecision decision;
   std::string error;  // for kFinishedError: what went wrong
+  // kFinishedError because the request conflicts with one in flight (the
+  // connector answered kFailedPrecondition, e.g. a duplicate transfer id).
+  bool conflict = false;
 };
 
 class Scheduler {

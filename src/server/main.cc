@@ -105,6 +105,11 @@ int run(pd::server::ServerConfig config) {
   // destroys at the end still refer to it.
   server::OpenAiService service(config, *engine, tokenizer, max_model_len);
   server::HttpServer http(http_options);
+  if (pd_connector != nullptr) {
+    service.set_transfer_releaser([pd_connector](std::string transfer_id, std::function<void(bool)> done) {
+      pd_connector->release_transfer(std::move(transfer_id), std::move(done));
+    });
+  }
   service.register_routes(http);
   if (pd_connector != nullptr) {
     http.route(server::http::verb::get, "/pd/info",

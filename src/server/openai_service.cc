@@ -6,6 +6,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <random>
@@ -76,6 +77,7 @@ struct OpenAiService::Generation {
     std::optional<json> kv_transfer_params;
     std::string error;
     bool invalid_request = false;  // the error is the client's (HTTP 400)
+    bool conflict = false;         // ... a duplicate of state in flight (HTTP 409)
   };
   struct Pending {
     size_t index;
@@ -135,6 +137,7 @@ void OpenAiService::register_routes(HttpServer& server) {
   server.route(http::verb::get, "/v1/models", bind(&OpenAiService::handle_models), true);
   server.route(http::verb::post, "/tokenize", bind(&OpenAiService::handle_tokenize), true);
   server.route(http::verb::post, "/detokenize", bind(&OpenAiService::handle_detokenize), true);
+  if (releaser_) server.route(http::verb::post, "/pd/release", bind(&OpenAiService::handle_release), true);
   server.route(http::verb::get, "/health", [](HttpExchange& exchange) -> net::awaitable<void> {
     co_await exchange.respond(http::status::ok, "", "text/plain");
   });
@@ -173,6 +176,70 @@ net::awaitable<void> OpenAiService::handle_models(HttpExchange& exchange) {
   if (names.empty()) names.push_back(config_.model);
   json body = models_json(names, config_.model, created_unix_s_, max_model_len_);
   co_await exchange.respond_json(http::status::ok, body);
+}
+
+namespace {
+
+// The body of POST /pd/release: exactly {"transfer_id": "<32 hex digits>"}.
+Parsed<std::string> parse_release_body(const ojson& body) {
+  for (const auto& [key, value] : body.items()) {
+    if (key != "transfer_id") return bad_request(fmt::format("unknown field '{}'", key), key);
+  }
+  auto it = body.find("transfer_id");
+  if (it == body.end() || !it->is_string()) return bad_request("transfer_id (a string) is required", "transfer_id");
+  const std::string& id = it->get_ref<const std::string&>();
+  const bool hex = id.size() == 32 && std::all_of(id.begin(), id.end(), [](char c) {
+                     return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+                   });
+  if (!hex) return bad_request("transfer_id must be 32 hex digits", "transfer_id");
+  return id;
+}
+
+// How long POST /pd/release waits for the engine thread to take the release.
+constexpr int64_t kReleaseAnswerTimeoutMs = 10'000;
+
+}  // namespace
+
+net::awaitable<void> OpenAiService::handle_release(HttpExchange& exchange) {
+  auto body = parse_json_object(exchange.request().body(), limits_.max_json_depth);
+  if (failed(body)) {
+    ApiError error = take_error(body);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  auto id = parse_release_body(std::get<ojson>(body));
+  if (failed(id)) {
+    ApiError error = take_error(id);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  const std::string transfer_id = std::get<std::string>(std::move(id));
+  // The engine thread answers through a post to this connection's strand.
+  struct Answer {
+    explicit Answer(const ConnectionExecutor& executor) : wake(executor) {}
+    net::steady_timer wake;
+    std::optional<bool> released;
+  };
+  auto answer = std::make_shared<Answer>(exchange.executor());
+  auto executor = exchange.executor();
+  answer->wake.expires_after(std::chrono::milliseconds(kReleaseAnswerTimeoutMs));
+  releaser_(transfer_id, [answer, executor](bool released) {
+    net::post(executor, [answer, released] {
+      answer->released = released;
+      answer->wake.cancel();
+    });
+  });
+  if (!answer->released) {
+    error_code ec;
+    co_await answer->wake.async_wait(net::redirect_error(net::use_awaitable, ec));
+  }
+  if (!answer->released) {
+    ApiError error{503, "the engine did not take the release in time; retry", "service_unavailable", "", "unavailable"};
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  json out = {{"transfer_id", transfer_id}, {"released", *answer->released}};
+  co_await exchange.respond_json(http::status::ok, out);
 }
 
 namespace {
@@ -301,6 +368,11 @@ json timeout_error_json() {
   return ApiError{504, "request exceeded --request-timeout-ms", "timeout_error", "", "timeout"}.to_json();
 }
 
+// A request that names state already in flight here (a duplicate transfer id).
+ApiError conflict(std::string message) {
+  return ApiError{409, std::move(message), "invalid_request_error", "kv_transfer_params", "conflict"};
+}
+
 json error_event(const std::string& message) {
   return ApiError{500, message, "internal_error", "", "internal_error"}.to_json();
 }
@@ -399,6 +471,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
   bool timed_out = false;
   std::string stream_error;
   bool stream_error_invalid = false;
+  bool stream_error_conflict = false;
 
   while (g.num_finished < g.choices.size() && !g.client_gone) {
     if (g.pending.empty()) {
@@ -430,6 +503,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
       if (out.finish_reason == engine::FinishReason::kError) {
         choice.error = out.error.empty() ? "the engine failed this request" : out.error;
         choice.invalid_request = out.invalid_request;
+        choice.conflict = out.conflict;
       }
     }
     if (!stream) {
@@ -442,6 +516,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     if (!choice.error.empty()) {
       stream_error = choice.error;
       stream_error_invalid = choice.invalid_request;
+      stream_error_conflict = choice.conflict;
       break;
     }
     std::string events;
@@ -498,8 +573,8 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     if (!kv_transfer_params && choice.kv_transfer_params) kv_transfer_params = choice.kv_transfer_params;
   }
 
-  if (stream && !stream_started && stream_error_invalid) {
-    ApiError error = bad_request(stream_error, "kv_transfer_params");
+  if (stream && !stream_started && (stream_error_invalid || stream_error_conflict)) {
+    ApiError error = stream_error_conflict ? conflict(stream_error) : bad_request(stream_error, "kv_transfer_params");
     co_await exchange.respond_error(error);
     co_return;
   }
@@ -532,8 +607,9 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
   }
   for (const auto& choice : g.choices) {
     if (!choice.error.empty()) {
-      ApiError error =
-          choice.invalid_request ? bad_request(choice.error, "kv_transfer_params") : internal(choice.error);
+      ApiError error = choice.conflict          ? conflict(choice.error)
+                       : choice.invalid_request ? bad_request(choice.error, "kv_transfer_params")
+                                                : internal(choice.error);
       co_await exchange.respond_error(error);
       co_return;
     }

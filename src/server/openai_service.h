@@ -1,5 +1,6 @@
 // The OpenAI API over one engine: /v1/completions, /v1/chat/completions,
-// /v1/models, /tokenize, /detokenize, /health, /metrics, /version.
+// /v1/models, /tokenize, /detokenize, /health, /metrics, /version; with a P/D
+// connector also POST /pd/release (set_transfer_releaser).
 //
 // Threads: handlers run on their connection's strand (HttpServer). The
 // engine calls each request's OutputCallback on the engine thread; the
@@ -13,6 +14,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,6 +38,13 @@ class OpenAiService {
   OpenAiService(const ServerConfig& config, engine::Engine& engine,
                 std::shared_ptr<const tokenizer::Tokenizer> tokenizer, int32_t max_model_len);
 
+  // POST /pd/release {"transfer_id": "<32 hex digits>"} -> 200 {"transfer_id", "released"}:
+  // the P/D producer lets go of that transfer's KV as if its consumer had sent
+  // `abort`. The releaser is called on an HTTP thread and must answer (`done`,
+  // from any thread, once) without blocking it. Set before register_routes.
+  using TransferReleaser = std::function<void(std::string transfer_id, std::function<void(bool released)> done)>;
+  void set_transfer_releaser(TransferReleaser releaser) { releaser_ = std::move(releaser); }
+
   void register_routes(HttpServer& server);
 
   // Generations still writing to a client (shutdown waits for this to reach 0).
@@ -50,6 +59,7 @@ class OpenAiService {
   net::awaitable<void> handle_tokenize(HttpExchange& exchange);
   net::awaitable<void> handle_detokenize(HttpExchange& exchange);
   net::awaitable<void> handle_models(HttpExchange& exchange);
+  net::awaitable<void> handle_release(HttpExchange& exchange);
   net::awaitable<void> run_generation(HttpExchange& exchange, std::shared_ptr<Generation> generation);
 
   std::optional<ApiError> check_model(const std::string& model) const;
@@ -62,6 +72,7 @@ class OpenAiService {
   int32_t max_model_len_;
   RequestLimits limits_;
   int64_t created_unix_s_;
+  TransferReleaser releaser_;
 
   std::atomic<int32_t> num_live_generations_{0};
   std::mutex idle_mutex_;

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes the seed corpora of fuzz_control_message, fuzz_openai_request and fuzz_router_input.
+"""Writes the seed corpora of fuzz_control_message, fuzz_openai_request, fuzz_router_input and
+fuzz_ucx_descriptor.
 
 The seeds are committed (tests/fuzz/corpus/<fuzzer>/); rerun this after a protocol change:
     python3 tests/fuzz/make_seeds.py
@@ -106,6 +107,17 @@ def main():
     write("router_input", "ipv6", router_seed("[::1]:9", {"messages": [], "kv_transfer_params": {"x": 1}},
                                               {"kv_transfer_params": None}, "data: x\n\n"))
     write("router_input", "url", router_seed("http://10.0.0.1:8000/", {}, [], ""))
+
+    # fuzz_ucx_descriptor: modes 1 and 3 start from the running worker's own address and key
+    # (these seeds only pick the mode and a few edits); modes 0 and 2 take raw descriptors.
+    write("ucx_descriptor", "own_address", b"\x01")
+    write("ucx_descriptor", "own_address_edits", b"\x01" + bytes([3, 0, 0, 0xff, 1, 5, 2, 7, 3, 0x40]))
+    write("ucx_descriptor", "own_rkey", b"\x03")
+    write("ucx_descriptor", "own_rkey_edits", b"\x03" + bytes([2, 0, 8, 0x20, 3, 1]))
+    write("ucx_descriptor", "engine_desc_garbage_endpoint",
+          b"\x00" + msgpack.packb({"v": 1, "t": "engine", "name": "prefill-0", "nonce": 7, "host": "h:boot",
+                                   "ep": {"ucx": b"\xff" * 16}, "gpus": []}, use_bin_type=True))
+    write("ucx_descriptor", "mem_desc", b"\x02" + mem_desc(3))
 
 
 if __name__ == "__main__":

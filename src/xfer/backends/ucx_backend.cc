@@ -23,12 +23,15 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "common/log.h"
+#include "common/metrics.h"
 #include "xfer/backends/factory.h"
 #include "xfer/backends/ucx_common.h"
 #include "xfer/backends/ucx_staging.h"
+#include "xfer/backends/ucx_wire_check.h"
 
 namespace pd::xfer {
 namespace {
@@ -123,6 +126,20 @@ Result<std::unique_ptr<StagingCopier>> make_staging_copier(const EngineConfig& c
   return cuda;
 }
 
+// Peer blobs refused before UCX saw them (ucx_wire_check.h).
+metrics::Counter& refused_blobs(const char* kind) {
+  return metrics::Registry::global().counter("pd_xfer_peer_blobs_refused_total",
+                                             "Peer UCX addresses and keys refused before UCX parsed them",
+                                             {{"kind", kind}});
+}
+
+// UCX reads a peer's blob without its length: it gets a copy with zeros after it.
+std::vector<uint8_t> padded_copy(const std::vector<uint8_t>& blob) {
+  std::vector<uint8_t> copy(blob.size() + kUcxBlobPadding, 0);
+  std::copy(blob.begin(), blob.end(), copy.begin());
+  return copy;
+}
+
 class UcxBackend;
 
 // user_data of one flush request; deleted by its callback.
@@ -210,6 +227,18 @@ class UcxBackend : public Backend {
     const auto* a = reinterpret_cast<const uint8_t*>(address);
     address_.assign(a, a + address_bytes);
     ucp_worker_release_address(worker_, address);
+    // Peers' addresses are checked against the format of our own (ucx_wire_check.h). A
+    // worker whose address the walker cannot follow (another UCX release, unified mode)
+    // falls back to the header check and says so.
+    if (Result<UcxAddressLayout> own = parse_ucx_worker_address(address_); own.ok()) {
+      address_profile_ = ucx_address_profile(*own);
+    } else {
+      address_version_ = address_.empty() ? 0 : static_cast<uint8_t>(address_[0] & 0x0f);
+      PD_LOG_WARN(
+          "xfer ucx: this worker's own address does not follow UCX 1.13's packed layout ({}); peer "
+          "addresses get only a size and version check",
+          own.status().message());
+    }
 
     // Installed even without a device copier: this engine's host regions may be the
     // target of a peer's staged GPU batch.
@@ -320,13 +349,18 @@ class UcxBackend : public Backend {
   Status connect(const EngineDesc& peer) override {
     auto endpoint = peer.endpoints.find("ucx");
     if (endpoint == peer.endpoints.end()) return Status::Ok();  // peer without ucx: no sessions over it
+    if (Status checked = check_peer_address(endpoint->second); !checked.ok()) {
+      refused_blobs("ucx_address").inc();
+      return checked.with_context(fmt::format("ucx endpoint of '{}'", peer.name));
+    }
+    const std::vector<uint8_t> address = padded_copy(endpoint->second);
     auto record = std::make_shared<UcxPeer>();
     record->name = peer.name;
     record->boot_nonce = peer.boot_nonce;
     ucp_ep_params_t params = {};
     params.field_mask =
         UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    params.address = reinterpret_cast<const ucp_address_t*>(endpoint->second.data());
+    params.address = reinterpret_cast<const ucp_address_t*>(address.data());
     const bool same_host_shm = shm_allowed_ && peer.host_id == host_id_;
     params.err_mode = same_host_shm ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
     params.err_handler.cb = &UcxBackend::on_ep_error;
@@ -378,8 +412,13 @@ class UcxBackend : public Backend {
       StagedMemory mine{static_cast<uint8_t*>(local.ptr), local.bytes, local_device, local.device};
       return std::shared_ptr<Route>(std::make_shared<UcxRoute>(peer, mine, remote.region_id));
     }
+    if (Status checked = check_ucx_rkey(key->second); !checked.ok()) {
+      refused_blobs("ucx_rkey").inc();
+      return checked.with_context(fmt::format("remote region {} of '{}'", remote.region_id, remote.engine_name));
+    }
+    const std::vector<uint8_t> packed_key = padded_copy(key->second);
     ucp_rkey_h rkey = nullptr;
-    if (ucs_status_t s = ucp_ep_rkey_unpack(peer->ep, key->second.data(), &rkey); s != UCS_OK) {
+    if (ucs_status_t s = ucp_ep_rkey_unpack(peer->ep, packed_key.data(), &rkey); s != UCS_OK) {
       return invalid_argument("remote region {} of '{}': bad ucx key: {}", remote.region_id, remote.engine_name,
                               ucs_status_string(s));
     }
@@ -442,6 +481,11 @@ class UcxBackend : public Backend {
   }
 
  private:
+  Status check_peer_address(const std::vector<uint8_t>& blob) const {
+    if (address_profile_) return check_ucx_worker_address(blob, *address_profile_);
+    return check_ucx_worker_address_header(blob, address_version_);
+  }
+
   static void on_flush(void* request, ucs_status_t status, void* user_data) {
     auto* holder = static_cast<FlushContext*>(user_data);
     std::shared_ptr<UcxCompletion> completion = std::move(holder->completion);
@@ -525,6 +569,8 @@ class UcxBackend : public Backend {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::vector<uint8_t> address_;
+  std::optional<UcxAddressProfile> address_profile_;  // our own address's format, when the walker follows it
+  uint8_t address_version_ = 0;                       // else: its version
   int epoll_fd_ = -1;
   std::thread progress_thread_;
   std::atomic<bool> stop_{false};

@@ -484,5 +484,34 @@ TEST_F(ConsumerStateTest, AnInvalidParametersFlagOutsideAReadRequestIsNotTrusted
   EXPECT_FALSE(a.load_failures[0].invalid_params);
 }
 
+// ---- a new identity on the connection to a producer: it restarted --------------------
+
+TEST_F(ConsumerStateTest, AnyMessageFromANewIncarnationFailsTheTransfersWaitingOnTheOldOne) {
+  admit_and_allocate(/*read_mode=*/true);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kRead);  // now awaiting read_ok
+  // The same incarnation speaking changes nothing.
+  c_.on_producer_identity(kControl, "prefill-0", 5);
+  EXPECT_TRUE(c_.take_actions().load_failures.empty());
+  // Another process at that address (it answered, say, `error` to a later message).
+  c_.on_producer_identity(kControl, "prefill-0", 6);
+  a = c_.take_actions();
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_EQ(a.load_failures[0].request_id, "req");
+  EXPECT_NE(a.load_failures[0].reason.find("restarted"), std::string::npos) << a.load_failures[0].reason;
+  EXPECT_FALSE(c_.peer_ready(kControl)) << "the next request handshakes again";
+  EXPECT_EQ(c_.num_active(), 0u);
+}
+
+TEST_F(ConsumerStateTest, ANewIdentityOnAConnectionStillHandshakingIsLeftToTheHandshake) {
+  admit_and_allocate();
+  c_.take_actions();
+  c_.on_producer_identity(kControl, "prefill-0", 6);
+  EXPECT_TRUE(c_.take_actions().load_failures.empty());
+  EXPECT_EQ(c_.num_active(), 1u);
+}
+
 }  // namespace
 }  // namespace pd::connector

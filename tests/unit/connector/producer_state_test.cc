@@ -433,5 +433,78 @@ TEST_F(ProducerStateTest, ReadOkCarriesTheFirstTokenWhenTheWholePromptIsRead) {
   EXPECT_EQ(a.sends[0].message.sampling_key, 0xabcu);
 }
 
+// ---- explicit release (POST /pd/release) ---------------------------------------
+
+TEST_F(ProducerStateTest, ReleaseOfAWriteHoldWithoutDestinationFreesAtOnce) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  p_.take_actions();
+  EXPECT_TRUE(p_.release(kT));
+  auto a = p_.take_actions();
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+  EXPECT_EQ(a.num_failed, 1);
+  EXPECT_EQ(p_.num_blocks_held(), 0u);
+  EXPECT_FALSE(p_.release(kT)) << "a second release finds nothing";
+}
+
+TEST_F(ProducerStateTest, ReleaseOfAReadHoldFreesAtOnce) {
+  ASSERT_TRUE(p_.start(kT, "req", true, 10, 0).ok());
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  p_.take_actions();
+  EXPECT_TRUE(p_.release(kT));
+  EXPECT_EQ(p_.take_actions().released_request_ids, std::vector<std::string>{"req"});
+  EXPECT_EQ(p_.num_active(), 0u);
+}
+
+TEST_F(ProducerStateTest, ReleaseWaitsForInFlightWritesAndTellsTheConsumer) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  EXPECT_EQ(p_.take_actions().writes.size(), static_cast<size_t>(kLayers));
+  EXPECT_TRUE(p_.release(kT));
+  auto a = p_.take_actions();
+  EXPECT_TRUE(a.released_request_ids.empty()) << "writes in flight: blocks stay";
+  EXPECT_TRUE(a.sends.empty());
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  a = p_.take_actions();
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kDone);
+  EXPECT_FALSE(a.sends[0].message.ok);
+  EXPECT_EQ(a.sends[0].to, consumer().key);
+}
+
+TEST_F(ProducerStateTest, ReleaseBeforeTheRequestMeansItsLegHoldsNothing) {
+  EXPECT_FALSE(p_.release(kT));
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_forward_done(kT, true);
+  EXPECT_FALSE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  EXPECT_EQ(p_.num_blocks_held(), 0u);
+}
+
+TEST_F(ProducerStateTest, ReleaseOfBufferedBlocksAbortsThemToTheirConsumer) {
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  EXPECT_TRUE(p_.release(kT));
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kAbort);
+  EXPECT_EQ(p_.num_buffered_blocks(), 0u);
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  EXPECT_FALSE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+}
+
+TEST_F(ProducerStateTest, AnAbortFromAnotherPeerCannotDropBufferedBlocks) {
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0);
+  p_.on_abort(intruder(), simple(MessageType::kAbort));
+  EXPECT_EQ(p_.take_actions().num_refused, 1);
+  EXPECT_EQ(p_.num_buffered_blocks(), 1u);
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  ASSERT_NE(p_.destination(kT), nullptr);
+}
+
 }  // namespace
 }  // namespace pd::connector

@@ -28,6 +28,7 @@ class LoopbackConnector : public KvConnector {
 
   // Test-thread side.
   ExternalMatch match;
+  Status refusal = Status::Ok();  // answered instead of `match` when set
   bool delay_free = false;
   RemoteKvTimeoutAction timeout_action = RemoteKvTimeoutAction::kFail;
 
@@ -99,6 +100,7 @@ class LoopbackConnector : public KvConnector {
   void bind_engine_wakeup(std::function<void()> wakeup) override { wakeup_ = std::move(wakeup); }
   Result<ExternalMatch> get_num_new_matched_tokens(const Request&, int32_t) override {
     std::lock_guard lock(mutex_);
+    if (!refusal.ok()) return refusal;
     return match;
   }
   void update_state_after_alloc(const Request& r, std::span<const int32_t> block_ids, int32_t num_external) override {
@@ -291,6 +293,24 @@ TEST(EngineConnector, TransferFailureReportedByTheConnectorFailsTheWaitingReques
   EXPECT_EQ(out.last("c").finish_reason, FinishReason::kError);
   EXPECT_EQ(out.last("c").error, "producer aborted transfer t");
   EXPECT_TRUE(out.tokens("c").empty());
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(EngineConnector, AConnectorRefusingARequestAsAConflictMarksItsOutputSo) {
+  Rig rig = make_rig(64, ExternalMatch{24, true, 60'000});
+  rig.connector->refusal = failed_precondition("transfer t is already active");
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("dup", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(out.wait_finished("dup"));
+  EXPECT_EQ(out.last("dup").finish_reason, FinishReason::kError);
+  EXPECT_TRUE(out.last("dup").conflict);
+  EXPECT_NE(out.last("dup").error.find("already active"), std::string::npos);
+  // Any other refusal is not a conflict.
+  rig.connector->refusal = internal_error("connector bug");
+  ASSERT_TRUE(rig.engine->add_request(pd_request("bug", 26, 5), out.callback()).ok());
+  ASSERT_TRUE(out.wait_finished("bug"));
+  EXPECT_FALSE(out.last("bug").conflict);
   rig.engine->shutdown();
   EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
 }
