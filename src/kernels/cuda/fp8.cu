@@ -1,0 +1,295 @@
+// FP8 kernels: per-token 1 x 128 activation quantization (dense and per MoE expert) and
+// the weight-streaming GEMM for small M (FP8 block-scaled or bf16 weights, dense or
+// grouped by MoE expert). Layouts: kernels/cuda/fp8_args.h.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/fp8_args.h"
+#include "kernels/cuda/launch.h"
+
+namespace pd::kernels::cuda::detail {
+namespace {
+
+constexpr int kQuantWarps = 8;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Expert of sorted row `row`: the e with offsets[e] <= row < offsets[e + 1] (binary search).
+__device__ __forceinline__ int find_group(const int32_t* offsets, int num_groups, int row) {
+  int lo = 0, hi = num_groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (offsets[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// One warp per (row, 128-wide group): 4 elements per lane, amax across the warp,
+// scale = amax / 448 (1 for an all-zero group), q = satfinite(x / scale).
+// Dense: scale index g * scale_ld + row. Grouped (offsets set): the row's expert e gets its
+// own [groups][round_up(count_e, 4)] block at padded_offsets[e] * groups.
+__global__ void __launch_bounds__(kQuantWarps * 32)
+    quantize_fp8_kernel(uint8_t* __restrict__ out, float* __restrict__ scales, const bf16* __restrict__ x, int32_t rows,
+                        int32_t k, int32_t scale_ld, const int32_t* __restrict__ offsets,
+                        const int32_t* __restrict__ padded_offsets, int32_t num_groups) {
+  const int groups = k / kFp8Block;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kQuantWarps + threadIdx.x / 32;
+  if (item >= static_cast<int64_t>(rows) * groups) return;
+  const int row = static_cast<int>(item / groups), g = static_cast<int>(item % groups);
+  const int lane = threadIdx.x % 32;
+  const int64_t base = static_cast<int64_t>(row) * k + g * kFp8Block + lane * 4;
+  const uint2 raw = *reinterpret_cast<const uint2*>(x + base);
+  float v[4];
+  v[0] = __uint_as_float(raw.x << 16);
+  v[1] = __uint_as_float(raw.x & 0xffff0000u);
+  v[2] = __uint_as_float(raw.y << 16);
+  v[3] = __uint_as_float(raw.y & 0xffff0000u);
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  amax = warp_max(amax);
+  const float scale = amax > 0.0f ? amax / kFp8E4m3Max : 1.0f;
+  const __nv_fp8x2_storage_t lo =
+      __nv_cvt_float2_to_fp8x2(make_float2(v[0] / scale, v[1] / scale), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi =
+      __nv_cvt_float2_to_fp8x2(make_float2(v[2] / scale, v[3] / scale), __NV_SATFINITE, __NV_E4M3);
+  *reinterpret_cast<uint32_t*>(out + base) = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  if (lane == 0) {
+    int64_t idx;
+    if (offsets == nullptr) {
+      idx = static_cast<int64_t>(g) * scale_ld + row;
+    } else {
+      const int e = find_group(offsets, num_groups, row);
+      const int count = offsets[e + 1] - offsets[e];
+      idx = static_cast<int64_t>(padded_offsets[e]) * groups + static_cast<int64_t>(g) * fp8_act_scale_ld(count) +
+            (row - offsets[e]);
+    }
+    scales[idx] = scale;
+  }
+}
+
+// ---- weight-streaming GEMM ----
+constexpr int kStreamWarps = 8;
+constexpr int kStreamCols = 2;  // output columns (weight rows) per warp
+constexpr int kStreamColsPerCta = kStreamWarps * kStreamCols;
+constexpr int kStreamUnroll = 2;  // 16-byte weight loads per column in flight per lane
+
+__device__ __forceinline__ uint4 load_stream_16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t bits16) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits16), __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+
+// 16 e4m3 values -> float.
+__device__ __forceinline__ void fp8x16_to_float(const uint4& v, float (&f)[16]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = fp8x2_to_float2(words[i] & 0xffffu);
+    const float2 b = fp8x2_to_float2(words[i] >> 16);
+    f[4 * i] = a.x;
+    f[4 * i + 1] = a.y;
+    f[4 * i + 2] = b.x;
+    f[4 * i + 3] = b.y;
+  }
+}
+
+__device__ __forceinline__ void bf16x8_to_float_at(const uint4& v, float* f) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(words[i] << 16);
+    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+// kFp8: e4m3 weights with 128 x 128 block scales (16 k per 16-byte load), else bf16 weights
+// (8 k per load). kMT: activation rows per weight pass. Each warp owns kStreamCols weight
+// rows and sweeps K with lane-strided 16-byte loads (a warp covers 32 loads per step); the
+// block scale of a 16-element piece is constant (16 | 128), applied to its partial dot product.
+template <bool kFp8, int kMT>
+__global__ void __launch_bounds__(kStreamWarps * 32, 2) stream_gemm_kernel(StreamGemmArgs p) {
+  int group = 0, row_begin = 0, row_end = p.m;
+  if (p.group_offsets != nullptr) {
+    const int y = blockIdx.y;
+    if (p.num_active != nullptr && y >= *p.num_active) return;
+    group = p.active_groups != nullptr ? p.active_groups[y] : y;
+    row_begin = p.group_offsets[group];
+    row_end = p.group_offsets[group + 1];
+    if (row_begin >= row_end) return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n0 = (blockIdx.x * kStreamWarps + warp) * kStreamCols;
+  if (n0 >= p.n) return;
+  constexpr int E = kFp8 ? 16 : 8;  // k per 16-byte weight load
+  constexpr int kStep = 32 * E;
+  const size_t elem = kFp8 ? 1 : 2;
+  const char* w_base = static_cast<const char*>(p.w) + static_cast<size_t>(group) * p.w_group_stride * elem;
+  const float* s_base = kFp8 ? p.w_scale + static_cast<size_t>(group) * p.scale_group_stride : nullptr;
+  bool col_ok[kStreamCols];
+  const char* w_row[kStreamCols];
+  const float* s_row[kStreamCols];
+#pragma unroll
+  for (int c = 0; c < kStreamCols; ++c) {
+    const int col = n0 + c;
+    col_ok[c] = col < p.n;
+    const int safe = col_ok[c] ? col : n0;
+    w_row[c] = w_base + static_cast<size_t>(safe) * p.k * elem;
+    s_row[c] = kFp8 ? s_base + static_cast<size_t>(safe / kFp8Block) * p.w_scale_ld : nullptr;
+  }
+  for (int r0 = row_begin; r0 < row_end; r0 += kMT) {
+    const int rows = min(kMT, row_end - r0);
+    const bf16* a_row[kMT];
+#pragma unroll
+    for (int r = 0; r < kMT; ++r) {
+      const int sorted = r0 + min(r, rows - 1);
+      const int src = p.a_rows != nullptr ? p.a_rows[sorted] : sorted;
+      a_row[r] = p.a + static_cast<int64_t>(src) * p.lda;
+    }
+    float acc[kMT][kStreamCols];
+#pragma unroll
+    for (int r = 0; r < kMT; ++r) {
+#pragma unroll
+      for (int c = 0; c < kStreamCols; ++c) acc[r][c] = 0.0f;
+    }
+    for (int kb = lane * E; kb < p.k; kb += kStep * kStreamUnroll) {
+      uint4 wv[kStreamUnroll][kStreamCols];
+      float sc[kStreamUnroll][kStreamCols];
+#pragma unroll
+      for (int u = 0; u < kStreamUnroll; ++u) {
+        const int k0 = kb + u * kStep;
+#pragma unroll
+        for (int c = 0; c < kStreamCols; ++c) {
+          if (k0 < p.k) {
+            wv[u][c] = load_stream_16(w_row[c] + static_cast<size_t>(k0) * elem);
+            sc[u][c] = kFp8 ? __ldg(s_row[c] + k0 / kFp8Block) : 1.0f;
+          } else {
+            wv[u][c] = make_uint4(0, 0, 0, 0);
+            sc[u][c] = 0.0f;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kStreamUnroll; ++u) {
+        const int k0 = kb + u * kStep;
+        if (k0 >= p.k) break;
+        float wf[kStreamCols][E];
+#pragma unroll
+        for (int c = 0; c < kStreamCols; ++c) {
+          if constexpr (kFp8) {
+            fp8x16_to_float(wv[u][c], wf[c]);
+          } else {
+            bf16x8_to_float_at(wv[u][c], wf[c]);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < kMT; ++r) {
+          if (r >= rows) break;
+          float af[E];
+          const uint4 a0 = __ldg(reinterpret_cast<const uint4*>(a_row[r] + k0));
+          bf16x8_to_float_at(a0, af);
+          if constexpr (kFp8) {
+            const uint4 a1 = __ldg(reinterpret_cast<const uint4*>(a_row[r] + k0 + 8));
+            bf16x8_to_float_at(a1, af + 8);
+          }
+#pragma unroll
+          for (int c = 0; c < kStreamCols; ++c) {
+            float part = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) part = fmaf(wf[c][e], af[e], part);
+            acc[r][c] = fmaf(part, sc[u][c], acc[r][c]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kMT; ++r) {
+#pragma unroll
+      for (int c = 0; c < kStreamCols; ++c) {
+        const float v = warp_sum(acc[r][c]);
+        if (lane == 0 && r < rows && col_ok[c]) {
+          bf16* o = p.out + static_cast<int64_t>(r0 + r) * p.ldo + n0 + c;
+          *o = __float2bfloat16(p.accumulate ? v + __bfloat162float(*o) : v);
+        }
+      }
+    }
+  }
+}
+
+template <bool kFp8>
+cudaError_t launch_stream_gemm_typed(const StreamGemmArgs& p, int32_t rows_hint, cudaStream_t stream) {
+  const dim3 grid((p.n + kStreamColsPerCta - 1) / kStreamColsPerCta, p.group_offsets != nullptr ? p.max_groups : 1);
+  const dim3 block(kStreamWarps * 32);
+  if (rows_hint <= 1) {
+    stream_gemm_kernel<kFp8, 1><<<grid, block, 0, stream>>>(p);
+  } else if (rows_hint <= 2) {
+    stream_gemm_kernel<kFp8, 2><<<grid, block, 0, stream>>>(p);
+  } else if (rows_hint <= 4) {
+    stream_gemm_kernel<kFp8, 4><<<grid, block, 0, stream>>>(p);
+  } else {
+    stream_gemm_kernel<kFp8, 8><<<grid, block, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+// Dummy FP8 weights: e4m3 of a counter hash of (seed, index), uniform in [-scale, scale).
+__global__ void fill_uniform_fp8_kernel(uint8_t* out, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+    out[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8((2.0f * u - 1.0f) * scale, __NV_SATFINITE, __NV_E4M3));
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_fill_uniform_fp8(uint8_t* out, size_t n, uint64_t seed, float scale, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  fill_uniform_fp8_kernel<<<1024, 256, 0, stream>>>(out, n, seed, scale);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_quantize_fp8(uint8_t* out, float* scales, const bf16* x, int32_t rows, int32_t k, int32_t scale_ld,
+                                const int32_t* offsets, const int32_t* padded_offsets, int32_t num_groups,
+                                cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const int64_t items = static_cast<int64_t>(rows) * (k / kFp8Block);
+  const unsigned blocks = static_cast<unsigned>((items + kQuantWarps - 1) / kQuantWarps);
+  quantize_fp8_kernel<<<blocks, kQuantWarps * 32, 0, stream>>>(out, scales, x, rows, k, scale_ld, offsets,
+                                                               padded_offsets, num_groups);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_stream_gemm(const StreamGemmArgs& args, int32_t rows_hint, cudaStream_t stream) {
+  if (args.n == 0 || (args.group_offsets == nullptr && args.m == 0) || args.max_groups == 0) return cudaSuccess;
+  return args.w_scale != nullptr ? launch_stream_gemm_typed<true>(args, rows_hint, stream)
+                                 : launch_stream_gemm_typed<false>(args, rows_hint, stream);
+}
+
+}  // namespace pd::kernels::cuda::detail
