@@ -1297,7 +1297,72 @@ void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int t
          compare(to_float(d_out.download()), ref), note);
 }
 
+// cuBLASLt's scale layouts, checked directly: host-quantized activations with their scales
+// laid out as Fp8Gemm writes them (outer-dimension-major, ld = round_up(m, 4)) and the weight
+// scales padded to fp8_weight_scale_ld(k); the check is that layout. The notes give the error
+// of the alternatives (ld = m; row-major [m][k / 128]; unpadded weight scales), so a wrong
+// guess about cuBLASLt's layout would show which one it reads.
+void check_fp8_scale_layouts(int m, int n, int k) {
+  std::vector<float> a_f;
+  grouped_bf16(m, k, &a_f);
+  const HostFp8Weight hw = make_fp8_weight(n, k);
+  std::vector<uint8_t> aq;
+  std::vector<float> as;  // [m][k / 128]
+  quantize_fp8_host(a_f, m, k, &aq, &as);
+  const std::vector<float> a_deq = dequantize_host(aq, as, m, k);
+  std::vector<float> ref(static_cast<size_t>(m) * n);
+  cpu::matmul(a_deq.data(), hw.w_deq.data(), nullptr, m, n, k, ref.data());
+  const int kb = k / 128;
+  auto act_scales = [&](int variant) {  // 0: [kb][round_up(m, 4)], 1: [kb][m], 2: [m][kb]
+    const int ld = variant == 0 ? kc::fp8_act_scale_ld(m) : m;
+    std::vector<float> out(static_cast<size_t>(kb) * std::max(ld, kc::fp8_act_scale_ld(m)), 0.0f);
+    for (int r = 0; r < m; ++r) {
+      for (int g = 0; g < kb; ++g) {
+        const float v = as[static_cast<size_t>(r) * kb + g];
+        out[variant == 2 ? static_cast<size_t>(r) * kb + g : static_cast<size_t>(g) * ld + r] = v;
+      }
+    }
+    return out;
+  };
+  DeviceBuffer<uint8_t> d_aq(aq.size()), d_wq(hw.q.size());
+  d_aq.upload(aq);
+  d_wq.upload(hw.q);
+  const auto w_padded = kc::pad_fp8_weight_scales(hw.scales, n, k);
+  DeviceBuffer<float> d_ws(std::max(w_padded.size(), hw.scales.size()));
+  DeviceBuffer<float> d_as(static_cast<size_t>(kb) * kc::fp8_act_scale_ld(m));
+  DeviceBuffer<bf16> d_out(static_cast<size_t>(m) * n);
+  auto gemm = kc::Fp8Gemm::create(m, k, kc::Fp8GemmPolicy::kCublas);
+  PD_STATUS_CHECK(gemm.status());
+  auto run = [&](int act_variant, bool w_pad, std::string* err) -> ErrorStats {
+    d_as.upload(act_scales(act_variant));
+    d_ws.upload(w_pad ? w_padded : hw.scales);
+    d_out.poison();
+    kc::Fp8Weight w{d_wq.get(), d_ws.get(), n, k, kc::fp8_weight_scale_ld(k)};
+    const Status st = (*gemm)->run_quantized(d_out.get(), d_aq.get(), d_as.get(), m, w, nullptr);
+    if (!st.ok()) {
+      *err = st.to_string();
+      ErrorStats e;
+      e.num_nan = 1;
+      e.rel_l2 = 1.0;
+      return e;
+    }
+    return compare(to_float(d_out.download()), ref);
+  };
+  std::string err;
+  const ErrorStats main = run(0, true, &err);
+  char note[256];
+  std::string e1, e2, e3;
+  const ErrorStats unpadded_m = run(1, true, &e1), row_major = run(2, true, &e2), unpadded_w = run(0, false, &e3);
+  std::snprintf(note, sizeof(note),
+                "alternatives rel_l2: act ld=m %.2e, act [m][k/128] %.2e, weight scales unpadded %.2e%s",
+                unpadded_m.rel_l2, row_major.rel_l2, unpadded_w.rel_l2, err.empty() ? "" : (" ERROR " + err).c_str());
+  record("fp8_scale_layout", std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k), main, note);
+}
+
 void check_fp8_moe() {
+  check_fp8_scale_layouts(3, 256, 768);
+  check_fp8_scale_layouts(37, 512, 1024);
+  check_fp8_scale_layouts(64, 256, 768);
   check_quantize_fp8(1, 2048);
   check_quantize_fp8(37, 768);
   check_quantize_fp8(130, 4096);
