@@ -1359,7 +1359,232 @@ void check_fp8_scale_layouts(int m, int n, int k) {
   record("fp8_scale_layout", std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k), main, note);
 }
 
+// ---- FP8 KV cache (layout: RopeKvArgs::kv_fp8) ----
+
+// A random FP8 cache: codes of U(-2, 2), per-(token, head) scales 2^-3..2^1; `deq` is the
+// dequantized cache in the bf16 layout [blocks][2][16][heads][D] for the CPU reference.
+struct Fp8Cache {
+  int num_blocks, heads, dim;
+  std::vector<uint8_t> bytes;
+  std::vector<float> deq;
+  DeviceBuffer<uint8_t> dev;
+  Fp8Cache(int blocks, int kv_heads, int d)
+      : num_blocks(blocks),
+        heads(kv_heads),
+        dim(d),
+        dev(static_cast<size_t>(blocks) * kc::fp8_kv_block_bytes(16, kv_heads, d)) {
+    std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+    std::uniform_int_distribution<int> mag(-3, 1);
+    const size_t codes = 16ull * heads * dim, rows = 16ull * heads, bb = kc::fp8_kv_block_bytes(16, heads, dim);
+    bytes.assign(dev.count(), 0);
+    deq.assign(static_cast<size_t>(blocks) * 2 * codes, 0.0f);
+    for (int b = 0; b < blocks; ++b) {
+      uint8_t* base = bytes.data() + b * bb;
+      auto* scales = reinterpret_cast<float*>(base + 2 * codes);
+      for (size_t r = 0; r < 2 * rows; ++r) {
+        scales[r] = std::ldexp(1.0f, mag(rng()));
+        for (int i = 0; i < dim; ++i) {
+          const size_t e = r * dim + i;
+          base[e] = float_to_fp8(dist(rng()));
+          deq[b * 2 * codes + e] = fp8_to_float(base[e]) * scales[r];
+        }
+      }
+    }
+    dev.upload(bytes);
+  }
+  cpu::PagedKvLayout layout() const { return {num_blocks, kc::kKvBlockSize, heads, dim}; }
+};
+
+// rope_kv_write into an FP8 cache: the CPU rope of the bf16-rounded K / V rows quantized per
+// (token, head) as the layout says; compared dequantized over the whole cache (unwritten
+// rows must keep their values).
+void check_rope_kv_fp8(int head_dim, int num_q_heads, int num_kv_heads) {
+  const int tokens = 40;
+  const int width = (num_q_heads + 2 * num_kv_heads) * head_dim;
+  std::vector<float> qkv_f, kn_f;
+  auto qkv = random_bf16(static_cast<size_t>(tokens) * width, 2.0f, rng(), &qkv_f);
+  auto kn = random_bf16(head_dim, 1.5f, rng(), &kn_f);
+  std::vector<int32_t> positions(tokens), slots(tokens);
+  std::uniform_int_distribution<int> pos_dist(0, 32000);
+  for (auto& p : positions) p = pos_dist(rng());
+  Fp8Cache cache(8, num_kv_heads, head_dim);
+  std::vector<int32_t> all_slots(static_cast<size_t>(cache.num_blocks) * 16);
+  std::iota(all_slots.begin(), all_slots.end(), 0);
+  std::shuffle(all_slots.begin(), all_slots.end(), rng());
+  for (int t = 0; t < tokens; ++t) slots[t] = all_slots[t];
+  slots[5] = -1;
+  const auto inv_freq = cpu::rope_inv_freq(head_dim, 1000000.0, {});
+  DeviceBuffer<bf16> d_qkv(qkv.size()), d_kn(head_dim), d_q(static_cast<size_t>(tokens) * num_q_heads * head_dim);
+  DeviceBuffer<int32_t> d_pos(tokens), d_slots(tokens);
+  DeviceBuffer<float> d_freq(inv_freq.size());
+  d_qkv.upload(qkv);
+  d_kn.upload(kn);
+  d_pos.upload(positions);
+  d_slots.upload(slots);
+  d_freq.upload(inv_freq);
+  kc::RopeKvArgs args;
+  args.qkv = d_qkv.get();
+  args.q_out = d_q.get();
+  args.kv_cache = reinterpret_cast<bf16*>(cache.dev.get());
+  args.positions = d_pos.get();
+  args.slot_mapping = d_slots.get();
+  args.inv_freq = d_freq.get();
+  args.q_norm_weight = d_kn.get();
+  args.k_norm_weight = d_kn.get();
+  args.num_tokens = tokens;
+  args.num_q_heads = num_q_heads;
+  args.num_kv_heads = num_kv_heads;
+  args.head_dim = head_dim;
+  args.kv_fp8 = true;
+  PD_STATUS_CHECK(kc::rope_kv_write(args, nullptr));
+  const int qw = num_q_heads * head_dim, kw = num_kv_heads * head_dim;
+  std::vector<float> k(static_cast<size_t>(tokens) * kw), v(k.size());
+  for (int t = 0; t < tokens; ++t) {
+    const float* row = qkv_f.data() + static_cast<size_t>(t) * width;
+    std::copy(row + qw, row + qw + kw, k.begin() + static_cast<size_t>(t) * kw);
+    std::copy(row + qw + kw, row + width, v.begin() + static_cast<size_t>(t) * kw);
+  }
+  cpu::rms_norm(k.data(), kn_f.data(), tokens * num_kv_heads, head_dim, 1e-6f, k.data());
+  cpu::apply_rope(k.data(), tokens, num_kv_heads, head_dim, positions.data(), inv_freq);
+  std::vector<float> ref = cache.deq;
+  const size_t codes = 16ull * num_kv_heads * head_dim;
+  for (int t = 0; t < tokens; ++t) {
+    if (slots[t] < 0) continue;
+    const int block = slots[t] / 16, off = slots[t] % 16;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      for (int tensor = 0; tensor < 2; ++tensor) {
+        const float* src = (tensor == 0 ? k : v).data() + static_cast<size_t>(t) * kw + h * head_dim;
+        float amax = 0.0f;
+        for (int i = 0; i < head_dim; ++i) amax = std::max(amax, std::abs(bf16_round(src[i])));
+        const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+        float* dst =
+            ref.data() + block * 2 * codes + tensor * codes + (static_cast<size_t>(off) * num_kv_heads + h) * head_dim;
+        for (int i = 0; i < head_dim; ++i) dst[i] = fp8_to_float(float_to_fp8(bf16_round(src[i]) / scale)) * scale;
+      }
+    }
+  }
+  // Dequantize the device cache on the host.
+  const auto bytes = cache.dev.download();
+  std::vector<float> got(cache.deq.size());
+  const size_t bb = kc::fp8_kv_block_bytes(16, num_kv_heads, head_dim), rows = 16ull * num_kv_heads;
+  for (int b = 0; b < cache.num_blocks; ++b) {
+    const uint8_t* base = bytes.data() + b * bb;
+    const auto* scales = reinterpret_cast<const float*>(base + 2 * codes);
+    for (size_t r = 0; r < 2 * rows; ++r) {
+      for (int i = 0; i < head_dim; ++i)
+        got[b * 2 * codes + r * head_dim + i] = fp8_to_float(base[r * head_dim + i]) * scales[r];
+    }
+  }
+  record("rope.kv_cache_fp8", heads_shape(head_dim, num_q_heads, num_kv_heads), compare(got, ref),
+         "dequantized, unwritten rows intact");
+}
+
+// Decode (decode_attention_fp8) and prefill (kv_fp8_to_bf16_blocks + prefill_attention) over
+// an FP8 cache against cpu::paged_attention on the dequantized cache.
+void check_attention_fp8(bool decode, int head_dim, int num_q_heads, int num_kv_heads, const std::vector<SeqSpec>& seqs,
+                         int partition_tokens) {
+  int max_ctx = 1, max_q = 0, total_q = 0, total_blocks = 0;
+  for (const auto& sq : seqs) {
+    max_ctx = std::max(max_ctx, sq.ctx);
+    max_q = std::max(max_q, sq.q_len);
+    total_q += sq.q_len;
+    total_blocks += (sq.ctx + 15) / 16;
+  }
+  const int max_blocks = (max_ctx + 15) / 16;
+  Fp8Cache cache(total_blocks + 5, num_kv_heads, head_dim);
+  std::vector<int32_t> perm(static_cast<size_t>(cache.num_blocks));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng());
+  std::vector<int32_t> tables(seqs.size() * max_blocks, 0), compact(tables.size(), 0), used, qstart(seqs.size() + 1, 0),
+      ctxs(seqs.size());
+  int next = 0;
+  for (size_t sq = 0; sq < seqs.size(); ++sq) {
+    const int nb = (seqs[sq].ctx + 15) / 16;
+    for (int j = 0; j < nb; ++j) {
+      tables[sq * max_blocks + j] = perm[next];
+      compact[sq * max_blocks + j] = static_cast<int32_t>(used.size());
+      used.push_back(perm[next++]);
+    }
+    qstart[sq + 1] = qstart[sq] + seqs[sq].q_len;
+    ctxs[sq] = seqs[sq].ctx;
+  }
+  std::vector<float> q_f;
+  auto q = random_bf16(static_cast<size_t>(total_q) * num_q_heads * head_dim, 2.0f, rng(), &q_f);
+  DeviceBuffer<bf16> d_q(q.size()), d_out(q.size());
+  DeviceBuffer<int32_t> d_tables(tables.size()), d_compact(compact.size()), d_used(std::max<size_t>(1, used.size())),
+      d_qstart(qstart.size()), d_ctx(ctxs.size());
+  d_q.upload(q);
+  d_tables.upload(tables);
+  d_compact.upload(compact);
+  if (!used.empty()) d_used.upload(used);
+  d_qstart.upload(qstart);
+  d_ctx.upload(ctxs);
+  kc::AttentionArgs a;
+  a.q = d_q.get();
+  a.out = d_out.get();
+  a.query_start = d_qstart.get();
+  a.context_lens = d_ctx.get();
+  a.num_seqs = static_cast<int32_t>(seqs.size());
+  a.max_blocks_per_seq = max_blocks;
+  a.max_query_len = max_q;
+  a.max_context_len = max_ctx;
+  a.num_q_heads = num_q_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.head_dim = head_dim;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  a.decode_partition_tokens = partition_tokens;
+  std::vector<float> ref(q.size(), 0.0f), scratch(static_cast<size_t>(max_ctx) + 1);
+  const size_t row = static_cast<size_t>(num_q_heads) * head_dim;
+  for (size_t sq = 0; sq < seqs.size(); ++sq) {
+    if (seqs[sq].ctx == 0) continue;
+    std::vector<int32_t> pos(static_cast<size_t>(seqs[sq].q_len));
+    for (int i = 0; i < seqs[sq].q_len; ++i) pos[i] = seqs[sq].ctx - seqs[sq].q_len + i;
+    cpu::paged_attention(q_f.data() + qstart[sq] * row, seqs[sq].q_len, pos.data(), cache.deq.data(), cache.layout(),
+                         std::span<const int32_t>(tables.data() + sq * max_blocks, max_blocks), num_q_heads, a.scale,
+                         ref.data() + qstart[sq] * row, scratch.data());
+  }
+  std::string shape = heads_shape(head_dim, num_q_heads, num_kv_heads) + " seqs " + std::to_string(seqs.size()) +
+                      " maxctx " + std::to_string(max_ctx);
+  d_out.poison();
+  if (decode) {
+    a.kv_cache = reinterpret_cast<const bf16*>(cache.dev.get());
+    a.block_tables = d_tables.get();
+    const int part = partition_tokens > 0 ? partition_tokens : 256;
+    const size_t ws = kc::decode_attention_workspace_bytes(a.num_seqs, num_q_heads, head_dim, max_ctx, part);
+    DeviceBuffer<uint8_t> d_ws(ws);
+    d_ws.poison();
+    PD_STATUS_CHECK(kc::decode_attention_fp8(a, d_ws.get(), ws, nullptr));
+    record("decode_attention_fp8kv", shape + " part " + std::to_string(part), compare(to_float(d_out.download()), ref));
+    return;
+  }
+  DeviceBuffer<bf16> staged(std::max<size_t>(1, used.size()) * 2 * 16 * num_kv_heads * head_dim);
+  staged.poison();
+  PD_STATUS_CHECK(kc::kv_fp8_to_bf16_blocks(staged.get(), cache.dev.get(), d_used.get(),
+                                            static_cast<int32_t>(used.size()), num_kv_heads, head_dim, nullptr));
+  a.kv_cache = staged.get();
+  a.block_tables = d_compact.get();
+  PD_STATUS_CHECK(kc::prefill_attention(a, nullptr));
+  record("prefill_attention_fp8kv", shape + " (staged bf16)", compare(to_float(d_out.download()), ref));
+}
+
+void check_fp8_kv() {
+  check_rope_kv_fp8(128, 32, 4);
+  check_rope_kv_fp8(64, 14, 2);
+  std::vector<SeqSpec> decode_seqs;
+  for (int c : {1, 15, 16, 17, 255, 256, 257, 1000, 2048, 0, 4097}) decode_seqs.push_back({1, c});
+  for (int part : {0, 64, 1024}) {
+    check_attention_fp8(true, 128, 32, 4, decode_seqs, part);
+    check_attention_fp8(true, 128, 64, 8, decode_seqs, part);
+    check_attention_fp8(true, 64, 14, 2, decode_seqs, part);
+    check_attention_fp8(true, 128, 8, 8, decode_seqs, part);
+  }
+  const std::vector<SeqSpec> prefill_seqs = {{100, 100}, {37, 300}, {1, 17}, {200, 264}, {129, 1000}};
+  check_attention_fp8(false, 128, 32, 4, prefill_seqs, 0);
+  check_attention_fp8(false, 64, 14, 2, prefill_seqs, 0);
+}
+
 void check_fp8_moe() {
+  check_fp8_kv();
   check_fp8_scale_layouts(3, 256, 768);
   check_fp8_scale_layouts(37, 512, 1024);
   check_fp8_scale_layouts(64, 256, 768);

@@ -1,5 +1,7 @@
 // Shape checks of the FP8 and MoE kernels (the dispatch table's rules: nothing is
 // launched for a shape the kernels do not support; the Status names the value).
+#include <algorithm>
+
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/launch.h"
 
@@ -94,6 +96,53 @@ Status moe_combine(bf16* out, const bf16* y, const int32_t* slot_of_choice, cons
   return cuda_status(
       detail::launch_moe_combine(out, y, slot_of_choice, topk_weights, num_tokens, top_k, hidden, accumulate, stream),
       "moe_combine launch");
+}
+
+Status decode_attention_fp8(const AttentionArgs& args_in, void* workspace, size_t workspace_bytes,
+                            cudaStream_t stream) {
+  AttentionArgs a = args_in;
+  if (a.decode_partition_tokens == 0) a.decode_partition_tokens = kDecodePartitionTokens;
+  if (a.head_dim != 64 && a.head_dim != 128) {
+    return unimplemented("decode_attention_fp8: head_dim {} (supported: 64, 128)", a.head_dim);
+  }
+  if (a.block_size != kKvBlockSize) {
+    return unimplemented("decode_attention_fp8: KV block size {} (supported: {})", a.block_size, kKvBlockSize);
+  }
+  if (a.num_q_heads <= 0 || a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0) {
+    return invalid_argument("decode_attention_fp8: {} q heads / {} kv heads", a.num_q_heads, a.num_kv_heads);
+  }
+  if (a.num_q_heads / a.num_kv_heads > 8) {
+    return unimplemented("decode_attention_fp8: GQA group {} (max 8)", a.num_q_heads / a.num_kv_heads);
+  }
+  if (a.num_seqs < 0 || a.max_context_len < 0 || a.max_context_len > a.max_blocks_per_seq * a.block_size ||
+      !(a.scale > 0.0f)) {
+    return invalid_argument("decode_attention_fp8: seqs {}, max context {} for {} blocks, scale {}", a.num_seqs,
+                            a.max_context_len, a.max_blocks_per_seq, a.scale);
+  }
+  if (a.decode_partition_tokens < kKvBlockSize || a.decode_partition_tokens > kDecodeMaxPartitionTokens ||
+      a.decode_partition_tokens % kKvBlockSize != 0) {
+    return unimplemented("decode_attention_fp8: partition of {} tokens", a.decode_partition_tokens);
+  }
+  const int32_t parts = std::max<int32_t>(1, (a.max_context_len + a.decode_partition_tokens - 1) /
+                                                 a.decode_partition_tokens);
+  const size_t need = decode_attention_workspace_bytes(a.num_seqs, a.num_q_heads, a.head_dim, a.max_context_len,
+                                                       a.decode_partition_tokens);
+  if (workspace_bytes < need) {
+    return invalid_argument("decode_attention_fp8: workspace {} bytes < {} needed", workspace_bytes, need);
+  }
+  return cuda_status(detail::launch_decode_attention_fp8(a, static_cast<float*>(workspace), parts, stream),
+                     "decode_attention_fp8 launch");
+}
+
+Status kv_fp8_to_bf16_blocks(bf16* dst, const void* fp8_cache, const int32_t* block_ids, int32_t num_blocks,
+                             int32_t num_kv_heads, int32_t head_dim, cudaStream_t stream) {
+  if (head_dim != 64 && head_dim != 128) return unimplemented("kv_fp8_to_bf16_blocks: head_dim {}", head_dim);
+  if (num_blocks < 0 || num_kv_heads <= 0) {
+    return invalid_argument("kv_fp8_to_bf16_blocks: {} blocks, {} kv heads", num_blocks, num_kv_heads);
+  }
+  return cuda_status(detail::launch_kv_fp8_to_bf16(dst, static_cast<const uint8_t*>(fp8_cache), block_ids, num_blocks,
+                                                   kKvBlockSize, num_kv_heads, head_dim, stream),
+                     "kv_fp8_to_bf16_blocks launch");
 }
 
 Status fill_uniform_fp8(uint8_t* out, size_t n, uint64_t seed, float scale, cudaStream_t stream) {

@@ -109,6 +109,21 @@ Status moe_align(const int32_t* topk_ids, int32_t num_tokens, int32_t top_k, int
 Status moe_combine(bf16* out, const bf16* y, const int32_t* slot_of_choice, const float* topk_weights,
                    int32_t num_tokens, int32_t top_k, int32_t hidden, bool accumulate, cudaStream_t stream);
 
+// FP8 KV cache (RopeKvArgs::kv_fp8 writes it; layout in engine/README.md): bytes of one
+// block of one layer.
+inline size_t fp8_kv_block_bytes(int32_t block_size, int32_t num_kv_heads, int32_t head_dim) {
+  return 2ull * block_size * num_kv_heads * (static_cast<size_t>(head_dim) + sizeof(float));
+}
+// Decode attention reading the FP8 cache at args.kv_cache (CUDA cores; split-K partitions
+// of args.decode_partition_tokens, the workspace of decode_attention_workspace_bytes; the
+// decode_kernel / stages / evict-first / merge-counter fields are ignored).
+Status decode_attention_fp8(const AttentionArgs& args, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+// Prefill over the FP8 cache: dst block i (bf16 [2][block][heads][D]) = dequantized
+// cache block block_ids[i]; the bf16 prefill kernel then runs on dst with a block table
+// renumbered to the positions in block_ids.
+Status kv_fp8_to_bf16_blocks(bf16* dst, const void* fp8_cache, const int32_t* block_ids, int32_t num_blocks,
+                             int32_t num_kv_heads, int32_t head_dim, cudaStream_t stream);
+
 // Dummy FP8 weights: n e4m3 bytes uniform in [-scale, scale) from a counter hash of (seed, index).
 Status fill_uniform_fp8(uint8_t* out, size_t n, uint64_t seed, float scale, cudaStream_t stream);
 
