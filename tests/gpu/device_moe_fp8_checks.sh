@@ -2,12 +2,15 @@
 # FP8 and MoE checks and timings on one H200 (device tool, kind nvidia-h200), about 8 minutes:
 #   1. pd_gpu_kernel_check --fp8-moe-only: every FP8 / MoE kernel against the host reference
 #      (quantization, FP8 GEMM through cuBLASLt's block-scaled mode and the streaming kernel,
-#      router, expert sort, combine, grouped streaming GEMM, whole MoE layer both paths);
+#      router, expert sort, combine, grouped streaming GEMM, whole MoE layer both paths, the FP8
+#      KV write, decode attention over FP8 KV and the FP8 -> bf16 block staging for prefill, and a
+#      probe of cuBLASLt's block-scale layouts);
 #   2. pd_gpu_engine_bench --fp8-model ...: the FP8 GEMM rate beside the bf16 rate, then
 #      kernel-level forward passes (decode = one CUDA graph per step) against their floors:
 #      Qwen3-30B-A3B-FP8 decode b1/16/64/128 at 2,048-token contexts (floor counts the distinct
 #      experts routed per layer) and prefill 1x2000 / 8x2000 against the FP8 GEMM rate;
-#      Qwen3-32B-FP8 decode b1/16/64 and prefill; Qwen3-235B-A22B-FP8 layer shapes, 16 layers.
+#      Qwen3-32B-FP8 decode b1/16/64 and prefill; Qwen3-235B-A22B-FP8 layer shapes, 16 layers;
+#      each with one more b64 decode step whose KV cache is FP8 (beside the bf16-KV b64 row).
 # Build and pack here (sm_90, nvcc 13):
 #   cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPDSERVE_CUDA=ON -DPDSERVE_CUDA_ARCHS=90
 #   cmake --build build-cuda -j2 --target pd_gpu_kernel_check pd_gpu_engine_bench

@@ -22,7 +22,8 @@
 // --fp8-model qwen3-30b-a3b-fp8|qwen3-235b-a22b-fp8|qwen3-32b-fp8|fp8-all: the FP8 rate (cuBLASLt
 // block-scaled, 2048x4096x4096) beside the bf16 rate, then kernel-level FP8 forward passes of
 // that shape (engine_bench_fp8.cc) instead of the bf16 runner; --layers N overrides the layer
-// count, --batches 1,16,64 the decode batches, --decode-only 1 skips prefill.
+// count, --batches 1,16,64 the decode batches, --decode-only 1 skips prefill, --kv-fp8-batch N
+// (default 64, 0 = off) adds a decode step at batch N with the FP8 KV cache.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -583,7 +584,7 @@ int main(int argc, char** argv) {
   auto decode_kernel = pd::kernels::cuda::DecodeKernel::kTensorCore;
   auto gemm_policy = kc::GemmPolicy::kAutotune;
   std::string fp8_model;
-  int fp8_layers = 0;
+  int fp8_layers = 0, kv_fp8_batch = 64;
   std::vector<int> fp8_batches;
   bool decode_only = false, ops = false, ops_attention_only = false, ops_probe = false, pdl = true,
        merge_in_attention = false;
@@ -611,6 +612,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--model") == 0) which = argv[i + 1];
     if (std::strcmp(argv[i], "--fp8-model") == 0) fp8_model = argv[i + 1];
     if (std::strcmp(argv[i], "--layers") == 0) fp8_layers = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--kv-fp8-batch") == 0) kv_fp8_batch = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--batches") == 0) {
       for (const char* c = argv[i + 1]; *c != '\0';) {
         fp8_batches.push_back(std::atoi(c));
@@ -655,7 +657,7 @@ int main(int argc, char** argv) {
       if (batches.empty()) {
         batches = name == "qwen3-32b-fp8" ? std::vector<int>{1, 16, 64} : std::vector<int>{1, 16, 64, 128};
       }
-      bench_fp8_model(name, fp8_layers, ctx, copy_gbs, rate, decode_only, batches, &fp8_rows);
+      bench_fp8_model(name, fp8_layers, ctx, copy_gbs, rate, decode_only, batches, kv_fp8_batch, &fp8_rows);
     }
     std::printf("\n%-44s %10s %10s %8s  %s\n", "step (kernel-level, decode = graph replay)", "floor_ms", "meas_ms",
                 "x floor", "note");

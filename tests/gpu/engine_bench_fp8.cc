@@ -7,6 +7,8 @@
 //   from the routing + KV read + lm_head) / device-to-device copy bandwidth;
 // - prefill: (2 x active linear params x tokens + causal attention + lm_head of the last
 //   rows) / the FP8 GEMM rate; the target ">= 60 % of the FP8 GEMM rate" is x floor <= 1.67.
+// FP8 KV: one more decode step at kv_fp8_batch with the KV cache in FP8 (write + attention
+// kernels of the FP8 layout) beside the bf16-KV step of the same batch.
 // Dummy weights (e4m3 uniform, 128 x 128 scales of one value per weight shape shared by the
 // layers: scales are 1/16,384 of the weight bytes), random-ish routing from a random router.
 #include "tests/gpu/engine_bench_fp8.h"
@@ -48,6 +50,9 @@ Fp8Shape shape_for(const std::string& name, int layers_override) {
   } else if (name == "qwen3-235b-a22b-fp8") {
     s = {name, 4096, 94, 64, 4, 128, 151936, 0, 128, 8, 1536};
     s.layers = 16;  // 94 layers of FP8 weights (235 GB) do not fit one GPU: fewer layers
+    // Its GQA group of 16 has no attention instantiation (max 8): attention runs with 8 kv
+    // heads, and the floor counts the KV of 8 heads.
+    s.hkv = 8;
   } else {
     s = {"qwen3-32b-fp8", 5120, 64, 64, 8, 128, 151936, 25600, 0, 0, 0};
   }
@@ -232,12 +237,17 @@ struct Engine {
   std::unique_ptr<kc::Gemm> gemm;
   std::unique_ptr<kc::Fp8Gemm> fp8;
   std::vector<std::unique_ptr<kc::MoeLayer>> moe;  // one per layer (decode: each keeps its routing)
-  DeviceBuffer<bf16> kv;                           // [layers][blocks][2][16][hkv][d]
-  size_t kv_layer_elems;
-  Engine(const Model& model, int max_tokens, int kv_blocks, bool per_layer_moe)
+  bool kv_fp8;
+  size_t block_bytes;
+  size_t kv_layer_bytes;
+  DeviceBuffer<uint8_t> kv;  // [layers][blocks][block bytes]: bf16 or the FP8 layout
+  Engine(const Model& model, int max_tokens, int kv_blocks, bool per_layer_moe, bool fp8_kv = false)
       : m(model),
-        kv(static_cast<size_t>(model.s.layers) * kv_blocks * 2 * 16 * model.s.hkv * model.s.d),
-        kv_layer_elems(static_cast<size_t>(kv_blocks) * 2 * 16 * model.s.hkv * model.s.d) {
+        kv_fp8(fp8_kv),
+        block_bytes(fp8_kv ? kc::fp8_kv_block_bytes(16, model.s.hkv, model.s.d)
+                           : 2ull * 16 * model.s.hkv * model.s.d * sizeof(bf16)),
+        kv_layer_bytes(block_bytes * kv_blocks),
+        kv(kv_layer_bytes * model.s.layers) {
     auto g = kc::Gemm::create(64ull << 20, kc::GemmPolicy::kAutotune);
     PD_STATUS_CHECK(g.status());
     gemm = std::move(*g);
@@ -252,7 +262,15 @@ struct Engine {
         moe.push_back(std::move(*layer));
       }
     }
-    PD_STATUS_CHECK(kc::fill_uniform(kv.get(), kv.count(), 9, 1.0f, nullptr));
+    if (kv_fp8) {
+      PD_STATUS_CHECK(kc::fill_uniform_fp8(kv.get(), kv.count(), 9, 2.0f, nullptr));
+      // Every (token, head) scale 0x3c3c3c3c = 0.0115.
+      const size_t codes = 2ull * 16 * m.s.hkv * m.s.d;
+      PD_CUDA_CHECK(cudaMemset2D(kv.get() + codes, block_bytes, 0x3c, block_bytes - codes,
+                                 static_cast<size_t>(kv_blocks) * m.s.layers));
+    } else {
+      PD_STATUS_CHECK(kc::fill_uniform(reinterpret_cast<bf16*>(kv.get()), kv.count() / 2, 9, 1.0f, nullptr));
+    }
   }
 
   // One forward pass; decode (q_len 1) takes the streaming MoE path, prefill the per-expert one.
@@ -261,7 +279,7 @@ struct Engine {
     const int t = b.tokens, h = s.hidden;
     const bool decode = p.q_len == 1;
     for (int l = 0; l < s.layers; ++l) {
-      bf16* layer_kv = kv.get() + static_cast<size_t>(l) * kv_layer_elems;
+      auto* layer_kv = reinterpret_cast<bf16*>(kv.get() + static_cast<size_t>(l) * kv_layer_bytes);
       PD_STATUS_CHECK(kc::rmsnorm(b.xn.get(), b.x.get(), b.resid.get(), m.norm_w.get(), t, h, 1e-6f, st));
       PD_STATUS_CHECK(fp8->run(b.qkv.get(), b.xn.get(), t, m.qkv->view(l), st));
       kc::RopeKvArgs rope;
@@ -277,6 +295,7 @@ struct Engine {
       rope.num_q_heads = s.hq;
       rope.num_kv_heads = s.hkv;
       rope.head_dim = s.d;
+      rope.kv_fp8 = kv_fp8;
       PD_STATUS_CHECK(kc::rope_kv_write(rope, st));
       kc::AttentionArgs a;
       a.q = b.q.get();
@@ -297,7 +316,11 @@ struct Engine {
         a.decode_partition_tokens = engine::CudaModelRunner::decode_partition_tokens_for(p.num_seqs, s.hkv);
         a.decode_kv_stages = engine::CudaModelRunner::decode_kv_stages_for(p.num_seqs, s.hkv);
         a.decode_kv_evict_first = true;
-        PD_STATUS_CHECK(kc::decode_attention(a, b.attn_ws.get(), b.attn_ws_bytes, st));
+        if (kv_fp8) {
+          PD_STATUS_CHECK(kc::decode_attention_fp8(a, b.attn_ws.get(), b.attn_ws_bytes, st));
+        } else {
+          PD_STATUS_CHECK(kc::decode_attention(a, b.attn_ws.get(), b.attn_ws_bytes, st));
+        }
       } else {
         PD_STATUS_CHECK(kc::prefill_attention(a, st));
       }
@@ -364,7 +387,8 @@ double measure_fp8_gemm_tflops(int m, int n, int k, std::string* note) {
 }
 
 void bench_fp8_model(const std::string& name, int layers_override, int ctx, double copy_gbs, double fp8_tflops,
-                     bool decode_only, const std::vector<int>& decode_batches, std::vector<Fp8Row>* rows) {
+                     bool decode_only, const std::vector<int>& decode_batches, int kv_fp8_batch,
+                     std::vector<Fp8Row>* rows) {
   const Fp8Shape s = shape_for(name, layers_override);
   std::printf("\n%s: hidden %d, %d layers, %d/%d heads, %s\n", s.name.c_str(), s.hidden, s.layers, s.hq, s.hkv,
               s.experts > 0 ? ("MoE " + std::to_string(s.experts) + " experts top-" + std::to_string(s.top_k) + " x " +
@@ -374,11 +398,14 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
   Model model(s);
   const double kv_token_bytes = 2.0 * s.hkv * s.d * 2.0 * s.layers;  // bf16 K and V, all layers
   // Decode.
-  const int max_b = *std::max_element(decode_batches.begin(), decode_batches.end());
-  {
-    const int blocks = max_b * ((ctx + 15) / 16);
-    Engine eng(model, max_b, blocks, true);
-    for (int bsz : decode_batches) {
+  for (bool fp8_kv : {false, true}) {
+    // FP8 KV: the batch of kv_fp8_batch only, beside the same batch with bf16 KV.
+    if (fp8_kv && (kv_fp8_batch <= 0 || s.hq / s.hkv > 8)) break;
+    const std::vector<int> batches = fp8_kv ? std::vector<int>{kv_fp8_batch} : decode_batches;
+    const int max_batch = *std::max_element(batches.begin(), batches.end());
+    const int blocks = max_batch * ((ctx + 15) / 16);
+    Engine eng(model, max_batch, blocks, true, fp8_kv);
+    for (int bsz : batches) {
       const Pass p{bsz, 1, ctx};
       PassBuffers b(model, p,
                     kc::decode_attention_workspace_bytes(
@@ -417,15 +444,17 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
         min_active = std::min(min_active, n);
         max_active = std::max(max_active, n);
       }
-      const double bytes = model.dense_bytes() + distinct * model.expert_bytes() + kv_token_bytes * ctx * bsz;
+      const double kv_bytes = fp8_kv ? 2.0 * s.hkv * (s.d + 4.0) * s.layers : kv_token_bytes;
+      const double bytes = model.dense_bytes() + distinct * model.expert_bytes() + kv_bytes * ctx * bsz;
       const double floor_ms = bytes / (copy_gbs * 1e6);
       std::string note = s.experts > 0 ? "distinct experts/layer " + std::to_string(min_active) + ".." +
                                              std::to_string(max_active) + " (mean " +
                                              std::to_string(distinct / s.layers).substr(0, 5) + ")"
                                        : "";
       note += ", " + std::to_string(static_cast<int>(bytes / 1e6)) + " MB read";
-      rows->push_back({s.name + " decode b" + std::to_string(bsz) + " ctx" + std::to_string(ctx), floor_ms,
-                       median_of(times), note});
+      rows->push_back(
+          {s.name + " decode b" + std::to_string(bsz) + " ctx" + std::to_string(ctx) + (fp8_kv ? " fp8 KV" : ""),
+           floor_ms, median_of(times), note});
       PD_CUDA_CHECK(cudaGraphExecDestroy(exec));
       PD_CUDA_CHECK(cudaEventDestroy(e0));
       PD_CUDA_CHECK(cudaEventDestroy(e1));
