@@ -29,18 +29,6 @@ bool push_failed_request(Events& events, std::string request_id, std::string mes
   }
 }
 
-const char* dtype_name(engine::KvDtype dtype) {
-  switch (dtype) {
-    case engine::KvDtype::kFloat32:
-      return "float32";
-    case engine::KvDtype::kBFloat16:
-      return "bfloat16";
-    case engine::KvDtype::kFloat16:
-      return "float16";
-  }
-  return "?";
-}
-
 std::string default_instance_id(KvRole role) {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
@@ -279,8 +267,8 @@ Status PdConnector::validate_request(const engine::GenerateRequest& request) con
 }
 
 KvFingerprint PdConnector::fingerprint() const {
-  return KvFingerprint{spec_.num_layers,        spec_.num_kv_heads, spec_.head_dim,
-                       dtype_name(spec_.dtype), spec_.block_size,   1};
+  return KvFingerprint{
+      spec_.num_layers, spec_.num_kv_heads, spec_.head_dim, engine::kv_dtype_name(spec_.dtype), spec_.block_size, 1};
 }
 
 ControlMessage PdConnector::meta_message(MessageType type) const {

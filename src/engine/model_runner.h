@@ -13,11 +13,25 @@
 
 namespace pd::engine {
 
-enum class KvDtype : uint8_t { kFloat32, kBFloat16, kFloat16 };
+// kFp8E4m3: float8 e4m3fn values with one fp32 scale per (token, kv head)
+// stored inside the block (see KvCacheSpec); chosen by --kv-cache-dtype fp8.
+enum class KvDtype : uint8_t { kFloat32, kBFloat16, kFloat16, kFp8E4m3 };
+// Bytes of one K or V element (1 for fp8: its scales come on top, see below).
 size_t kv_dtype_bytes(KvDtype dtype);
+// The name in the connector's layout fingerprint and in logs: "float32",
+// "bfloat16", "float16", "fp8_e4m3".
+const char* kv_dtype_name(KvDtype dtype);
 
-// KV layout per layer: [num_blocks][2 (K,V)][block_size][num_kv_heads][head_dim],
-// so one (layer, block) is one contiguous segment of bytes_per_block() bytes.
+// KV layout per layer: [num_blocks][block], one (layer, block) being one
+// contiguous segment of bytes_per_block() bytes that moves as it is over the
+// connector. Inside a block of B tokens, H kv heads, head_dim D:
+//   float32 / bfloat16 / float16: [2 (K,V)][B][H][D] elements.
+//   fp8_e4m3: [2 (K,V)][B][H][D] one-byte e4m3 codes (K codes at byte 0, V codes
+//     at byte B*H*D), then [2 (K,V)][B][H] fp32 scales (K scales at byte
+//     2*B*H*D, V scales at 2*B*H*D + 4*B*H). The value of element (t, h, i) is
+//     e4m3(code) * scale[t][h]; a writer sets scale = amax_i |x[t][h][i]| / 448
+//     (1 when that is 0) and code = e4m3(x / scale), rounded to nearest even.
+//     D + 4 bytes per (token, head) and tensor, vs 2 * D in bfloat16.
 struct KvCacheSpec {
   int32_t num_layers = 0;
   int32_t num_kv_heads = 0;
@@ -27,7 +41,8 @@ struct KvCacheSpec {
   int32_t num_blocks = 0;
 
   size_t bytes_per_block() const {
-    return 2ull * block_size * num_kv_heads * head_dim * kv_dtype_bytes(dtype);
+    const size_t scale_bytes = dtype == KvDtype::kFp8E4m3 ? sizeof(float) : 0;
+    return 2ull * block_size * num_kv_heads * (head_dim * kv_dtype_bytes(dtype) + scale_bytes);
   }
   size_t bytes_per_layer() const { return bytes_per_block() * static_cast<size_t>(num_blocks); }
 };
@@ -71,7 +86,7 @@ struct StepInput {
 
 struct SampledToken {
   int32_t token_id = -1;
-  float logprob = 0.0f;             // log-softmax of the raw logits (before temperature)
+  float logprob = 0.0f;                                 // log-softmax of the raw logits (before temperature)
   std::vector<std::pair<int32_t, float>> top_logprobs;  // when sampling.logprobs > 0
 };
 

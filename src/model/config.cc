@@ -1,6 +1,9 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <fstream>
+
+#include "model/fp8.h"
 
 namespace pd::model {
 namespace {
@@ -83,6 +86,78 @@ Status parse_rope(const json& doc, ModelConfig* config) {
   return Status::Ok();
 }
 
+Status parse_moe(const json& doc, ModelConfig* config) {
+  MoeConfig& m = config->moe;
+  // Published configs say num_experts; transformers >= 5 writes num_local_experts.
+  if (doc.contains("num_experts") || !doc.contains("num_local_experts")) {
+    PD_ASSIGN_OR_RETURN(m.num_experts, get_int(doc, "num_experts"));
+  } else {
+    PD_ASSIGN_OR_RETURN(m.num_experts, get_int(doc, "num_local_experts"));
+  }
+  PD_ASSIGN_OR_RETURN(m.num_experts_per_tok, get_int(doc, "num_experts_per_tok"));
+  PD_ASSIGN_OR_RETURN(m.moe_intermediate_size, get_int(doc, "moe_intermediate_size"));
+  PD_ASSIGN_OR_RETURN(m.norm_topk_prob, get_bool(doc, "norm_topk_prob", false));
+  PD_ASSIGN_OR_RETURN(m.decoder_sparse_step, get_int(doc, "decoder_sparse_step", 1));
+  if (auto it = doc.find("mlp_only_layers"); it != doc.end() && !it->is_null()) {
+    if (!it->is_array()) return invalid_argument("config.json: mlp_only_layers must be a list, got {}", it->dump());
+    for (const json& v : *it) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= config->num_layers)
+        return invalid_argument("config.json: mlp_only_layers entry {} is not a layer index in [0, {})", v.dump(),
+                                config->num_layers);
+      m.mlp_only_layers.push_back(static_cast<int32_t>(v.get<int64_t>()));
+    }
+  }
+  return Status::Ok();
+}
+
+// quantization_config: only the block-FP8 scheme of the "-FP8" releases.
+Status parse_quantization(const json& doc, ModelConfig* config) {
+  auto it = doc.find("quantization_config");
+  if (it == doc.end() || it->is_null()) return Status::Ok();
+  const json& q = *it;
+  if (!q.is_object()) return invalid_argument("config.json: quantization_config must be an object");
+  auto str_field = [&](const char* key, const char* fallback) -> Result<std::string> {
+    auto f = q.find(key);
+    if (f == q.end() || f->is_null()) {
+      if (fallback != nullptr) return std::string(fallback);
+      return invalid_argument("config.json: quantization_config.{} is missing", key);
+    }
+    if (!f->is_string())
+      return invalid_argument("config.json: quantization_config.{} must be a string, got {}", key, f->dump());
+    return f->get<std::string>();
+  };
+  PD_ASSIGN_OR_RETURN(std::string method, str_field("quant_method", nullptr));
+  if (method != "fp8")
+    return unimplemented("config.json: quantization_config.quant_method '{}' is not supported (fp8)", method);
+  PD_ASSIGN_OR_RETURN(std::string fmt, str_field("fmt", "e4m3"));
+  if (fmt != "e4m3") return unimplemented("config.json: quantization_config.fmt '{}' is not supported (e4m3)", fmt);
+  PD_ASSIGN_OR_RETURN(std::string scheme, str_field("activation_scheme", "dynamic"));
+  if (scheme != "dynamic")
+    return unimplemented("config.json: quantization_config.activation_scheme '{}' is not supported (dynamic)", scheme);
+  auto block = q.find("weight_block_size");
+  if (block == q.end() || block->is_null())
+    return unimplemented(
+        "config.json: quantization_config.weight_block_size is missing; only block-wise FP8 [128, 128] is "
+        "supported (per-tensor FP8 is not)");
+  if (!block->is_array() || block->size() != 2 || !(*block)[0].is_number_integer() ||
+      !(*block)[1].is_number_integer() || (*block)[0].get<int64_t>() != kFp8BlockSize ||
+      (*block)[1].get<int64_t>() != kFp8BlockSize)
+    return unimplemented("config.json: quantization_config.weight_block_size {} is not supported ([128, 128])",
+                         block->dump());
+  for (const char* key : {"modules_to_not_convert", "ignored_layers"}) {
+    auto skip = q.find(key);
+    if (skip != q.end() && !skip->is_null() && !(skip->is_array() && skip->empty()))
+      return unimplemented(
+          "config.json: quantization_config.{} {} is not supported (the quantised set is fixed: attention and MLP "
+          "linears)",
+          key, skip->dump());
+  }
+  config->quant.method = QuantMethod::kFp8Block;
+  config->quant.block_out = kFp8BlockSize;
+  config->quant.block_in = kFp8BlockSize;
+  return Status::Ok();
+}
+
 Result<json> read_json_file(const std::filesystem::path& path) {
   std::ifstream in(path);
   if (!in) return not_found("cannot open {}", path.string());
@@ -102,8 +177,17 @@ const char* model_family_name(ModelFamily family) {
       return "qwen2";
     case ModelFamily::kQwen3:
       return "qwen3";
+    case ModelFamily::kQwen3Moe:
+      return "qwen3_moe";
   }
   return "unknown";
+}
+
+bool ModelConfig::is_moe_layer(int32_t layer) const {
+  if (moe.num_experts <= 0 || moe.decoder_sparse_step <= 0) return false;
+  if (std::find(moe.mlp_only_layers.begin(), moe.mlp_only_layers.end(), layer) != moe.mlp_only_layers.end())
+    return false;
+  return (layer + 1) % moe.decoder_sparse_step == 0;
 }
 
 Status ModelConfig::validate() const {
@@ -125,9 +209,28 @@ Status ModelConfig::validate() const {
   if (head_dim % 2 != 0) return invalid_argument("model config: head_dim must be even for RoPE, got {}", head_dim);
   if (!(rms_norm_eps > 0)) return invalid_argument("model config: rms_norm_eps must be > 0, got {}", rms_norm_eps);
   if (!(rope_theta > 0)) return invalid_argument("model config: rope_theta must be > 0, got {}", rope_theta);
+  if (family == ModelFamily::kQwen3Moe) {
+    PD_RETURN_IF_ERROR(positive("num_experts", moe.num_experts));
+    PD_RETURN_IF_ERROR(positive("num_experts_per_tok", moe.num_experts_per_tok));
+    PD_RETURN_IF_ERROR(positive("moe_intermediate_size", moe.moe_intermediate_size));
+    PD_RETURN_IF_ERROR(positive("decoder_sparse_step", moe.decoder_sparse_step));
+    if (moe.num_experts_per_tok > moe.num_experts)
+      return invalid_argument("model config: num_experts_per_tok {} exceeds num_experts {}", moe.num_experts_per_tok,
+                              moe.num_experts);
+    if (moe.num_experts > 4096) return invalid_argument("model config: num_experts {} exceeds 4096", moe.num_experts);
+    for (int32_t l : moe.mlp_only_layers)
+      if (l < 0 || l >= num_layers)
+        return invalid_argument("model config: mlp_only_layers entry {} is outside [0, {})", l, num_layers);
+  } else if (moe.num_experts != 0) {
+    return invalid_argument("model config: num_experts is set for the dense family {}", model_family_name(family));
+  }
+  if (quant.fp8() && (quant.block_out != kFp8BlockSize || quant.block_in != kFp8BlockSize))
+    return invalid_argument("model config: FP8 block size must be [128, 128], got [{}, {}]", quant.block_out,
+                            quant.block_in);
   // Guards the products below (weights are held in memory as fp32).
   constexpr int64_t kMaxDim = 1 << 20;
-  for (int64_t d : {int64_t{vocab_size}, int64_t{hidden_size}, int64_t{intermediate_size}, int64_t{q_size()}}) {
+  for (int64_t d : {int64_t{vocab_size}, int64_t{hidden_size}, int64_t{intermediate_size}, int64_t{q_size()},
+                    int64_t{moe.moe_intermediate_size}}) {
     if (d > kMaxDim) return invalid_argument("model config: dimension {} exceeds {}", d, kMaxDim);
   }
   return Status::Ok();
@@ -146,10 +249,12 @@ Result<ModelConfig> parse_model_config(const json& doc) {
     c.family = ModelFamily::kQwen2;
   } else if (c.architecture == "Qwen3ForCausalLM") {
     c.family = ModelFamily::kQwen3;
+  } else if (c.architecture == "Qwen3MoeForCausalLM") {
+    c.family = ModelFamily::kQwen3Moe;
   } else {
     return unimplemented(
         "config.json: architecture '{}' is not supported (LlamaForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM)",
+        "Qwen3ForCausalLM, Qwen3MoeForCausalLM)",
         c.architecture);
   }
   PD_ASSIGN_OR_RETURN(c.vocab_size, get_int(doc, "vocab_size"));
@@ -181,11 +286,14 @@ Result<ModelConfig> parse_model_config(const json& doc) {
       c.o_bias = false;
       break;
     case ModelFamily::kQwen3:
+    case ModelFamily::kQwen3Moe:
       c.qkv_bias = attention_bias;
       c.o_bias = attention_bias;
       c.qk_norm = true;
       break;
   }
+  if (c.family == ModelFamily::kQwen3Moe) PD_RETURN_IF_ERROR(parse_moe(doc, &c));
+  PD_RETURN_IF_ERROR(parse_quantization(doc, &c));
   PD_RETURN_IF_ERROR(parse_rope(doc, &c));
   PD_RETURN_IF_ERROR(append_eos_ids(doc, "config.json", &c.eos_token_ids));
   PD_RETURN_IF_ERROR(c.validate());

@@ -24,9 +24,10 @@ struct DtypeName {
   TensorDtype dtype;
 };
 constexpr DtypeName kDtypeNames[] = {
-    {"F32", TensorDtype::kF32}, {"F16", TensorDtype::kF16},   {"BF16", TensorDtype::kBF16}, {"F64", TensorDtype::kF64},
-    {"I64", TensorDtype::kI64}, {"I32", TensorDtype::kI32},   {"I16", TensorDtype::kI16},   {"I8", TensorDtype::kI8},
-    {"U8", TensorDtype::kU8},   {"BOOL", TensorDtype::kBool},
+    {"F32", TensorDtype::kF32},   {"F16", TensorDtype::kF16},        {"BF16", TensorDtype::kBF16},
+    {"F64", TensorDtype::kF64},   {"I64", TensorDtype::kI64},        {"I32", TensorDtype::kI32},
+    {"I16", TensorDtype::kI16},   {"I8", TensorDtype::kI8},          {"U8", TensorDtype::kU8},
+    {"BOOL", TensorDtype::kBool}, {"F8_E4M3", TensorDtype::kF8E4M3}, {"F8_E5M2", TensorDtype::kF8E5M2},
 };
 
 uint64_t read_u64_le(const std::byte* p) {
@@ -105,6 +106,8 @@ size_t tensor_dtype_bytes(TensorDtype dtype) {
     case TensorDtype::kI8:
     case TensorDtype::kU8:
     case TensorDtype::kBool:
+    case TensorDtype::kF8E4M3:
+    case TensorDtype::kF8E5M2:
       return 1;
   }
   return 0;
@@ -255,6 +258,17 @@ Status SafetensorsFile::read_as_f32(const TensorInfo& info, std::span<float> out
       return invalid_argument("{}: tensor '{}': dtype {} cannot be used as model weights (F32, F16, BF16)",
                               path_.string(), info.name, tensor_dtype_name(info.dtype));
   }
+}
+
+Status SafetensorsFile::read_fp8_e4m3(const TensorInfo& info, std::span<uint8_t> out) const {
+  if (info.dtype != TensorDtype::kF8E4M3)
+    return invalid_argument("{}: tensor '{}' has dtype {}, expected F8_E4M3", path_.string(), info.name,
+                            tensor_dtype_name(info.dtype));
+  const size_t n = static_cast<size_t>(info.num_elements());
+  if (out.size() != n)
+    return internal_error("tensor '{}': destination holds {} bytes, tensor has {}", info.name, out.size(), n);
+  std::memcpy(out.data(), bytes(info).data(), n);
+  return Status::Ok();
 }
 
 bool SafetensorsCheckpoint::dir_has_weights(const std::filesystem::path& model_dir) {

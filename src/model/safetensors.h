@@ -17,7 +17,7 @@
 
 namespace pd::model {
 
-enum class TensorDtype : uint8_t { kF32, kF16, kBF16, kF64, kI64, kI32, kI16, kI8, kU8, kBool };
+enum class TensorDtype : uint8_t { kF32, kF16, kBF16, kF64, kI64, kI32, kI16, kI8, kU8, kBool, kF8E4M3, kF8E5M2 };
 const char* tensor_dtype_name(TensorDtype dtype);  // safetensors spelling: "F32", "BF16", ...
 size_t tensor_dtype_bytes(TensorDtype dtype);
 
@@ -48,6 +48,9 @@ class SafetensorsFile {
   std::span<const std::byte> bytes(const TensorInfo& info) const;
   // Converts F32/F16/BF16 to fp32. `out` must hold num_elements() floats.
   Status read_as_f32(const TensorInfo& info, std::span<float> out) const;
+  // Copies the codes of an F8_E4M3 tensor. `out` must hold num_elements() bytes;
+  // any other dtype is an error naming the tensor.
+  Status read_fp8_e4m3(const TensorInfo& info, std::span<uint8_t> out) const;
 
  private:
   SafetensorsFile() = default;

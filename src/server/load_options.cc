@@ -10,6 +10,7 @@ engine::ModelLoadOptions model_load_options(const ServerConfig& config) {
   options.seed = config.seed;
   options.block_size = config.block_size;
   options.kv_cache_bytes = config.kv_cache_bytes;
+  options.kv_cache_dtype = config.kv_cache_dtype;
   options.num_kv_blocks = static_cast<int32_t>(config.num_kv_blocks);
   options.max_model_len = config.max_model_len.value_or(0);
   options.cuda_device = config.cuda_device;

@@ -31,6 +31,9 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
   app.add_option("--tensor-parallel-size", config.tensor_parallel_size, "tensor-parallel ranks (1 only for now)")
       ->capture_default_str();
   app.add_option("--load-format", config.load_format, "auto|safetensors|dummy")->capture_default_str();
+  app.add_option("--kv-cache-dtype", config.kv_cache_dtype,
+                 "auto (cpu: float32, cuda: bfloat16) | fp8 (e4m3 with one fp32 scale per token and kv head)")
+      ->capture_default_str();
   app.add_option("--seed", config.seed, "base seed for requests without their own")->capture_default_str();
   app.add_option("--served-model-name", config.served_model_names, "name(s) clients use for the model");
   app.add_option("--api-key", config.api_key, "require 'Authorization: Bearer <key>' on /v1/*");
@@ -86,6 +89,8 @@ Status validate_server_config(ServerConfig& config) {
     return invalid_argument("--gpu-memory-utilization must be in (0, 1], got {}", config.gpu_memory_utilization);
   if (config.load_format != "auto" && config.load_format != "safetensors" && config.load_format != "dummy")
     return invalid_argument("--load-format must be auto, safetensors or dummy, got '{}'", config.load_format);
+  if (config.kv_cache_dtype != "auto" && config.kv_cache_dtype != "fp8")
+    return invalid_argument("--kv-cache-dtype must be auto or fp8, got '{}'", config.kv_cache_dtype);
   if (config.device != "cpu" && config.device != "cuda")
     return invalid_argument("--device must be cpu or cuda, got '{}'", config.device);
   if (config.num_kv_blocks < 0) return invalid_argument("--num-kv-blocks must be >= 0, got {}", config.num_kv_blocks);

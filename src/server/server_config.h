@@ -40,6 +40,7 @@ struct ServerConfig {
   int32_t cuda_device = 0;    // CUDA device ordinal (all GPUs stay visible so CUDA IPC can reach peers)
   int64_t num_kv_blocks = 0;  // 0 = derive from --kv-cache-bytes / device memory
   int64_t kv_cache_bytes = 0;
+  std::string kv_cache_dtype = "auto";  // auto (cpu: float32, cuda: bfloat16) | fp8 (e4m3 + per-token scales)
   size_t max_body_bytes = 8u << 20;
   std::string log_level = "info";
   int64_t max_waiting_requests = 4096;  // queued beyond the running set; more is answered 503

@@ -1,6 +1,7 @@
 // The CPU model runner: fp32 reference forward pass of the Llama / Qwen2 /
-// Qwen3 decoder over a paged KV cache, then sampling through the engine's
-// sampler. Single-threaded; called only from the engine thread.
+// Qwen3 / Qwen3-MoE decoder (bf16 or block-FP8 weights) over a paged KV cache
+// (fp32 or fp8 e4m3 with per-(token, head) scales), then sampling through the
+// engine's sampler. Single-threaded; called only from the engine thread.
 #pragma once
 
 #include <memory>
@@ -16,10 +17,12 @@ namespace pd::engine {
 class CpuModelRunner final : public ModelRunner {
  public:
   // num_kv_blocks blocks of block_size tokens per layer; positions must stay
-  // below max_model_len. Fails when a weight is missing or mis-shaped.
+  // below max_model_len. kv_dtype: kFloat32 or kFp8E4m3 (KvCacheSpec's layout).
+  // Fails when a weight is missing, mis-shaped or of the wrong dtype. FP8
+  // weights are dequantised here, once (w = code * scale_inv of its block).
   static Result<std::unique_ptr<CpuModelRunner>> create(model::ModelConfig config, model::ModelWeights weights,
                                                         int32_t block_size, int32_t num_kv_blocks,
-                                                        int32_t max_model_len);
+                                                        int32_t max_model_len, KvDtype kv_dtype = KvDtype::kFloat32);
 
   const KvCacheSpec& kv_cache_spec() const override { return spec_; }
   int32_t vocab_size() const override { return config_.vocab_size; }
@@ -40,26 +43,35 @@ class CpuModelRunner final : public ModelRunner {
   Result<std::vector<float>> forward(const StepInput& input, LogitsRows rows);
 
  private:
+  // A linear layer's fp32 weight [out][in] (dequantised when the checkpoint is
+  // FP8) and bias; fp8_input: quantise the input per token per 128 columns first.
+  struct Linear {
+    const float* weight = nullptr;
+    const float* bias = nullptr;
+    bool fp8_input = false;
+  };
+  struct Expert {
+    Linear gate_proj, up_proj, down_proj;
+  };
   struct LayerPtrs {
-    const float* input_norm;
-    const float* q_proj;
-    const float* k_proj;
-    const float* v_proj;
-    const float* q_bias;  // null when the family has no qkv bias
-    const float* k_bias;
-    const float* v_bias;
-    const float* q_norm;  // null unless Qwen3
-    const float* k_norm;
-    const float* o_proj;
-    const float* o_bias;
-    const float* post_norm;
-    const float* gate_proj;
-    const float* up_proj;
-    const float* down_proj;
+    const float* input_norm = nullptr;
+    Linear q_proj, k_proj, v_proj;
+    const float* q_norm = nullptr;  // null unless Qwen3 / Qwen3-MoE
+    const float* k_norm = nullptr;
+    Linear o_proj;
+    const float* post_norm = nullptr;
+    Linear gate_proj, up_proj, down_proj;  // dense MLP (when router == nullptr)
+    const float* router = nullptr;         // MoE: [num_experts][hidden]
+    std::vector<Expert> experts;           // MoE: num_experts
   };
 
   CpuModelRunner() = default;
   Status validate(const StepInput& input) const;
+  // out[m][out] = linear(x[m][in]); `scratch` holds the quantised input when needed.
+  void run_linear(const Linear& l, const float* x, int32_t m, int32_t n, int32_t k, float* out,
+                  std::vector<float>* scratch) const;
+  // delta = Qwen3-MoE sparse block of x (rows t).
+  void run_moe(const LayerPtrs& w, const float* x, int32_t t, float* delta);
 
   model::ModelConfig config_;
   model::ModelWeights weights_;
@@ -71,9 +83,13 @@ class CpuModelRunner final : public ModelRunner {
   const float* final_norm_ = nullptr;
   const float* lm_head_ = nullptr;  // the embedding table when tied
   std::vector<LayerPtrs> layers_;
-  // One contiguous KV region per layer, allocated without zero-fill: a slot is
-  // read only after this runner or a KV transfer wrote it.
-  std::vector<std::unique_ptr<float[]>> kv_;
+  // fp32 copies of the FP8 weights (the codes in weights_ are not read by the forward pass).
+  std::vector<std::vector<float>> dequantised_;
+  // One contiguous KV region per layer (kv_f32_ or kv_fp8_ by spec_.dtype),
+  // allocated without zero-fill: a slot is read only after this runner or a KV
+  // transfer wrote it.
+  std::vector<std::unique_ptr<float[]>> kv_f32_;
+  std::vector<std::unique_ptr<uint8_t[]>> kv_fp8_;
 };
 
 }  // namespace pd::engine

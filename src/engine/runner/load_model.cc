@@ -64,6 +64,9 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
     return invalid_argument("load_format must be auto, safetensors or dummy, got '{}'", options.load_format);
   if (options.block_size <= 0 || options.block_size > 1024)
     return invalid_argument("block_size must be in [1, 1024], got {}", options.block_size);
+  if (options.kv_cache_dtype != "auto" && options.kv_cache_dtype != "fp8")
+    return invalid_argument("kv_cache_dtype must be auto or fp8, got '{}'", options.kv_cache_dtype);
+  const KvDtype cpu_kv_dtype = options.kv_cache_dtype == "fp8" ? KvDtype::kFp8E4m3 : KvDtype::kFloat32;
   if (options.num_kv_blocks < 0) return invalid_argument("num_kv_blocks must be >= 0, got {}", options.num_kv_blocks);
   if (options.kv_cache_bytes < 0)
     return invalid_argument("kv_cache_bytes must be >= 0, got {}", options.kv_cache_bytes);
@@ -102,6 +105,14 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
 
 #ifdef PDSERVE_HAVE_CUDA_RUNNER
   if (options.device == "cuda") {
+    // The CUDA runner reads bf16 dense weights into a bf16 KV cache; the MoE and
+    // block-FP8 formats and the fp8 KV cache run on the CPU runner only.
+    if (config.family == model::ModelFamily::kQwen3Moe)
+      return unimplemented("device 'cuda': {} (MoE) runs on the cpu device only in this build", config.architecture);
+    if (config.quant.fp8())
+      return unimplemented("device 'cuda': block-FP8 checkpoints run on the cpu device only in this build");
+    if (options.kv_cache_dtype == "fp8")
+      return unimplemented("device 'cuda': --kv-cache-dtype fp8 runs on the cpu device only in this build");
     CudaLoadRequest request;
     request.config = config;
     request.model_dir = options.model == kBuiltinTiny ? std::filesystem::path() : std::filesystem::path(options.model);
@@ -132,7 +143,7 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
     probe.num_kv_heads = config.num_kv_heads;
     probe.head_dim = config.head_dim;
     probe.block_size = options.block_size;
-    probe.dtype = KvDtype::kFloat32;
+    probe.dtype = cpu_kv_dtype;
     const int64_t per_block_all_layers = static_cast<int64_t>(probe.bytes_per_block()) * config.num_layers;
     const int64_t blocks = bytes / per_block_all_layers;
     if (blocks < 1)
@@ -154,9 +165,9 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
   loaded.eos_token_ids = config.eos_token_ids;
   loaded.max_model_len = max_model_len;
   PD_ASSIGN_OR_RETURN(auto runner, CpuModelRunner::create(std::move(config), std::move(weights), options.block_size,
-                                                          num_blocks, max_model_len));
-  PD_LOG_INFO("loaded {} ({}) on cpu: {} KV blocks of {} tokens, max_model_len {}", options.model, loaded.architecture,
-              num_blocks, options.block_size, max_model_len);
+                                                          num_blocks, max_model_len, cpu_kv_dtype));
+  PD_LOG_INFO("loaded {} ({}) on cpu: {} {} KV blocks of {} tokens, max_model_len {}", options.model,
+              loaded.architecture, num_blocks, kv_dtype_name(cpu_kv_dtype), options.block_size, max_model_len);
   loaded.runner = std::move(runner);
   return loaded;
 }

@@ -21,6 +21,9 @@ struct ModelLoadOptions {
   int32_t block_size = 16;
   int64_t kv_cache_bytes = 0;  // 0 = default (CPU: 256 MiB); num_kv_blocks overrides when > 0
   int32_t num_kv_blocks = 0;
+  // auto: the device's default (cpu float32, cuda bfloat16); fp8: e4m3 values with
+  // one fp32 scale per (token, kv head) inside each block (KvCacheSpec).
+  std::string kv_cache_dtype = "auto";
   int32_t max_model_len = 0;  // 0 = min(config max_position_embeddings, 4096)
   // cuda only: fraction of device memory for weights + KV, and the largest
   // batch the runner must hold (sizes its pinned step buffers and graph buckets).

@@ -4,6 +4,9 @@
 #include <cmath>
 #include <cstring>
 #include <numbers>
+#include <numeric>
+
+#include "model/fp8.h"
 
 namespace pd::kernels::cpu {
 namespace {
@@ -166,13 +169,17 @@ void write_kv_cache(float* kv_layer, const PagedKvLayout& layout, const float* k
   }
 }
 
-void paged_attention(const float* q, int32_t num_queries, const int32_t* positions, const float* kv_layer,
-                     const PagedKvLayout& layout, std::span<const int32_t> block_table, int32_t num_heads, float scale,
-                     float* out, float* scratch) {
+namespace {
+
+// Causal GQA attention over a paged cache; key(block, offset, kvh) and
+// value(block, offset, kvh) return a pointer to head_dim floats (valid until the
+// next call of the same accessor).
+template <typename KeyRow, typename ValueRow>
+void attend(const float* q, int32_t num_queries, const int32_t* positions, const PagedKvLayout& layout,
+            std::span<const int32_t> block_table, int32_t num_heads, float scale, float* out, float* scratch,
+            KeyRow key_row, ValueRow value_row) {
   const int32_t d = layout.head_dim;
   const int32_t group = num_heads / layout.num_kv_heads;
-  const int64_t row_floats = layout.token_stride();
-  const int64_t v_offset = static_cast<int64_t>(layout.block_size) * row_floats;
   for (int32_t r = 0; r < num_queries; ++r) {
     const int32_t num_keys = positions[r] + 1;
     for (int32_t h = 0; h < num_heads; ++h) {
@@ -181,8 +188,7 @@ void paged_attention(const float* q, int32_t num_queries, const int32_t* positio
       float* o = out + (static_cast<int64_t>(r) * num_heads + h) * d;
       float max_score = -INFINITY;
       for (int32_t p = 0; p < num_keys; ++p) {
-        const float* key = kv_layer + block_table[p / layout.block_size] * layout.block_stride() +
-                           static_cast<int64_t>(p % layout.block_size) * row_floats + static_cast<int64_t>(kvh) * d;
+        const float* key = key_row(block_table[p / layout.block_size], p % layout.block_size, kvh);
         scratch[p] = dot(qv, key, d) * scale;
         max_score = std::max(max_score, scratch[p]);
       }
@@ -194,11 +200,137 @@ void paged_attention(const float* q, int32_t num_queries, const int32_t* positio
       const float inv_denom = 1.0f / denom;
       std::fill(o, o + d, 0.0f);
       for (int32_t p = 0; p < num_keys; ++p) {
-        const float* val = kv_layer + block_table[p / layout.block_size] * layout.block_stride() + v_offset +
-                           static_cast<int64_t>(p % layout.block_size) * row_floats + static_cast<int64_t>(kvh) * d;
+        const float* val = value_row(block_table[p / layout.block_size], p % layout.block_size, kvh);
         const float weight = scratch[p] * inv_denom;
         for (int32_t i = 0; i < d; ++i) o[i] += weight * val[i];
       }
+    }
+  }
+}
+
+// Reads one (block, offset, head) row of an fp8 cache as floats.
+class Fp8RowReader {
+ public:
+  Fp8RowReader(const uint8_t* kv_layer, const PagedKvLayout& layout, bool value)
+      : kv_layer_(kv_layer), layout_(layout), value_(value), row_(static_cast<size_t>(layout.head_dim)) {}
+  const float* operator()(int64_t block, int32_t offset, int32_t kvh) {
+    const uint8_t* base = kv_layer_ + block * layout_.fp8_block_bytes();
+    const int64_t row = static_cast<int64_t>(offset) * layout_.num_kv_heads + kvh;
+    const uint8_t* codes =
+        base + (value_ ? layout_.fp8_codes_bytes() : 0) + row * static_cast<int64_t>(layout_.head_dim);
+    float scale;
+    std::memcpy(
+        &scale,
+        base + layout_.fp8_scales_offset() +
+            static_cast<int64_t>(sizeof(float)) * ((value_ ? layout_.block_size * layout_.num_kv_heads : 0) + row),
+        sizeof scale);
+    for (int32_t i = 0; i < layout_.head_dim; ++i)
+      row_[static_cast<size_t>(i)] = model::fp8_e4m3_to_f32(codes[i]) * scale;
+    return row_.data();
+  }
+
+ private:
+  const uint8_t* kv_layer_;
+  PagedKvLayout layout_;
+  bool value_;
+  std::vector<float> row_;
+};
+
+float fp8_scale_for(float amax) {
+  const float scale = amax / model::kFp8E4m3Max;
+  return scale > 0.0f ? scale : 1.0f;  // all-zero (or underflowing) rows: any scale gives zero codes
+}
+
+}  // namespace
+
+void paged_attention(const float* q, int32_t num_queries, const int32_t* positions, const float* kv_layer,
+                     const PagedKvLayout& layout, std::span<const int32_t> block_table, int32_t num_heads, float scale,
+                     float* out, float* scratch) {
+  const int64_t row_floats = layout.token_stride();
+  const int64_t v_offset = static_cast<int64_t>(layout.block_size) * row_floats;
+  auto row = [&](int64_t extra) {
+    return [&, extra](int64_t block, int32_t offset, int32_t kvh) {
+      return kv_layer + block * layout.block_stride() + extra + offset * row_floats +
+             static_cast<int64_t>(kvh) * layout.head_dim;
+    };
+  };
+  attend(q, num_queries, positions, layout, block_table, num_heads, scale, out, scratch, row(0), row(v_offset));
+}
+
+void quantize_kv_row(const float* x, int32_t head_dim, uint8_t* codes, float* scale) {
+  float amax = 0.0f;
+  for (int32_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = fp8_scale_for(amax);
+  for (int32_t i = 0; i < head_dim; ++i) codes[i] = model::f32_to_fp8_e4m3(x[i] / s);
+  *scale = s;
+}
+
+void write_kv_cache_fp8(uint8_t* kv_layer, const PagedKvLayout& layout, const float* k, const float* v, int32_t rows,
+                        const int64_t* slots) {
+  const int32_t d = layout.head_dim;
+  const int64_t heads_per_block = static_cast<int64_t>(layout.block_size) * layout.num_kv_heads;
+  for (int32_t r = 0; r < rows; ++r) {
+    uint8_t* base = kv_layer + (slots[r] / layout.block_size) * layout.fp8_block_bytes();
+    const int64_t offset = slots[r] % layout.block_size;
+    for (int32_t h = 0; h < layout.num_kv_heads; ++h) {
+      const int64_t row = offset * layout.num_kv_heads + h;
+      const int64_t src = (static_cast<int64_t>(r) * layout.num_kv_heads + h) * d;
+      float k_scale, v_scale;
+      quantize_kv_row(k + src, d, base + row * d, &k_scale);
+      quantize_kv_row(v + src, d, base + layout.fp8_codes_bytes() + row * d, &v_scale);
+      uint8_t* scales = base + layout.fp8_scales_offset();
+      std::memcpy(scales + sizeof(float) * row, &k_scale, sizeof k_scale);
+      std::memcpy(scales + sizeof(float) * (heads_per_block + row), &v_scale, sizeof v_scale);
+    }
+  }
+}
+
+void paged_attention_fp8(const float* q, int32_t num_queries, const int32_t* positions, const uint8_t* kv_layer,
+                         const PagedKvLayout& layout, std::span<const int32_t> block_table, int32_t num_heads,
+                         float scale, float* out, float* scratch) {
+  attend(q, num_queries, positions, layout, block_table, num_heads, scale, out, scratch,
+         Fp8RowReader(kv_layer, layout, /*value=*/false), Fp8RowReader(kv_layer, layout, /*value=*/true));
+}
+
+void fp8_quantize_activations(const float* x, int32_t rows, int32_t cols, float* out) {
+  for (int32_t r = 0; r < rows; ++r) {
+    const float* xr = x + static_cast<int64_t>(r) * cols;
+    float* o = out + static_cast<int64_t>(r) * cols;
+    for (int32_t c0 = 0; c0 < cols; c0 += model::kFp8BlockSize) {
+      const int32_t c1 = std::min(cols, c0 + model::kFp8BlockSize);
+      float amax = 0.0f;
+      for (int32_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(xr[c]));
+      const float s = fp8_scale_for(amax);
+      for (int32_t c = c0; c < c1; ++c) o[c] = model::fp8_e4m3_to_f32(model::f32_to_fp8_e4m3(xr[c] / s)) * s;
+    }
+  }
+}
+
+void moe_route(const float* router_logits, int32_t rows, int32_t num_experts, int32_t top_k, bool norm_topk_prob,
+               int32_t* expert_ids, float* weights) {
+  std::vector<float> probs(static_cast<size_t>(num_experts));
+  std::vector<int32_t> order(static_cast<size_t>(num_experts));
+  for (int32_t r = 0; r < rows; ++r) {
+    const float* logits = router_logits + static_cast<int64_t>(r) * num_experts;
+    const float max_logit = *std::max_element(logits, logits + num_experts);
+    float sum = 0.0f;
+    for (int32_t e = 0; e < num_experts; ++e) {
+      probs[static_cast<size_t>(e)] = std::exp(logits[e] - max_logit);
+      sum += probs[static_cast<size_t>(e)];
+    }
+    for (float& p : probs) p /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t a, int32_t b) {
+      const float pa = probs[static_cast<size_t>(a)], pb = probs[static_cast<size_t>(b)];
+      return pa > pb || (pa == pb && a < b);
+    });
+    float top_sum = 0.0f;
+    for (int32_t i = 0; i < top_k; ++i) top_sum += probs[static_cast<size_t>(order[static_cast<size_t>(i)])];
+    for (int32_t i = 0; i < top_k; ++i) {
+      const int32_t e = order[static_cast<size_t>(i)];
+      expert_ids[static_cast<int64_t>(r) * top_k + i] = e;
+      const float p = probs[static_cast<size_t>(e)];
+      weights[static_cast<int64_t>(r) * top_k + i] = norm_topk_prob ? p / top_sum : p;
     }
   }
 }
