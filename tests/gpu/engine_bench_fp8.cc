@@ -349,6 +349,13 @@ struct Engine {
   }
 };
 
+// Prints a row as soon as it is measured (a run cut short by a timeout keeps what it had).
+void print_row(const Fp8Row& r) {
+  std::printf("row: %-40s floor %9.3f ms  measured %9.3f ms  x floor %6.2f  %s\n", r.what.c_str(), r.floor_ms,
+              r.measured_ms, r.measured_ms / r.floor_ms, r.note.c_str());
+  std::fflush(stdout);
+}
+
 double median_of(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -500,6 +507,7 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
     rows->push_back({s.name + " prefill " + std::to_string(n) + "x" + std::to_string(len), floor_ms, median_of(times),
                      std::to_string(static_cast<int>(flops / 1e12)) + " TFLOP at the FP8 rate; " +
                          std::to_string(static_cast<int>(100.0 * floor_ms / median_of(times))) + " % of it"});
+    print_row(rows->back());
     for (const auto& f : eng.fp8->fallbacks()) std::printf("  prefill fallback: %s\n", f.c_str());
   }
 }
