@@ -917,12 +917,17 @@ void check_fp8_gemm(int m, int n, int k, kc::Fp8GemmPolicy policy, bool accumula
   PD_STATUS_CHECK(gemm.status());
   PD_STATUS_CHECK((*gemm)->run(d_out.get(), d_a.get(), m, dw.view, nullptr, accumulate));
   const bool cublas = (*gemm)->last_path() == kc::Fp8GemmPath::kCublas;
+  // cuBLASLt takes the first fp8_cublas_rows(m) rows (quantized), the streaming kernel the rest (bf16).
+  const int main_rows = cublas ? kc::fp8_cublas_rows(m) : 0;
+  std::vector<float> a_ref(a_f);
+  std::copy(a_deq.begin(), a_deq.begin() + static_cast<ptrdiff_t>(main_rows) * k, a_ref.begin());
   std::vector<float> ref(static_cast<size_t>(m) * n);
-  cpu::matmul(cublas ? a_deq.data() : a_f.data(), hw.w_deq.data(), nullptr, m, n, k, ref.data());
+  cpu::matmul(a_ref.data(), hw.w_deq.data(), nullptr, m, n, k, ref.data());
   if (accumulate) {
     for (size_t i = 0; i < ref.size(); ++i) ref[i] += base_f[i];
   }
-  std::string note = std::string("policy ") + fp8_policy_name(policy) + ", ran " + (cublas ? "cuBLASLt" : "stream");
+  std::string note = std::string("policy ") + fp8_policy_name(policy) + ", ran " +
+                     (cublas ? "cuBLASLt for " + std::to_string(main_rows) + " rows" : std::string("stream"));
   for (const auto& f : (*gemm)->fallbacks()) note += "; fallback " + f;
   for (const auto& t : (*gemm)->tunings()) {
     char buf[96];
@@ -1024,7 +1029,7 @@ size_t routing_violations(const HostRouting& h, const std::vector<int32_t>& ids,
     bad += h.padded[static_cast<size_t>(e)] != padded;
     if (count[static_cast<size_t>(e)] > 0) bad += h.active[static_cast<size_t>(active++)] != e;
     acc += count[static_cast<size_t>(e)];
-    padded += (count[static_cast<size_t>(e)] + 3) / 4 * 4;
+    padded += kc::fp8_cublas_rows(count[static_cast<size_t>(e)]);
   }
   bad += h.offsets[static_cast<size_t>(e_count)] != acc;
   bad += h.num_active != active;
@@ -1222,38 +1227,6 @@ void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int t
       dn_deq.insert(dn_deq.end(), df.begin(), df.end());
     }
   }
-  const bool quantized_inputs = fp8 && path == kc::MoePath::kPerExpert;
-  std::vector<float> ref = base_f;
-  for (int t = 0; t < t_count; ++t) {
-    std::vector<float> xin(x_f.begin() + static_cast<ptrdiff_t>(t) * hidden,
-                           x_f.begin() + static_cast<ptrdiff_t>(t + 1) * hidden);
-    if (quantized_inputs) {
-      std::vector<uint8_t> q;
-      std::vector<float> s;
-      quantize_fp8_host(xin, 1, hidden, &q, &s);
-      xin = dequantize_host(q, s, 1, hidden);
-    }
-    for (int j = 0; j < top_k; ++j) {
-      const int e = ids[static_cast<size_t>(t) * top_k + j];
-      std::vector<float> gu(static_cast<size_t>(gu_n)), act(static_cast<size_t>(inter)), y(static_cast<size_t>(hidden));
-      cpu::matmul(xin.data(), gu_deq.data() + static_cast<size_t>(e) * gu_n * hidden, nullptr, 1, gu_n, hidden,
-                  gu.data());
-      for (auto& v : gu) v = bf16_round(v);
-      cpu::silu_mul(gu.data(), gu.data() + inter, inter, act.data());
-      for (auto& v : act) v = bf16_round(v);
-      if (quantized_inputs) {
-        std::vector<uint8_t> q;
-        std::vector<float> s;
-        quantize_fp8_host(act, 1, inter, &q, &s);
-        act = dequantize_host(q, s, 1, inter);
-      }
-      cpu::matmul(act.data(), dn_deq.data() + static_cast<size_t>(e) * hidden * inter, nullptr, 1, hidden, inter,
-                  y.data());
-      for (int c = 0; c < hidden; ++c) {
-        ref[static_cast<size_t>(t) * hidden + c] += rw[static_cast<size_t>(t) * top_k + j] * bf16_round(y[c]);
-      }
-    }
-  }
   DeviceBuffer<float> d_logits(logits.size());
   DeviceBuffer<uint8_t> d_guq(gu_q.size()), d_dnq(dn_q.size());
   DeviceBuffer<float> d_gus(gu_s.size()), d_dns(dn_s.size());
@@ -1289,6 +1262,42 @@ void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int t
   PD_STATUS_CHECK(fp8_gemm.status());
   PD_STATUS_CHECK((*layer)->forward(d_out.get(), d_x.get(), d_logits.get(), t_count, w, true, path, nullptr, true,
                                     gemm->get(), fp8_gemm->get()));
+  // The per-expert FP8 path quantizes the GEMM inputs of an expert's first
+  // fp8_cublas_rows(count) rows (cuBLASLt) and multiplies the rest in bf16 (streaming): which
+  // (token, choice) went where comes from the routing the layer used.
+  const kc::MoeRouting& routing = (*layer)->routing();
+  std::vector<int32_t> offs(static_cast<size_t>(e_count) + 1), slot(static_cast<size_t>(t_count) * top_k);
+  PD_CUDA_CHECK(cudaMemcpy(offs.data(), routing.expert_offsets, offs.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  PD_CUDA_CHECK(cudaMemcpy(slot.data(), routing.slot_of_choice, slot.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  auto quantize_row = [](std::vector<float> v, int k) {
+    std::vector<uint8_t> q;
+    std::vector<float> sc;
+    quantize_fp8_host(v, 1, k, &q, &sc);
+    return dequantize_host(q, sc, 1, k);
+  };
+  std::vector<float> ref = base_f;
+  for (int t = 0; t < t_count; ++t) {
+    const std::vector<float> xin(x_f.begin() + static_cast<ptrdiff_t>(t) * hidden,
+                                 x_f.begin() + static_cast<ptrdiff_t>(t + 1) * hidden);
+    for (int j = 0; j < top_k; ++j) {
+      const size_t i = static_cast<size_t>(t) * top_k + j;
+      const int e = ids[i];
+      const int count = offs[static_cast<size_t>(e) + 1] - offs[static_cast<size_t>(e)];
+      const bool quantized =
+          fp8 && path == kc::MoePath::kPerExpert && slot[i] - offs[static_cast<size_t>(e)] < kc::fp8_cublas_rows(count);
+      const std::vector<float> x_use = quantized ? quantize_row(xin, hidden) : xin;
+      std::vector<float> gu(static_cast<size_t>(gu_n)), act(static_cast<size_t>(inter)), y(static_cast<size_t>(hidden));
+      cpu::matmul(x_use.data(), gu_deq.data() + static_cast<size_t>(e) * gu_n * hidden, nullptr, 1, gu_n, hidden,
+                  gu.data());
+      for (auto& v : gu) v = bf16_round(v);
+      cpu::silu_mul(gu.data(), gu.data() + inter, inter, act.data());
+      for (auto& v : act) v = bf16_round(v);
+      if (quantized) act = quantize_row(act, inter);
+      cpu::matmul(act.data(), dn_deq.data() + static_cast<size_t>(e) * hidden * inter, nullptr, 1, hidden, inter,
+                  y.data());
+      for (int c = 0; c < hidden; ++c) ref[static_cast<size_t>(t) * hidden + c] += rw[i] * bf16_round(y[c]);
+    }
+  }
   std::string note;
   for (const auto& f : (*fp8_gemm)->fallbacks()) note += "fallback " + f + "; ";
   record(std::string("moe_layer_") + (fp8 ? "fp8" : "bf16") + (path == kc::MoePath::kStream ? "_stream" : "_expert"),
@@ -1585,8 +1594,8 @@ void check_fp8_kv() {
 
 void check_fp8_moe() {
   check_fp8_kv();
-  check_fp8_scale_layouts(3, 256, 768);
-  check_fp8_scale_layouts(37, 512, 1024);
+  check_fp8_scale_layouts(32, 256, 768);
+  check_fp8_scale_layouts(48, 512, 1024);
   check_fp8_scale_layouts(64, 256, 768);
   check_quantize_fp8(1, 2048);
   check_quantize_fp8(37, 768);
@@ -1629,6 +1638,7 @@ void check_fp8_moe() {
     for (auto path : {kc::MoePath::kStream, kc::MoePath::kPerExpert}) {
       check_moe_layer(fp8, path, 5, 16, 4, 256, 128);
       check_moe_layer(fp8, path, 40, 64, 8, 512, 256);
+      check_moe_layer(fp8, path, 200, 16, 4, 256, 128);  // ~50 rows per expert: cuBLASLt rows + a streamed rest
     }
   }
 }

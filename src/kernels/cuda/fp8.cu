@@ -43,8 +43,9 @@ __device__ __forceinline__ int find_group(const int32_t* offsets, int num_groups
 
 // One warp per (row, 128-wide group): 4 elements per lane, amax across the warp,
 // scale = amax / 448 (1 for an all-zero group), q = satfinite(x / scale).
-// Dense: scale index g * scale_ld + row. Grouped (offsets set): the row's expert e gets its
-// own [groups][round_up(count_e, 4)] block at padded_offsets[e] * groups.
+// Dense: scale index g * scale_ld + row. Grouped (offsets set): the first
+// fp8_cublas_rows(count_e) rows of expert e get their own [groups][that many] block at
+// padded_offsets[e] * groups (the rest are multiplied in bf16 by the streaming kernel).
 __global__ void __launch_bounds__(kQuantWarps * 32)
     quantize_fp8_kernel(uint8_t* __restrict__ out, float* __restrict__ scales, const bf16* __restrict__ x, int32_t rows,
                         int32_t k, int32_t scale_ld, const int32_t* __restrict__ offsets,
@@ -70,16 +71,17 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
       __nv_cvt_float2_to_fp8x2(make_float2(v[2] / scale, v[3] / scale), __NV_SATFINITE, __NV_E4M3);
   *reinterpret_cast<uint32_t*>(out + base) = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
   if (lane == 0) {
-    int64_t idx;
     if (offsets == nullptr) {
-      idx = static_cast<int64_t>(g) * scale_ld + row;
+      scales[static_cast<int64_t>(g) * scale_ld + row] = scale;
     } else {
       const int e = find_group(offsets, num_groups, row);
-      const int count = offsets[e + 1] - offsets[e];
-      idx = static_cast<int64_t>(padded_offsets[e]) * groups + static_cast<int64_t>(g) * fp8_act_scale_ld(count) +
-            (row - offsets[e]);
+      const int main_rows = fp8_cublas_rows(offsets[e + 1] - offsets[e]);
+      const int r = row - offsets[e];
+      // Rows past the expert's cuBLASLt rows go through the streaming kernel (bf16): no scale.
+      if (r < main_rows) {
+        scales[static_cast<int64_t>(padded_offsets[e]) * groups + static_cast<int64_t>(g) * main_rows + r] = scale;
+      }
     }
-    scales[idx] = scale;
   }
 }
 

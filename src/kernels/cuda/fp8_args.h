@@ -35,6 +35,14 @@ constexpr int32_t fp8_weight_scale_ld(int32_t k) {
 constexpr int32_t fp8_act_scale_ld(int32_t m) {
   return fp8_round_up(m, 4);
 }
+// cuBLASLt's block-scaled FP8 GEMM runs only for M a multiple of 16 here (H200, cuBLAS 13.0:
+// no algorithm for M = 1, 3, 5, 37, 143, 333, 835, ...; M = 16, 64, 128, 512, 2048 run), so
+// a GEMM takes the first fp8_cublas_rows(M) rows through cuBLASLt and the rest (< 16) through
+// the streaming kernel.
+inline constexpr int32_t kFp8CublasRowMultiple = 16;
+constexpr int32_t fp8_cublas_rows(int32_t m) {
+  return m / kFp8CublasRowMultiple * kFp8CublasRowMultiple;
+}
 
 // A block-scaled FP8 weight (device pointers). Experts of one MoE layer are stored back to
 // back: expert e at data + e * n * k, its scales at scale + e * ceil(n/128) * scale_ld.

@@ -123,8 +123,8 @@ Status decode_attention_fp8(const AttentionArgs& args_in, void* workspace, size_
       a.decode_partition_tokens % kKvBlockSize != 0) {
     return unimplemented("decode_attention_fp8: partition of {} tokens", a.decode_partition_tokens);
   }
-  const int32_t parts = std::max<int32_t>(1, (a.max_context_len + a.decode_partition_tokens - 1) /
-                                                 a.decode_partition_tokens);
+  const int32_t parts =
+      std::max<int32_t>(1, (a.max_context_len + a.decode_partition_tokens - 1) / a.decode_partition_tokens);
   const size_t need = decode_attention_workspace_bytes(a.num_seqs, a.num_q_heads, a.head_dim, a.max_context_len,
                                                        a.decode_partition_tokens);
   if (workspace_bytes < need) {

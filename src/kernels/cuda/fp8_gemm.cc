@@ -89,6 +89,13 @@ Result<Fp8Gemm::Plan*> Fp8Gemm::plan_for(int32_t m, const Fp8Weight& w, bool acc
   auto it = plans_.find(key);
   if (it != plans_.end()) return &it->second;
   Plan plan;
+  // cuBLASLt runs the first fp8_cublas_rows(m) rows; below 16 rows the shape only streams.
+  const int32_t main_rows = fp8_cublas_rows(m);
+  if (main_rows == 0) {
+    plan.path = Fp8GemmPath::kStream;
+    auto [pos, inserted] = plans_.emplace(key, plan);
+    return &pos->second;
+  }
   PD_RETURN_IF_ERROR(
       lt_status(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate"));
   const cublasOperation_t trans = CUBLAS_OP_T, no_trans = CUBLAS_OP_N;
@@ -113,8 +120,8 @@ Result<Fp8Gemm::Plan*> Fp8Gemm::plan_for(int32_t m, const Fp8Weight& w, bool acc
                                                               &b_scale_ptr, sizeof(b_scale_ptr)),
                                "set B_SCALE_POINTER"));
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, w.k, w.n, w.k), "layout A"));
-  PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, w.k, m, w.k), "layout B"));
-  PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, w.n, m, w.n), "layout C"));
+  PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, w.k, main_rows, w.k), "layout B"));
+  PD_RETURN_IF_ERROR(lt_status(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, w.n, main_rows, w.n), "layout C"));
   cublasLtMatmulPreference_t pref = nullptr;
   PD_RETURN_IF_ERROR(lt_status(cublasLtMatmulPreferenceCreate(&pref), "preference create"));
   const uint64_t ws = workspace_bytes_;
@@ -158,30 +165,38 @@ Status Fp8Gemm::launch_cublas(Plan& plan, __nv_bfloat16* out, const uint8_t* a_q
                    "cublasLtMatmul (fp8 block-scaled)");
 }
 
+Status Fp8Gemm::launch_stream(__nv_bfloat16* out, const __nv_bfloat16* a, int32_t m, const Fp8Weight& w,
+                              cudaStream_t stream, bool accumulate) {
+  StreamGemmArgs args;
+  args.out = out;
+  args.ldo = w.n;
+  args.a = a;
+  args.lda = w.k;
+  args.w = w.data;
+  args.w_scale = w.scale;
+  args.w_scale_ld = w.scale_ld;
+  args.m = m;
+  args.n = w.n;
+  args.k = w.k;
+  args.accumulate = accumulate;
+  return stream_gemm(args, m, stream);
+}
+
 Status Fp8Gemm::launch_path(Plan& plan, Fp8GemmPath path, __nv_bfloat16* out, const __nv_bfloat16* a, int32_t m,
                             const Fp8Weight& w, cudaStream_t stream, bool accumulate) {
   last_path_ = path;
-  if (path == Fp8GemmPath::kStream) {
-    StreamGemmArgs args;
-    args.out = out;
-    args.ldo = w.n;
-    args.a = a;
-    args.lda = w.k;
-    args.w = w.data;
-    args.w_scale = w.scale;
-    args.w_scale_ld = w.scale_ld;
-    args.m = m;
-    args.n = w.n;
-    args.k = w.k;
-    args.accumulate = accumulate;
-    return stream_gemm(args, m, stream);
-  }
+  if (path == Fp8GemmPath::kStream) return launch_stream(out, a, m, w, stream, accumulate);
   if (m > max_m_ || w.k > max_k_) {
     return invalid_argument("fp8 gemm: activations {} x {} exceed the quantization scratch ({} x {})", m, w.k, max_m_,
                             max_k_);
   }
-  PD_RETURN_IF_ERROR(quantize_fp8(act_q_, act_scales_, a, m, w.k, stream));
-  return launch_cublas(plan, out, act_q_, act_scales_, m, w, stream, accumulate);
+  // The plan's M is fp8_cublas_rows(m); the remaining rows (< 16) stream.
+  const int32_t main_rows = fp8_cublas_rows(m);
+  PD_RETURN_IF_ERROR(quantize_fp8(act_q_, act_scales_, a, main_rows, w.k, stream));
+  PD_RETURN_IF_ERROR(launch_cublas(plan, out, act_q_, act_scales_, main_rows, w, stream, accumulate));
+  if (main_rows == m) return Status::Ok();
+  return launch_stream(out + static_cast<int64_t>(main_rows) * w.n, a + static_cast<int64_t>(main_rows) * w.k,
+                       m - main_rows, w, stream, accumulate);
 }
 
 Status Fp8Gemm::tune(Plan& plan, __nv_bfloat16* out, const __nv_bfloat16* a, int32_t m, const Fp8Weight& w,
@@ -274,6 +289,10 @@ Status Fp8Gemm::run_quantized(__nv_bfloat16* out, const uint8_t* a_q, const floa
   if (m == 0) return Status::Ok();
   if (m < 0) return invalid_argument("fp8 gemm: m {}", m);
   PD_RETURN_IF_ERROR(check_weight(w, "fp8 gemm"));
+  if (fp8_cublas_rows(m) != m) {
+    return unimplemented("fp8 gemm m={} n={} k={}: pre-quantized input needs M a multiple of {}", m, w.n, w.k,
+                         kFp8CublasRowMultiple);
+  }
   PD_ASSIGN_OR_RETURN(Plan * plan, plan_for(m, w, accumulate, a_q, a_scales));
   if (!plan->cublas_ok) {
     return unimplemented("fp8 gemm m={} n={} k={}: cuBLASLt has no block-scaled algorithm for pre-quantized input", m,

@@ -7,6 +7,8 @@
 //   FP8 GEMM runs with CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F on the weights (cuBLASLt's
 //   A, row-major [N][K] seen as column-major K x N, transposed) and VEC128_32F on the
 //   activations (its B). Layouts: fp8_args.h.
+//   cuBLASLt runs only M a multiple of 16 (fp8_args.h, fp8_cublas_rows): the first
+//   fp8_cublas_rows(M) rows take it, the rest (< 16) the streaming kernel; M < 16 only streams.
 // - kStream: the weight-streaming kernel (stream_gemm) on the bf16 activations, no
 //   quantization; reads every weight byte once per 8 rows, so it is for small M.
 // Policy kAuto: the first call of a shape with M <= kMaxTunedM outside a graph capture times
@@ -58,7 +60,8 @@ class Fp8Gemm {
   Status run(__nv_bfloat16* out, const __nv_bfloat16* a, int32_t m, const Fp8Weight& w, cudaStream_t stream,
              bool accumulate = false);
   // Activations already quantized (quantize_fp8 / quantize_fp8_grouped layout, scale
-  // ld = fp8_act_scale_ld(m)): always cuBLASLt; an error if it has no algorithm for the shape.
+  // ld = m): always cuBLASLt; m must be a multiple of 16 (UNIMPLEMENTED otherwise, or when
+  // cuBLASLt has no algorithm for the shape).
   Status run_quantized(__nv_bfloat16* out, const uint8_t* a_q, const float* a_scales, int32_t m, const Fp8Weight& w,
                        cudaStream_t stream, bool accumulate = false);
 
@@ -82,6 +85,8 @@ class Fp8Gemm {
   Result<Plan*> plan_for(int32_t m, const Fp8Weight& w, bool accumulate, const uint8_t* a_q, const float* a_scales);
   Status launch_cublas(Plan& plan, __nv_bfloat16* out, const uint8_t* a_q, const float* a_scales, int32_t m,
                        const Fp8Weight& w, cudaStream_t stream, bool accumulate);
+  Status launch_stream(__nv_bfloat16* out, const __nv_bfloat16* a, int32_t m, const Fp8Weight& w, cudaStream_t stream,
+                       bool accumulate);
   Status launch_path(Plan& plan, Fp8GemmPath path, __nv_bfloat16* out, const __nv_bfloat16* a, int32_t m,
                      const Fp8Weight& w, cudaStream_t stream, bool accumulate);
   Status tune(Plan& plan, __nv_bfloat16* out, const __nv_bfloat16* a, int32_t m, const Fp8Weight& w,

@@ -84,10 +84,10 @@ Status fill_uniform(bf16* out, size_t n, uint64_t seed, float scale, cudaStream_
 // scale = amax / 448 of each 128-wide group (1 for an all-zero group), stored at
 // scales[g * fp8_act_scale_ld(rows) + row] (cuBLASLt's VEC128_32F layout).
 Status quantize_fp8(uint8_t* out, float* scales, const bf16* x, int32_t rows, int32_t k, cudaStream_t stream);
-// The same for rows sorted by expert (moe_align's routing): expert e's rows
-// [expert_offsets[e], expert_offsets[e + 1]) get their own scale block of
-// [k / 128][round_up(count_e, 4)] at scales + padded_offsets[e] * (k / 128), the layout one
-// cuBLASLt call per expert reads.
+// The same for rows sorted by expert (moe_align's routing): the first
+// m_e = fp8_cublas_rows(count_e) rows of expert e's range [expert_offsets[e], +count_e) get
+// their own scale block of [k / 128][m_e] at scales + padded_offsets[e] * (k / 128), the
+// layout one cuBLASLt call per expert reads; the other rows get codes but no scale.
 Status quantize_fp8_grouped(uint8_t* out, float* scales, const bf16* x, int32_t rows, int32_t k,
                             const MoeRouting& routing, int32_t num_experts, cudaStream_t stream);
 

@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
 
 constexpr int kAlignThreads = 1024;
 
-// One CTA: histogram of the expert ids, offsets (plain and padded to 4 rows per expert),
+// One CTA: histogram of the expert ids, offsets (plain, and of the cuBLASLt rows per expert),
 // the ascending list of experts with rows, then each (token, choice) pair takes a row of
 // its expert's range through a shared-memory cursor. The order of rows within an expert
 // depends on the atomics' order; no result does (every GEMM row is computed on its own and
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kAlignThreads)
       r.padded_offsets[e] = padded;
       if (counts[e] > 0) r.active_experts[active++] = e;
       acc += counts[e];
-      padded += fp8_act_scale_ld(counts[e]);
+      padded += fp8_cublas_rows(counts[e]);
     }
     offsets[num_experts] = acc;
     r.expert_offsets[num_experts] = acc;

@@ -105,20 +105,49 @@ Status MoeLayer::expert_gemm(__nv_bfloat16* out, const __nv_bfloat16* in, const 
       we.n = n;
       we.k = k;
       we.scale_ld = scale_ld;
-      const Status st =
-          fp8_gemm->run_quantized(o, q_ + static_cast<int64_t>(off[e]) * k,
-                                  q_scales_ + static_cast<int64_t>(padded[e]) * (k / kFp8Block), count, we, stream);
-      if (st.code() == ErrorCode::kUnimplemented) {
-        // No cuBLASLt algorithm for this shape: Fp8Gemm::run takes the streaming kernel.
-        PD_RETURN_IF_ERROR(fp8_gemm->run(o, in + static_cast<int64_t>(off[e]) * k, count, we, stream));
-      } else {
-        PD_RETURN_IF_ERROR(st);
+      // The first fp8_cublas_rows(count) rows through cuBLASLt on the grouped quantization,
+      // the rest (< 16, or all when cuBLASLt has no algorithm) through the streaming kernel.
+      int32_t main_rows = fp8_cublas_rows(count);
+      if (main_rows > 0) {
+        const Status st = fp8_gemm->run_quantized(o, q_ + static_cast<int64_t>(off[e]) * k,
+                                                  q_scales_ + static_cast<int64_t>(padded[e]) * (k / kFp8Block),
+                                                  main_rows, we, stream);
+        if (st.code() == ErrorCode::kUnimplemented) {
+          main_rows = 0;
+        } else {
+          PD_RETURN_IF_ERROR(st);
+        }
+      }
+      if (main_rows < count) {
+        StreamGemmArgs a;
+        a.out = o + static_cast<int64_t>(main_rows) * n;
+        a.ldo = n;
+        a.a = in + static_cast<int64_t>(off[e] + main_rows) * k;
+        a.lda = k;
+        a.w = we.data;
+        a.w_scale = we.scale;
+        a.w_scale_ld = we.scale_ld;
+        a.m = count - main_rows;
+        a.n = n;
+        a.k = k;
+        PD_RETURN_IF_ERROR(stream_gemm(a, a.m, stream));
       }
     } else {
       const auto* we = static_cast<const __nv_bfloat16*>(w) + static_cast<int64_t>(e) * n * k;
       PD_RETURN_IF_ERROR(
           gemm->run(o, GemmOut::kBFloat16, in + static_cast<int64_t>(off[e]) * k, we, count, n, k, stream));
     }
+  }
+  return Status::Ok();
+}
+
+// silu_mul's grid has a row per y index (at most 65,535): longer runs go in pieces.
+Status MoeLayer::silu_rows(int32_t rows, cudaStream_t stream) {
+  constexpr int32_t kMaxRows = 65535;
+  for (int32_t r = 0; r < rows; r += kMaxRows) {
+    PD_RETURN_IF_ERROR(silu_mul(act_ + static_cast<int64_t>(r) * inter_,
+                                gate_up_ + static_cast<int64_t>(r) * 2 * inter_, std::min(kMaxRows, rows - r), inter_,
+                                stream));
   }
   return Status::Ok();
 }
@@ -154,7 +183,7 @@ Status MoeLayer::forward(__nv_bfloat16* out, const __nv_bfloat16* x, const float
     // A token picks an expert at most once: an expert has at most num_tokens rows.
     PD_RETURN_IF_ERROR(expert_gemm(gate_up_, x, routing_.sorted_token, w.gate_up, w.gate_up_scale, gu_n, hidden_, rows,
                                    num_tokens, w, path, stream, gemm, fp8_gemm));
-    PD_RETURN_IF_ERROR(silu_mul(act_, gate_up_, rows, inter_, stream));
+    PD_RETURN_IF_ERROR(silu_rows(rows, stream));
     PD_RETURN_IF_ERROR(expert_gemm(down_out_, act_, nullptr, w.down, w.down_scale, hidden_, inter_, rows, num_tokens, w,
                                    path, stream, gemm, fp8_gemm));
   } else {
@@ -170,7 +199,7 @@ Status MoeLayer::forward(__nv_bfloat16* out, const __nv_bfloat16* x, const float
     PD_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream), "moe offsets sync"));
     PD_RETURN_IF_ERROR(expert_gemm(gate_up_, gathered_, nullptr, w.gate_up, w.gate_up_scale, gu_n, hidden_, rows,
                                    num_tokens, w, path, stream, gemm, fp8_gemm));
-    PD_RETURN_IF_ERROR(silu_mul(act_, gate_up_, rows, inter_, stream));
+    PD_RETURN_IF_ERROR(silu_rows(rows, stream));
     PD_RETURN_IF_ERROR(expert_gemm(down_out_, act_, nullptr, w.down, w.down_scale, hidden_, inter_, rows, num_tokens, w,
                                    path, stream, gemm, fp8_gemm));
   }

@@ -12,8 +12,9 @@
 //   host, so it can be captured in a CUDA graph. For decode.
 // - kPerExpert: copies the expert offsets to the host (one stream synchronization), then one
 //   GEMM per active expert over its contiguous rows: cuBLASLt's block-scaled FP8 GEMM on
-//   activations quantized once per GEMM for all experts (quantize_fp8_grouped), or the bf16
-//   Gemm. For prefill (not capturable).
+//   activations quantized once per GEMM for all experts (quantize_fp8_grouped) for the first
+//   fp8_cublas_rows(count) rows and the streaming kernel for the rest, or the bf16 Gemm.
+//   For prefill (not capturable).
 // Not thread-safe; buffers are owned here, sized at create().
 #pragma once
 
@@ -63,10 +64,13 @@ class MoeLayer {
   // and the number of distinct experts (device buffers).
   const int32_t* topk_ids() const { return topk_ids_; }
   const int32_t* num_active() const { return routing_.num_active; }
+  // The routing of the last forward (device buffers; fp8_args.h).
+  const MoeRouting& routing() const { return routing_; }
   int32_t top_k() const { return top_k_; }
 
  private:
   MoeLayer() = default;
+  Status silu_rows(int32_t rows, cudaStream_t stream);
   Status expert_gemm(__nv_bfloat16* out, const __nv_bfloat16* in, const int32_t* in_rows, const void* w,
                      const float* w_scale, int32_t n, int32_t k, int32_t rows, int32_t rows_hint, const MoeWeights& mw,
                      MoePath path, cudaStream_t stream, Gemm* gemm, Fp8Gemm* fp8_gemm);
