@@ -240,6 +240,108 @@ __global__ void __launch_bounds__(kStreamWarps * 32, 2) stream_gemm_kernel(Strea
   }
 }
 
+// ---- tensor-core weight streaming for M <= 16 (dense) ----
+// The skinny bf16 kernel's shape (skinny_gemm.cu) for FP8 weights: a CTA owns 16 output
+// columns (two n8 tiles) and splits K over 8 warps in contiguous ranges; lane (g, t4) loads
+// 16 e4m3 weights (k = 64 c + 16 t4 .. + 16) of w rows n0 + g and n0 + 8 + g per 64-wide chunk
+// c, converts them to bf16 times the chunk's 128 x 128 block scale (a chunk lies in one block:
+// 64 | 128 and the 16 rows of a CTA lie in one 128-row block), and feeds them with the bf16
+// activations of the same k to mma m16n8k16 (rows >= m are zero). The k permutation (a lane's
+// 8 consecutive k feed slots {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}) is the same on both
+// operands, so the sum over k is unchanged. bf16 rounding of the scaled weight adds a relative
+// error of 2^-9 per weight.
+constexpr int kTcWarps = 8;
+constexpr int kTcChunk = 64;
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t fp8x2_scaled_to_bf16x2(uint32_t bits16, float s) {
+  const float2 f = fp8x2_to_float2(bits16);
+  const __nv_bfloat162 v = __floats2bfloat162_rn(f.x * s, f.y * s);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Two mma k16 steps for 8 consecutive k of this lane: weights (2 words = 8 e4m3), activations
+// of rows g (lo) and g + 8 (hi) as 8 bf16 each.
+__device__ __forceinline__ void mma_fp8_piece(float (&acc)[4], uint32_t w_lo, uint32_t w_hi, float s, const uint4& lo,
+                                              const uint4& hi) {
+  const uint32_t b0 = fp8x2_scaled_to_bf16x2(w_lo & 0xffffu, s), b1 = fp8x2_scaled_to_bf16x2(w_lo >> 16, s);
+  const uint32_t b2 = fp8x2_scaled_to_bf16x2(w_hi & 0xffffu, s), b3 = fp8x2_scaled_to_bf16x2(w_hi >> 16, s);
+  mma_bf16_16816(acc, lo.x, hi.x, lo.y, hi.y, b0, b1);
+  mma_bf16_16816(acc, lo.z, hi.z, lo.w, hi.w, b2, b3);
+}
+
+template <int kUnroll, bool kHighRows>
+__global__ void __launch_bounds__(kTcWarps * 32, 2)
+    fp8_tc_stream_kernel(bf16* __restrict__ out, const bf16* __restrict__ a, const uint8_t* __restrict__ w,
+                         const float* __restrict__ w_scale, int scale_ld, int m, int n, int k, bool accumulate) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const bool has_tile1 = n0 + 8 < n;  // n % 8 == 0
+  const int num_chunks = k / kTcChunk;
+  const int per_warp = (num_chunks + kTcWarps - 1) / kTcWarps;
+  const int first = warp * per_warp, end = min(num_chunks, first + per_warp);
+  const uint8_t* w0 = w + static_cast<int64_t>(n0 + g) * k + t4 * 16;
+  const uint8_t* w1 = w + static_cast<int64_t>(has_tile1 ? n0 + 8 + g : n0 + g) * k + t4 * 16;
+  const float* srow = w_scale + static_cast<int64_t>(n0 / kFp8Block) * scale_ld;
+  const bool row_lo = g < m, row_hi = kHighRows && g + 8 < m;
+  const bf16* a_lo = a + static_cast<int64_t>(row_lo ? g : 0) * k + t4 * 16;
+  const bf16* a_hi = a + static_cast<int64_t>(row_hi ? g + 8 : 0) * k + t4 * 16;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  float acc0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int c = first; c < end; c += kUnroll) {
+    uint4 wv0[kUnroll], wv1[kUnroll], lo[kUnroll][2], hi[kUnroll][2];
+    float sc[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const bool valid = c + u < end;
+      const int k_off = (c + u) * kTcChunk;
+      wv0[u] = valid ? load_stream_16(w0 + k_off) : zero;
+      wv1[u] = valid && has_tile1 ? load_stream_16(w1 + k_off) : zero;
+      sc[u] = valid ? __ldg(srow + k_off / kFp8Block) : 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        lo[u][h] = valid && row_lo ? __ldg(reinterpret_cast<const uint4*>(a_lo + k_off + h * 8)) : zero;
+        hi[u][h] = kHighRows && valid && row_hi ? __ldg(reinterpret_cast<const uint4*>(a_hi + k_off + h * 8)) : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      mma_fp8_piece(acc0, wv0[u].x, wv0[u].y, sc[u], lo[u][0], hi[u][0]);
+      mma_fp8_piece(acc0, wv0[u].z, wv0[u].w, sc[u], lo[u][1], hi[u][1]);
+      mma_fp8_piece(acc1, wv1[u].x, wv1[u].y, sc[u], lo[u][0], hi[u][0]);
+      mma_fp8_piece(acc1, wv1[u].z, wv1[u].w, sc[u], lo[u][1], hi[u][1]);
+    }
+  }
+  // Sum the warps' partial tiles and store rows < m, columns < n.
+  __shared__ float partial[kTcWarps][2][4][32];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    partial[warp][0][i][lane] = acc0[i];
+    partial[warp][1][i][lane] = acc1[i];
+  }
+  __syncthreads();
+  const int tile = threadIdx.x >> 7, elem = (threadIdx.x >> 5) & 3, src = threadIdx.x & 31;
+  float sum = 0.0f;
+#pragma unroll
+  for (int wp = 0; wp < kTcWarps; ++wp) sum += partial[wp][tile][elem][src];
+  // mma C fragment: elements 0, 1 are row g, 2, 3 row g + 8; column 2 t4 + (elem & 1).
+  const int row = (src >> 2) + (elem >= 2 ? 8 : 0);
+  const int col = n0 + tile * 8 + (src & 3) * 2 + (elem & 1);
+  if (row < m && col < n) {
+    bf16* o = out + static_cast<int64_t>(row) * n + col;
+    *o = __float2bfloat16(accumulate ? sum + __bfloat162float(*o) : sum);
+  }
+}
+
 template <bool kFp8>
 cudaError_t launch_stream_gemm_typed(const StreamGemmArgs& p, int32_t rows_hint, cudaStream_t stream) {
   const dim3 grid((p.n + kStreamColsPerCta - 1) / kStreamColsPerCta, p.group_offsets != nullptr ? p.max_groups : 1);
@@ -285,6 +387,20 @@ cudaError_t launch_quantize_fp8(uint8_t* out, float* scales, const bf16* x, int3
   const unsigned blocks = static_cast<unsigned>((items + kQuantWarps - 1) / kQuantWarps);
   quantize_fp8_kernel<<<blocks, kQuantWarps * 32, 0, stream>>>(out, scales, x, rows, k, scale_ld, offsets,
                                                                padded_offsets, num_groups);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_fp8_tc_stream(bf16* out, const bf16* a, const uint8_t* w, const float* w_scale, int32_t scale_ld,
+                                 int32_t m, int32_t n, int32_t k, bool accumulate, cudaStream_t stream) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  const dim3 grid((n + 15) / 16);
+  if (m <= 8) {
+    fp8_tc_stream_kernel<4, false>
+        <<<grid, kTcWarps * 32, 0, stream>>>(out, a, w, w_scale, scale_ld, m, n, k, accumulate);
+  } else {
+    fp8_tc_stream_kernel<4, true>
+        <<<grid, kTcWarps * 32, 0, stream>>>(out, a, w, w_scale, scale_ld, m, n, k, accumulate);
+  }
   return cudaGetLastError();
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/launch.h"
 
 namespace pd::kernels::cuda {
 namespace {
@@ -167,6 +168,12 @@ Status Fp8Gemm::launch_cublas(Plan& plan, __nv_bfloat16* out, const uint8_t* a_q
 
 Status Fp8Gemm::launch_stream(__nv_bfloat16* out, const __nv_bfloat16* a, int32_t m, const Fp8Weight& w,
                               cudaStream_t stream, bool accumulate) {
+  if (m <= kTensorCoreStreamMaxM) {
+    // Tensor cores (fp8.cu): check_weight guarantees k % 128 == 0 and n % 16 == 0.
+    return cuda_status(
+        detail::launch_fp8_tc_stream(out, a, w.data, w.scale, w.scale_ld, m, w.n, w.k, accumulate, stream),
+        "fp8 tensor-core streaming gemm launch");
+  }
   StreamGemmArgs args;
   args.out = out;
   args.ldo = w.n;

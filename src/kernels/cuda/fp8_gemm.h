@@ -9,8 +9,10 @@
 //   activations (its B). Layouts: fp8_args.h.
 //   cuBLASLt runs only M a multiple of 16 (fp8_args.h, fp8_cublas_rows): the first
 //   fp8_cublas_rows(M) rows take it, the rest (< 16) the streaming kernel; M < 16 only streams.
-// - kStream: the weight-streaming kernel (stream_gemm) on the bf16 activations, no
-//   quantization; reads every weight byte once per 8 rows, so it is for small M.
+// - kStream: weight streaming on the bf16 activations, no quantization: for M <= 16 a
+//   tensor-core kernel (each weight byte read once, converted to bf16 times its block scale
+//   in registers, mma m16n8k16), above that stream_gemm (CUDA cores, one weight pass per 8
+//   rows). For small M.
 // Policy kAuto: the first call of a shape with M <= kMaxTunedM outside a graph capture times
 // both paths on the call's buffers and keeps the faster (the call synchronizes its stream;
 // `out` is restored for accumulating calls); larger M takes cuBLASLt. When cuBLASLt has no
@@ -47,6 +49,9 @@ struct Fp8GemmTuning {
 class Fp8Gemm {
  public:
   static constexpr int32_t kMaxTunedM = 64;
+  // The streaming path runs the tensor-core kernel up to this M (fp8.cu), the CUDA-core
+  // stream_gemm above it.
+  static constexpr int32_t kTensorCoreStreamMaxM = 16;
 
   // max_m x max_k: the largest activation the owned quantization scratch holds (run()).
   static Result<std::unique_ptr<Fp8Gemm>> create(int32_t max_m, int32_t max_k,
