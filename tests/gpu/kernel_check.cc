@@ -1116,7 +1116,7 @@ void check_moe_combine(int t_count, int top_k, int hidden, bool accumulate) {
 
 // Grouped streaming GEMM over the routing of random logits: sorted row r of expert e
 // = x[sorted_token[r]] . W_e^T, FP8 or bf16 experts.
-void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, int n, int k) {
+void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, int n, int k, bool cuda_cores = false) {
   const int rows = t_count * top_k;
   const auto logits = random_logits(t_count, e_count);
   DeviceBuffer<float> d_logits(logits.size()), d_w(static_cast<size_t>(rows));
@@ -1173,6 +1173,7 @@ void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, in
   a.max_groups = std::min(e_count, rows);
   a.n = n;
   a.k = k;
+  a.cuda_cores = cuda_cores;
   PD_STATUS_CHECK(kc::stream_gemm(a, t_count, nullptr));
   const HostRouting h = r.download();
   std::vector<float> ref(static_cast<size_t>(rows) * n);
@@ -1183,7 +1184,7 @@ void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, in
                   ref.data() + static_cast<size_t>(pos) * n);
     }
   }
-  record(std::string("stream_gemm_grouped_") + (fp8 ? "fp8" : "bf16"),
+  record(std::string("stream_gemm_grouped_") + (fp8 ? (cuda_cores ? "fp8_simt" : "fp8_tc") : "bf16"),
          std::to_string(t_count) + "x" + std::to_string(n) + "x" + std::to_string(k) + ", " + std::to_string(e_count) +
              " exp top" + std::to_string(top_k),
          compare(to_float(d_out.download()), ref), std::to_string(h.num_active) + " active experts");
@@ -1634,6 +1635,11 @@ void check_fp8_moe() {
     check_stream_gemm_grouped(fp8, 16, 64, 8, 512, 768);
     check_stream_gemm_grouped(fp8, 64, 32, 4, 256, 512);
   }
+  // The CUDA-core kernel for FP8 experts (the tensor-core one is the default above); 40 tokens
+  // so an expert can have more than 16 rows (two weight passes on tensor cores).
+  check_stream_gemm_grouped(true, 16, 64, 8, 512, 768, true);
+  check_stream_gemm_grouped(true, 40, 4, 2, 256, 512);
+  check_stream_gemm_grouped(true, 40, 4, 2, 256, 512, true);
   for (bool fp8 : {true, false}) {
     for (auto path : {kc::MoePath::kStream, kc::MoePath::kPerExpert}) {
       check_moe_layer(fp8, path, 5, 16, 4, 256, 128);

@@ -342,6 +342,85 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2)
   }
 }
 
+// The same CTA over a group of rows (StreamGemmArgs: dense, or an active MoE expert with its
+// rows gathered through a_rows), 16 rows per weight pass.
+__global__ void __launch_bounds__(kTcWarps * 32, 2) fp8_tc_grouped_kernel(StreamGemmArgs p) {
+  int group = 0, row_begin = 0, row_end = p.m;
+  if (p.group_offsets != nullptr) {
+    const int y = blockIdx.y;
+    if (p.num_active != nullptr && y >= *p.num_active) return;
+    group = p.active_groups != nullptr ? p.active_groups[y] : y;
+    row_begin = p.group_offsets[group];
+    row_end = p.group_offsets[group + 1];
+    if (row_begin >= row_end) return;  // uniform over the CTA
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const int n = p.n, k = p.k;
+  const bool has_tile1 = n0 + 8 < n;
+  const int num_chunks = k / kTcChunk;
+  const int per_warp = (num_chunks + kTcWarps - 1) / kTcWarps;
+  const int first = warp * per_warp, end = min(num_chunks, first + per_warp);
+  const uint8_t* wg = static_cast<const uint8_t*>(p.w) + static_cast<int64_t>(group) * p.w_group_stride;
+  const uint8_t* w0 = wg + static_cast<int64_t>(n0 + g) * k + t4 * 16;
+  const uint8_t* w1 = wg + static_cast<int64_t>(has_tile1 ? n0 + 8 + g : n0 + g) * k + t4 * 16;
+  const float* srow = p.w_scale + static_cast<int64_t>(group) * p.scale_group_stride +
+                      static_cast<int64_t>(n0 / kFp8Block) * p.w_scale_ld;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  __shared__ float partial[kTcWarps][2][4][32];
+  for (int r0 = row_begin; r0 < row_end; r0 += 16) {
+    const int rows = min(16, row_end - r0);
+    const bool row_lo = g < rows, row_hi = g + 8 < rows;
+    const int src_lo = p.a_rows != nullptr ? p.a_rows[r0 + (row_lo ? g : 0)] : r0 + (row_lo ? g : 0);
+    const int src_hi = p.a_rows != nullptr ? p.a_rows[r0 + (row_hi ? g + 8 : 0)] : r0 + (row_hi ? g + 8 : 0);
+    const bf16* a_lo = p.a + static_cast<int64_t>(src_lo) * p.lda + t4 * 16;
+    const bf16* a_hi = p.a + static_cast<int64_t>(src_hi) * p.lda + t4 * 16;
+    float acc0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c = first; c < end; c += 4) {
+      uint4 wv0[4], wv1[4], lo[4][2], hi[4][2];
+      float sc[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const bool valid = c + u < end;
+        const int k_off = (c + u) * kTcChunk;
+        wv0[u] = valid ? load_stream_16(w0 + k_off) : zero;
+        wv1[u] = valid && has_tile1 ? load_stream_16(w1 + k_off) : zero;
+        sc[u] = valid ? __ldg(srow + k_off / kFp8Block) : 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          lo[u][h] = valid && row_lo ? __ldg(reinterpret_cast<const uint4*>(a_lo + k_off + h * 8)) : zero;
+          hi[u][h] = valid && row_hi ? __ldg(reinterpret_cast<const uint4*>(a_hi + k_off + h * 8)) : zero;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        mma_fp8_piece(acc0, wv0[u].x, wv0[u].y, sc[u], lo[u][0], hi[u][0]);
+        mma_fp8_piece(acc0, wv0[u].z, wv0[u].w, sc[u], lo[u][1], hi[u][1]);
+        mma_fp8_piece(acc1, wv1[u].x, wv1[u].y, sc[u], lo[u][0], hi[u][0]);
+        mma_fp8_piece(acc1, wv1[u].z, wv1[u].w, sc[u], lo[u][1], hi[u][1]);
+      }
+    }
+    __syncthreads();  // the previous row block's readers are done with `partial`
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      partial[warp][0][i][lane] = acc0[i];
+      partial[warp][1][i][lane] = acc1[i];
+    }
+    __syncthreads();
+    const int tile = threadIdx.x >> 7, elem = (threadIdx.x >> 5) & 3, src = threadIdx.x & 31;
+    float sum = 0.0f;
+#pragma unroll
+    for (int wp = 0; wp < kTcWarps; ++wp) sum += partial[wp][tile][elem][src];
+    const int row = (src >> 2) + (elem >= 2 ? 8 : 0);
+    const int col = n0 + tile * 8 + (src & 3) * 2 + (elem & 1);
+    if (row < rows && col < n) {
+      bf16* o = p.out + static_cast<int64_t>(r0 + row) * p.ldo + col;
+      *o = __float2bfloat16(p.accumulate ? sum + __bfloat162float(*o) : sum);
+    }
+  }
+}
+
 template <bool kFp8>
 cudaError_t launch_stream_gemm_typed(const StreamGemmArgs& p, int32_t rows_hint, cudaStream_t stream) {
   const dim3 grid((p.n + kStreamColsPerCta - 1) / kStreamColsPerCta, p.group_offsets != nullptr ? p.max_groups : 1);
@@ -406,6 +485,11 @@ cudaError_t launch_fp8_tc_stream(bf16* out, const bf16* a, const uint8_t* w, con
 
 cudaError_t launch_stream_gemm(const StreamGemmArgs& args, int32_t rows_hint, cudaStream_t stream) {
   if (args.n == 0 || (args.group_offsets == nullptr && args.m == 0) || args.max_groups == 0) return cudaSuccess;
+  if (args.w_scale != nullptr && !args.cuda_cores && args.n % 16 == 0) {
+    const dim3 grid((args.n + 15) / 16, args.group_offsets != nullptr ? args.max_groups : 1);
+    fp8_tc_grouped_kernel<<<grid, kTcWarps * 32, 0, stream>>>(args);
+    return cudaGetLastError();
+  }
   return args.w_scale != nullptr ? launch_stream_gemm_typed<true>(args, rows_hint, stream)
                                  : launch_stream_gemm_typed<false>(args, rows_hint, stream);
 }

@@ -81,6 +81,10 @@ struct StreamGemmArgs {
   int32_t n = 0;
   int32_t k = 0;
   bool accumulate = false;
+  // FP8 weights with n % 16 == 0 run on tensor cores (weights converted to bf16 times their
+  // block scale in registers, 16 rows per weight pass); set to run the CUDA-core kernel
+  // instead (8 rows per pass), kept for comparison. bf16 weights always take the CUDA cores.
+  bool cuda_cores = false;
 };
 
 // MoE routing outputs (moe_align): the T * top_k (token, choice) pairs sorted by expert.
