@@ -13,10 +13,12 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/runner/cpu_model_runner.h"
 #include "engine/runner/load_model.h"
+#include "engine/runner/rank_pool.h"
 #include "model/config.h"
 #include "model/tp_shard.h"
 #include "model/weights.h"
@@ -271,6 +273,34 @@ TEST(TpLoadModel, BuiltinTinyLoadsWithTwoRanksAndRefusesCuda) {
   options.device = "cpu";
   options.tensor_parallel_size = 3;
   EXPECT_EQ(load_model(options).status().code(), ErrorCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace pd::engine
+
+namespace pd::engine {
+namespace {
+
+// Every run() executes each rank exactly once, rank 0 on the calling thread,
+// and returns only after all ranks finished (the counts are read without
+// further synchronisation right after run()).
+TEST(RankPool, RunsEveryRankOncePerRunAndJoins) {
+  RankPool pool(4);
+  ASSERT_EQ(pool.num_ranks(), 4);
+  std::vector<int32_t> runs(4, 0);
+  std::vector<std::thread::id> rank0_thread;
+  for (int32_t round = 0; round < 200; ++round) {
+    pool.run([&](int32_t rank) {
+      ++runs[static_cast<size_t>(rank)];
+      if (rank == 0) rank0_thread.push_back(std::this_thread::get_id());
+    });
+    for (int32_t r = 0; r < 4; ++r) ASSERT_EQ(runs[static_cast<size_t>(r)], round + 1) << "rank " << r;
+  }
+  for (const auto& id : rank0_thread) EXPECT_EQ(id, std::this_thread::get_id());
+  RankPool single(1);
+  int32_t calls = 0;
+  single.run([&](int32_t rank) { calls += rank == 0 ? 1 : 100; });
+  EXPECT_EQ(calls, 1);
 }
 
 }  // namespace
