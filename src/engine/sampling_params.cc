@@ -13,7 +13,7 @@ constexpr size_t kMaxStopStringBytes = 1024;
 constexpr size_t kMaxStopTokenIds = 1024;
 constexpr size_t kMaxLogitBias = 1024;
 constexpr size_t kMaxBadWords = 128;
-constexpr size_t kMaxBadWordTokens = 64;
+constexpr size_t kMaxBadWordTokens = 512;  // >= the tokens of a 256-byte bad word and a leading space
 constexpr float kMaxAbsBias = 100.0f;
 
 Status check_token_id(const char* field, int32_t id, int32_t vocab_size) {

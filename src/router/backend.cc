@@ -2,6 +2,7 @@
 
 #include <limits>
 
+#include "common/clock.h"
 #include "common/log.h"
 
 namespace pd::router {
@@ -24,36 +25,36 @@ Status status_from_error(const beast::error_code& ec, std::string_view what) {
 }
 
 Backend::Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_threads, size_t max_idle_per_thread,
-                 std::string authorization)
+                 std::chrono::milliseconds max_idle, std::string authorization, std::shared_ptr<Counter> outstanding)
     : info_(std::move(info)),
       endpoint_(std::move(endpoint)),
       host_header_(info_.http.to_string()),
       authorization_(std::move(authorization)),
-      max_idle_per_thread_(max_idle_per_thread),
+      outstanding_(outstanding ? std::move(outstanding) : std::make_shared<Counter>(0)),
       outstanding_gauge_(metrics::Registry::global().gauge(
           "pd_router_instance_outstanding", "Legs in flight per instance (a stream counts until its end)",
-          {{"instance", info_.instance_id}, {"role", role_name(info_.role)}})),
-      idle_(num_io_threads) {}
+          {{"instance", info_.instance_id}, {"role", role_name(info_.role)}})) {
+  idle_.reserve(num_io_threads);
+  for (size_t i = 0; i < num_io_threads; ++i) idle_.emplace_back(max_idle_per_thread, max_idle);
+}
 
 Backend::~Backend() = default;
 
 void Backend::add_outstanding(int64_t delta) {
-  outstanding_.fetch_add(delta, std::memory_order_relaxed);
+  outstanding_->fetch_add(delta, std::memory_order_relaxed);
   outstanding_gauge_.add(static_cast<double>(delta));
 }
 
 std::unique_ptr<beast::tcp_stream> Backend::take_idle(size_t thread_index) {
-  auto& idle = idle_[thread_index];
-  if (idle.empty()) return nullptr;
-  auto stream = std::move(idle.back());
-  idle.pop_back();
-  return stream;
+  return idle_[thread_index].take(SteadyClock::now());  // dropping an expired entry closes it
 }
 
 void Backend::put_idle(size_t thread_index, std::unique_ptr<beast::tcp_stream> stream) {
-  auto& idle = idle_[thread_index];
-  if (idle.size() >= max_idle_per_thread_) return;  // dropping it closes it
-  idle.push_back(std::move(stream));
+  idle_[thread_index].put(std::move(stream), SteadyClock::now());
+}
+
+void Backend::prune_idle(size_t thread_index) {
+  idle_[thread_index].prune(SteadyClock::now());
 }
 
 void Backend::clear_idle() {
@@ -69,9 +70,9 @@ Leg::~Leg() {
   release();
 }
 
-awaitable<Status> Leg::connect(int64_t connect_timeout_ms) {
+awaitable<Status> Leg::connect(int64_t connect_timeout_ms, bool fresh) {
   if (cancelled_ || released_) co_return aborted("leg to {} cancelled", backend_->info().instance_id);
-  stream_ = backend_->take_idle(thread_index_);
+  if (!fresh) stream_ = backend_->take_idle(thread_index_);
   if (stream_) {
     reused_ = true;
     co_return Status::Ok();
@@ -133,11 +134,16 @@ awaitable<LegResult> Leg::start(const std::string& target, const std::string& bo
   LegResult result = co_await send_and_read_header(target, body, deadline);
   // A pooled connection may have been closed by the server while idle; that
   // shows as a failure before any response byte. Nothing reached the engine,
-  // so one retry on a fresh connection is safe.
+  // so one retry is safe, on a NEW connection: another pooled one may have
+  // idled just as long.
   if (!result.transport.ok() && reused_ && !cancelled_ && buffer_.size() == 0 &&
       result.transport.code() == ErrorCode::kUnavailable) {
+    static metrics::Counter& stale_retries = metrics::Registry::global().counter(
+        "pd_router_stale_connection_retries_total",
+        "Requests resent on a new connection because a pooled one was closed by the engine");
+    stale_retries.inc();
     stream_.reset();
-    Status connected = co_await connect(connect_timeout_ms);
+    Status connected = co_await connect(connect_timeout_ms, /*fresh=*/true);
     if (!connected.ok()) co_return failed_leg(connected);
     result = co_await send_and_read_header(target, body, deadline);
   }

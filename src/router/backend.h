@@ -5,6 +5,10 @@
 // Threads: a Backend is created by the control thread and then shared
 // read-only, except `outstanding` (atomic) and `idle_[t]`, which only io
 // thread t touches. A Leg lives on one io thread.
+//
+// The outstanding count is shared by every Backend made for one instance_id
+// (Discovery hands the same counter to a replacement), so an instance that
+// re-registers keeps counting the streams its previous record still runs.
 #pragma once
 
 #include <atomic>
@@ -16,27 +20,35 @@
 #include "common/metrics.h"
 #include "common/status.h"
 #include "router/asio.h"
+#include "router/idle_pool.h"
 #include "router/instance_info.h"
 
 namespace pd::router {
 
 class Backend {
  public:
+  using Counter = std::atomic<int64_t>;
   // `authorization`: the Authorization header value every leg to this backend carries; empty for none.
+  // `max_idle`: a pooled connection idle this long is closed, never reused (below the engine's keep-alive).
+  // `outstanding`: the instance's count, shared with earlier Backends of the same instance_id.
   Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_threads, size_t max_idle_per_thread,
-          std::string authorization);
+          std::chrono::milliseconds max_idle, std::string authorization, std::shared_ptr<Counter> outstanding);
   ~Backend();
 
   const InstanceInfo& info() const { return info_; }
   const tcp::endpoint& endpoint() const { return endpoint_; }
   const std::string& host_header() const { return host_header_; }
   const std::string& authorization() const { return authorization_; }
-  int64_t outstanding() const { return outstanding_.load(std::memory_order_relaxed); }
+  int64_t outstanding() const { return outstanding_->load(std::memory_order_relaxed); }
+  const std::shared_ptr<Counter>& outstanding_counter() const { return outstanding_; }
   void add_outstanding(int64_t delta);
 
   // Pool of idle keep-alive connections of io thread `thread_index`; only that thread calls these.
+  // take_idle never returns a connection idle for max_idle or longer.
   std::unique_ptr<beast::tcp_stream> take_idle(size_t thread_index);
   void put_idle(size_t thread_index, std::unique_ptr<beast::tcp_stream> stream);
+  // Closes the pooled connections of io thread `thread_index` idle for max_idle or longer.
+  void prune_idle(size_t thread_index);
   // At shutdown, after the io threads stopped: pooled sockets must die before their io_contexts.
   void clear_idle();
 
@@ -45,10 +57,9 @@ class Backend {
   tcp::endpoint endpoint_;
   std::string host_header_;
   std::string authorization_;
-  size_t max_idle_per_thread_;
-  std::atomic<int64_t> outstanding_{0};
+  std::shared_ptr<Counter> outstanding_;
   metrics::Gauge& outstanding_gauge_;
-  std::vector<std::vector<std::unique_ptr<beast::tcp_stream>>> idle_;
+  std::vector<IdlePool<std::unique_ptr<beast::tcp_stream>>> idle_;
 };
 
 struct Snapshot {
@@ -82,10 +93,11 @@ class Leg {
   Backend& backend() { return *backend_; }
   const std::shared_ptr<Backend>& backend_ptr() const { return backend_; }
 
-  // Takes a pooled connection or connects (bounded by connect_timeout_ms).
-  awaitable<Status> connect(int64_t connect_timeout_ms);
+  // Takes a pooled connection (unless `fresh`) or connects (bounded by connect_timeout_ms).
+  awaitable<Status> connect(int64_t connect_timeout_ms, bool fresh = false);
   // Sends POST `target` and reads the response header, all before `deadline`.
-  // A pooled connection the server closed meanwhile is replaced by a fresh one once.
+  // A pooled connection the server closed meanwhile (a failure before any
+  // response byte) is replaced once by a NEW connection, never another pooled one.
   awaitable<LegResult> start(const std::string& target, const std::string& body, int64_t connect_timeout_ms,
                              std::chrono::steady_clock::time_point deadline);
   // Appends the next piece of the body to `out`; sets `result.complete` at the end.

@@ -29,15 +29,20 @@ struct RouterConfig {
 
   int num_io_threads = 2;
   int64_t connect_timeout_ms = 2000;
-  int64_t prefill_timeout_ms = 60000;  // whole producer leg
-  int64_t decode_timeout_ms = 600000;  // whole consumer / collocated leg, stream included
-  int64_t client_idle_timeout_ms = 120000;
+  int64_t prefill_timeout_ms = 60000;       // whole producer leg
+  int64_t decode_timeout_ms = 600000;       // whole consumer / collocated leg, stream included
+  int64_t client_idle_timeout_ms = 120000;  // --client-idle-timeout-ms: wait for (the rest of) a client request
   int64_t client_write_timeout_ms = 60000;
   int max_prefill_retries = 1;  // other producers tried before falling back to collocated decode
   int64_t instance_ttl_ms = 5000;
   int64_t probe_interval_ms = 1000;                // static instances: GET /pd/info period
   size_t max_body_bytes = 8u << 20;                // --max-body-bytes: larger client bodies get 413 (pdserve's default)
   size_t max_idle_connections_per_backend = 1024;  // per io thread
+  // --backend-idle-timeout-ms: a pooled engine connection idle this long is closed, never reused. Must be
+  // below the engines' keep-alive (pdserve --keep-alive-timeout-ms, 60 s by default), after which they close
+  // it themselves; half of pdserve's default leaves room for a loaded engine's late close.
+  int64_t backend_idle_timeout_ms = 30000;
+  int64_t resolve_timeout_ms = 5000;  // --resolve-timeout-ms: a registered host name's lookup
   // --max-connections: client connections served at once; one more is answered 503 at once and
   // closed. Without a cap, clients holding sockets open exhaust RLIMIT_NOFILE and accept() fails
   // for everyone, health checks included. 4096: about the requests one pdserve with its defaults

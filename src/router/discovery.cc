@@ -37,6 +37,52 @@ Result<tcp::endpoint> resolve(net::io_context& context, const HostPort& address)
   return results.begin()->endpoint();
 }
 
+// An IP literal needs no lookup.
+std::optional<tcp::endpoint> literal_endpoint(const HostPort& address) {
+  beast::error_code ec;
+  const net::ip::address ip = net::ip::make_address(address.host, ec);
+  if (ec) return std::nullopt;
+  return tcp::endpoint(ip, address.port);
+}
+
+// Looks a host name up on Asio's resolver thread (never the caller's) and waits at most
+// `timeout_ms`. A lookup that outlives the wait finishes on its own; its answer is dropped.
+awaitable<Result<tcp::endpoint>> resolve_bounded(net::io_context& context, const HostPort& address,
+                                                 int64_t timeout_ms) {
+  struct State {
+    explicit State(net::io_context& io) : resolver(io), timer(io) {}
+    tcp::resolver resolver;
+    net::steady_timer timer;
+    std::optional<Result<tcp::endpoint>> result;
+  };
+  auto state = std::make_shared<State>(context);
+  state->timer.expires_after(std::chrono::milliseconds(timeout_ms));
+  state->resolver.async_resolve(
+      address.host, std::to_string(address.port),
+      [state, address](const beast::error_code& ec, const tcp::resolver::results_type& results) {
+        if (ec || results.empty()) {
+          state->result = unavailable("cannot resolve {}: {}", address.to_string(), ec.message());
+        } else {
+          state->result = results.begin()->endpoint();
+          for (const auto& entry : results) {
+            if (entry.endpoint().address().is_v4()) {
+              state->result = entry.endpoint();
+              break;
+            }
+          }
+        }
+        state->timer.cancel();
+      });
+  beast::error_code ec;
+  co_await state->timer.async_wait(with_ec(ec));
+  if (!state->result) {
+    state->resolver.cancel();
+    co_return deadline_exceeded("cannot resolve {}: no answer within {} ms (--resolve-timeout-ms)", address.to_string(),
+                                timeout_ms);
+  }
+  co_return std::move(*state->result);
+}
+
 }  // namespace
 
 struct Discovery::ZmqState {
@@ -160,20 +206,69 @@ void Discovery::admit(InstanceInfo info, bool from_probe) {
   const UpsertOutcome outcome = registry_.upsert(info, now);
   registrations_counter(outcome).inc();
   if (outcome == UpsertOutcome::kRefreshed && backends_.count(info.instance_id) > 0) return;
-  Result<tcp::endpoint> endpoint = resolve(control_, info.http);
-  if (!endpoint.ok()) {
-    PD_LOG_WARN("pdrouter: instance {} dropped: {}", info.instance_id, endpoint.status().message());
-    (void)registry_.erase(info.instance_id);
-    backends_.erase(info.instance_id);
-    publish();
+  if (std::optional<tcp::endpoint> endpoint = literal_endpoint(info.http)) {
+    add_backend(info, *endpoint, outcome, from_probe);
     return;
   }
+  // A host name: looked up off this thread. A lookup already running for this instance picks up the latest record.
+  if (auto it = resolving_.find(info.instance_id); it != resolving_.end()) {
+    it->second = std::move(info);
+    return;
+  }
+  if (resolving_.size() >= kMaxPendingResolves) {
+    PD_LOG_WARN("pdrouter: instance {} dropped: {} host names are being looked up already", info.instance_id,
+                kMaxPendingResolves);
+    (void)registry_.erase(info.instance_id);
+    return;
+  }
+  const std::string instance_id = info.instance_id;
+  resolving_.emplace(instance_id, std::move(info));
+  net::co_spawn(control_, resolve_then_add(instance_id, outcome, from_probe), net::detached);
+}
+
+awaitable<void> Discovery::resolve_then_add(std::string instance_id, UpsertOutcome outcome, bool from_probe) {
+  for (;;) {
+    const HostPort address = resolving_.at(instance_id).http;
+    Result<tcp::endpoint> endpoint = co_await resolve_bounded(control_, address, config_.resolve_timeout_ms);
+    if (stopping_.load()) co_return;
+    auto it = resolving_.find(instance_id);
+    InstanceInfo info = std::move(it->second);
+    if (info.http != address) {  // re-registered with another address meanwhile: look that one up
+      it->second = std::move(info);
+      continue;
+    }
+    resolving_.erase(it);
+    // Expired (or replaced by a record with an IP address) while the name was looked up.
+    auto entry = registry_.entries().find(instance_id);
+    if (entry == registry_.entries().end() || entry->second.info != info) co_return;
+    if (!endpoint.ok()) {
+      PD_LOG_WARN("pdrouter: instance {} dropped: {}", instance_id, endpoint.status().message());
+      (void)registry_.erase(instance_id);
+      backends_.erase(instance_id);
+      publish();
+      co_return;
+    }
+    add_backend(info, *endpoint, outcome, from_probe);
+    co_return;
+  }
+}
+
+void Discovery::add_backend(const InstanceInfo& info, const tcp::endpoint& endpoint, UpsertOutcome outcome,
+                            bool from_probe) {
   PD_LOG_INFO("pdrouter: instance {} {} ({} {} http={} control={} nonce={} model={}{})", info.instance_id,
               outcome == UpsertOutcome::kAdded ? "added" : "replaced", role_name(info.role), mode_name(info.mode),
               info.http.to_string(), info.control ? info.control->to_string() : "-", info.boot_nonce, info.model,
               from_probe ? ", static" : "");
-  auto backend = std::make_shared<Backend>(info, *endpoint, num_io_threads_, config_.max_idle_connections_per_backend,
-                                           backend_authorization_);
+  // An earlier Backend of this instance may still run legs (streams outlive a re-registration or an
+  // expiry): the new one keeps counting them.
+  std::shared_ptr<Backend::Counter> outstanding;
+  for (const auto& weak : every_backend_) {
+    auto earlier = weak.lock();
+    if (earlier && earlier->info().instance_id == info.instance_id) outstanding = earlier->outstanding_counter();
+  }
+  auto backend = std::make_shared<Backend>(info, endpoint, num_io_threads_, config_.max_idle_connections_per_backend,
+                                           std::chrono::milliseconds(config_.backend_idle_timeout_ms),
+                                           backend_authorization_, std::move(outstanding));
   every_backend_.push_back(backend);
   backends_[info.instance_id] = std::move(backend);
   publish();

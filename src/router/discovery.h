@@ -4,7 +4,10 @@
 // Threads:
 //  - control thread (an io_context): sole owner of the InstanceRegistry and of
 //    the Backend objects; runs the expiry scan and the /pd/info probes of
-//    static instances; publishes a new Snapshot after every change.
+//    static instances; publishes a new Snapshot after every change. It never
+//    blocks on DNS: a registered host name is resolved by Asio's resolver
+//    thread, at most kMaxPendingResolves at once, each within
+//    --resolve-timeout-ms, and the instance is admitted when its address is known.
 //  - registration thread: owns the ZMQ ROUTER socket; validates each message
 //    (parse_registration) and posts valid ones to the control thread. A
 //    malformed message is counted and dropped; the loop never exits on bad input.
@@ -50,8 +53,13 @@ class Discovery {
     tcp::endpoint endpoint;
   };
 
+  // Host-name lookups in flight at once; a registration beyond them is dropped (and logged).
+  static constexpr size_t kMaxPendingResolves = 64;
+
   void registration_loop();
   void admit(InstanceInfo info, bool from_probe);
+  void add_backend(const InstanceInfo& info, const tcp::endpoint& endpoint, UpsertOutcome outcome, bool from_probe);
+  awaitable<void> resolve_then_add(std::string instance_id, UpsertOutcome outcome, bool from_probe);
   void publish();
   awaitable<void> expiry_loop();
   awaitable<void> probe_loop(StaticTarget target);
@@ -73,6 +81,7 @@ class Discovery {
   std::map<std::string, std::shared_ptr<Backend>> backends_;
   std::vector<std::weak_ptr<Backend>> every_backend_;  // pruned of dead ones on publish
   std::vector<StaticTarget> static_targets_;
+  std::map<std::string, InstanceInfo> resolving_;  // instance_id -> its latest record, while its host is looked up
 
   std::atomic<std::shared_ptr<const Snapshot>> snapshot_;
 

@@ -64,6 +64,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--decode-timeout-ms", config.decode_timeout_ms, "deadline of a consumer/collocated leg")
       ->capture_default_str();
+  app.add_option("--client-idle-timeout-ms", config.client_idle_timeout_ms,
+                 "wait for a client's next request (keep-alive) or the rest of one; the connection closes after")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max() / 1'000'000));
+  app.add_option("--backend-idle-timeout-ms", config.backend_idle_timeout_ms,
+                 "close pooled engine connections idle this long; keep it below the engines' keep-alive "
+                 "(pdserve --keep-alive-timeout-ms, default 60000)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max() / 1'000'000));
+  app.add_option("--resolve-timeout-ms", config.resolve_timeout_ms,
+                 "longest wait for the address of a host name an instance registers")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{600'000}));
   app.add_option("--max-prefill-retries", config.max_prefill_retries,
                  "other producers tried before the collocated fallback")
       ->capture_default_str()

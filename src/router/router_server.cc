@@ -12,6 +12,7 @@
 #include "common/metrics.h"
 #include "router/policy.h"
 #include "router/request_rewrite.h"
+#include "router/request_validation.h"
 #include "router/sse.h"
 
 namespace pd::router {
@@ -135,6 +136,7 @@ struct Exchange {
 
   beast::tcp_stream& client;
   size_t thread_index;
+  unsigned http_version = 11;  // the client's: an HTTP/1.0 client gets no chunked encoding
   bool keep_alive = true;
   bool client_gone = false;
   bool finished = false;
@@ -175,13 +177,75 @@ void watch_client(const std::shared_ptr<Exchange>& exchange) {
   });
 }
 
+// What POST /pd/release needs: the producer, the transfer and the deadline of the call.
+struct ReleaseTarget {
+  std::shared_ptr<Backend> producer;
+  size_t thread_index = 0;
+  std::string transfer_id;
+  int64_t connect_timeout_ms = 0;
+  int64_t timeout_ms = 0;
+};
+
+// Built outside the coroutine: g++ 12 rejects initializer lists in coroutine frames.
+std::string release_body(const std::string& transfer_id) {
+  nlohmann::json body = nlohmann::json::object();
+  body["transfer_id"] = transfer_id;
+  return dump_response_json(body);
+}
+
+bool answer_says_released(const std::string& text) {
+  nlohmann::json answer = nlohmann::json::parse(text, nullptr, false);
+  return answer.is_object() && answer.contains("released") && answer["released"].is_boolean() &&
+         answer["released"].get<bool>();
+}
+
+// Tells a producer to let a transfer's KV go now (pdserve's POST /pd/release) rather than when its
+// defer or transfer timeout passes. Sent when a P/D attempt ends without the consumer having taken the
+// KV: the consumer refused the request or failed, the client went away, the prefill failed. Harmless
+// when nothing is held (the producer answers released=false).
+awaitable<void> release_transfer(ReleaseTarget target) {
+  auto count = [](const char* outcome) {
+    cached_counter("pd_router_transfer_releases_total",
+                   "POST /pd/release calls to producers for transfers no consumer took, by outcome",
+                   {{"outcome", outcome}})
+        .inc();
+  };
+  Leg leg(target.producer, target.thread_index);
+  const TimePoint deadline = SteadyClock::now() + std::chrono::milliseconds(target.timeout_ms);
+  const std::string body = release_body(target.transfer_id);
+  LegResult result = co_await leg.start("/pd/release", body, target.connect_timeout_ms, deadline);
+  if (result.transport.ok()) {
+    Status read = co_await leg.read_rest(result, deadline);
+    if (!read.ok()) result.transport = read;
+  }
+  leg.release();
+  if (!result.ok()) {
+    count("failed");
+    PD_LOG_WARN("pdrouter: releasing transfer {} on {} failed: {}", target.transfer_id,
+                target.producer->info().instance_id,
+                result.transport.ok() ? fmt::format("HTTP {}", result.http_status) : result.transport.message());
+    co_return;
+  }
+  count(answer_says_released(result.body) ? "released" : "not_held");
+}
+
 // State shared between a WRITE request and its concurrent producer leg.
 struct ProducerState {
   bool done = false;
   bool failed = false;              // failed before the consumer committed; the consumer leg was cancelled
   bool consumer_committed = false;  // the consumer produced its first event / answer: the KV arrived
+  bool release_when_done = false;   // the attempt ended without the consumer taking the KV
+  ReleaseTarget release;
   LegResult result;
 };
+
+// Releases the attempt's transfer once the producer leg has ended (so the release follows whatever the
+// producer registered for it), now when it already has.
+void release_after_producer(ProducerState& state, const net::any_io_executor& executor) {
+  if (state.release_when_done) return;
+  state.release_when_done = true;
+  if (state.done) net::co_spawn(executor, release_transfer(state.release), net::detached);
+}
 
 enum class FlowOutcome { kAnswered, kConnectFailed };
 
@@ -206,6 +270,7 @@ struct RouterServer::Impl {
   LogThrottle accept_error_log_{1'000'000'000};  // touched by the accept loop only
 
   awaitable<void> accept_loop();
+  awaitable<void> prune_loop(size_t thread_index);
   awaitable<void> session(tcp::socket socket, size_t thread_index, ConnectionSlot slot);
   awaitable<void> refuse(tcp::socket socket, ConnectionSlot refusal_slot);
   awaitable<void> handle(std::shared_ptr<Exchange> exchange, http::request<http::string_body>& request);
@@ -231,6 +296,11 @@ struct RouterServer::Impl {
                                        TimePoint deadline);
   awaitable<LegResult> run_full_leg(Exchange* ex, Leg& leg, const std::string& target, const std::string& body,
                                     TimePoint deadline);
+  ReleaseTarget release_target(const std::shared_ptr<Backend>& producer, const Exchange& ex,
+                               const std::string& transfer_id) const {
+    return ReleaseTarget{producer, ex.thread_index, transfer_id, config_.connect_timeout_ms,
+                         config_.connect_timeout_ms + 5000};
+  }
   static awaitable<void> producer_task(std::shared_ptr<Leg> producer, std::shared_ptr<Leg> consumer,
                                        std::shared_ptr<ProducerState> state, std::string target, std::string body,
                                        int64_t connect_timeout_ms, TimePoint deadline);
@@ -278,6 +348,20 @@ awaitable<void> RouterServer::Impl::accept_loop() {
   }
 }
 
+// Closes this io thread's pooled engine connections once they idled --backend-idle-timeout-ms, so the
+// pools shrink back to what the load uses and never hold a connection the engine already closed.
+awaitable<void> RouterServer::Impl::prune_loop(size_t thread_index) {
+  net::steady_timer timer(co_await net::this_coro::executor);
+  const auto period = std::chrono::milliseconds(std::clamp<int64_t>(config_.backend_idle_timeout_ms / 4, 50, 5000));
+  for (;;) {
+    timer.expires_after(period);
+    beast::error_code ec;
+    co_await timer.async_wait(with_ec(ec));
+    if (ec) co_return;
+    for (const auto& backend : discovery_.snapshot()->backends) backend->prune_idle(thread_index);
+  }
+}
+
 // The slot lives in the coroutine frame: released when the answer is written and drained.
 awaitable<void> RouterServer::Impl::refuse(tcp::socket socket, [[maybe_unused]] ConnectionSlot refusal_slot) {
   beast::tcp_stream stream(std::move(socket));
@@ -313,7 +397,18 @@ awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_in
       parser.body_limit(config_.max_body_bytes);
       parser.header_limit(64 * 1024);
       stream.expires_after(std::chrono::milliseconds(config_.client_idle_timeout_ms));
-      co_await http::async_read(stream, buffer, parser, with_ec(ec));
+      co_await http::async_read_header(stream, buffer, parser, with_ec(ec));
+      if (!ec && !parser.is_done()) {
+        // A client that asks (curl does for bodies over 1 KiB) waits for "100 Continue" before its body;
+        // without it, it waits a second. A body over the limit was already refused with the header.
+        if (beast::iequals(parser.get()[http::field::expect], "100-continue")) {
+          static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+          stream.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
+          co_await net::async_write(stream, net::buffer(kContinue), with_ec(ec));
+          stream.expires_after(std::chrono::milliseconds(config_.client_idle_timeout_ms));
+        }
+        if (!ec) co_await http::async_read(stream, buffer, parser, with_ec(ec));
+      }
       if (ec == http::error::end_of_stream || ec == beast::error::timeout || ec == net::error::connection_reset ||
           ec == net::error::eof) {
         break;
@@ -344,6 +439,7 @@ awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_in
       stream.expires_never();
       http::request<http::string_body> request = parser.release();
       exchange->keep_alive = request.keep_alive();
+      exchange->http_version = request.version() >= 11 ? 11 : 10;
       co_await handle(exchange, request);
       exchange->finished = true;
       if (!exchange->keep_alive || exchange->client_gone) break;
@@ -359,7 +455,7 @@ awaitable<void> RouterServer::Impl::respond(Exchange& ex, int status, std::strin
   ex.status = status;
   if (ex.client_gone) co_return;
   if (ex.response_start_ns == 0) ex.response_start_ns = now_ns();
-  http::response<http::string_body> response{static_cast<http::status>(status), 11};
+  http::response<http::string_body> response{static_cast<http::status>(status), ex.http_version};
   response.set(http::field::content_type, content_type);
   response.keep_alive(ex.keep_alive);
   response.body() = std::move(body);
@@ -379,11 +475,16 @@ awaitable<void> RouterServer::Impl::relay_stream(Exchange& ex, Leg& leg, LegResu
                                                  TimePoint deadline) {
   ex.status = 200;
   if (ex.response_start_ns == 0) ex.response_start_ns = now_ns();
-  http::response<http::empty_body> response{http::status::ok, 11};
+  // HTTP/1.0 has no chunked encoding: such a client gets the bytes as they come and the end of the
+  // stream is the end of the connection.
+  const bool chunked = ex.http_version >= 11;
+  if (!chunked) ex.keep_alive = false;
+  http::response<http::empty_body> response{http::status::ok, ex.http_version};
   response.set(http::field::content_type, head.content_type.empty() ? "text/event-stream" : head.content_type);
   response.set(http::field::cache_control, "no-cache");
   response.keep_alive(ex.keep_alive);
-  response.chunked(true);
+  if (!chunked) response.set(http::field::connection, "close");
+  response.chunked(chunked);
   http::response_serializer<http::empty_body> serializer{response};
   beast::error_code ec;
   ex.client.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
@@ -394,11 +495,15 @@ awaitable<void> RouterServer::Impl::relay_stream(Exchange& ex, Leg& leg, LegResu
   while (!ec) {
     if (!piece.empty()) {
       ex.client.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
-      co_await net::async_write(ex.client, http::make_chunk(net::buffer(piece)), with_ec(ec));
+      if (chunked) {
+        co_await net::async_write(ex.client, http::make_chunk(net::buffer(piece)), with_ec(ec));
+      } else {
+        co_await net::async_write(ex.client, net::buffer(piece), with_ec(ec));
+      }
       if (ec) break;
     }
     if (head.complete) {
-      co_await net::async_write(ex.client, http::make_chunk_last(), with_ec(ec));
+      if (chunked) co_await net::async_write(ex.client, http::make_chunk_last(), with_ec(ec));
       break;
     }
     piece.clear();
@@ -518,6 +623,9 @@ awaitable<void> RouterServer::Impl::producer_task(std::shared_ptr<Leg> producer,
   producer->release();
   state->done = true;
   state->result = std::move(result);
+  if (state->release_when_done) {
+    net::co_spawn(co_await net::this_coro::executor, release_transfer(state->release), net::detached);
+  }
   if (!state->result.ok() && !state->consumer_committed && !cancelled_by_us) {
     // One leg failing cancels the other: the consumer would wait for KV that never comes.
     state->failed = true;
@@ -580,8 +688,15 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
       producer_failed = true;
     } else if (mode == TransferMode::kRead) {
       producer_result = co_await run_full_leg(ex.get(), *producer_leg, target, producer_body, prefill_deadline);
+      // From here on every way out without a consumer that took the KV releases the transfer; a READ
+      // producer would otherwise hold it until its transfer timeout.
+      const net::any_io_executor executor = co_await net::this_coro::executor;
+      auto release = [&] {
+        net::co_spawn(executor, release_transfer(release_target(producer, *ex, transfer_id)), net::detached);
+      };
       if (ex->client_gone) {
         ex->cancel_legs();
+        release();
         co_return FlowOutcome::kAnswered;
       }
       if (producer_result.ok()) {
@@ -591,6 +706,7 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
           // The contract: a producer answer that does not carry our transfer fails the request.
           count_leg_failure("prefill", "bad_kv_transfer_params");
           consumer_leg->cancel();
+          release();
           co_await respond_error(*ex, 502,
                                  fmt::format("producer {} returned unusable kv_transfer_params: {}",
                                              producer->info().instance_id, consumer_body.status().message()));
@@ -600,12 +716,18 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
         const std::string consumer_text = consumer_body->dump();
         LegResult result = co_await start_consumer(*ex, *consumer_leg, target, consumer_text, request.stream,
                                                    decode_deadline, head_bytes);
+        const bool consumer_took_kv = !ex->client_gone && result.transport.ok() && result.http_status == 200;
+        if (!consumer_took_kv) release();
         co_await answer_from_consumer(*ex, *consumer_leg, result, std::move(head_bytes), decode_deadline);
         co_return FlowOutcome::kAnswered;
       }
+      // A producer that failed (a deadline above all) may still finish the prefill and hold its KV.
+      release();
       producer_failed = true;
     } else {
       auto state = std::make_shared<ProducerState>();
+      state->release = release_target(producer, *ex, transfer_id);
+      const net::any_io_executor executor = co_await net::this_coro::executor;
       const std::string consumer_body = make_write_consumer_body(request.body, transfer_id, producer->info()).dump();
       net::co_spawn(co_await net::this_coro::executor,
                     producer_task(producer_leg, consumer_leg, state, target, producer_body, config_.connect_timeout_ms,
@@ -616,12 +738,18 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
                                                  decode_deadline, head_bytes);
       if (ex->client_gone) {
         ex->cancel_legs();
+        release_after_producer(*state, executor);
         co_return FlowOutcome::kAnswered;
       }
       if (!state->failed) {
         state->consumer_committed = true;
         const bool consumer_ok = result.transport.ok() && result.http_status == 200;
-        if (!consumer_ok && !state->done) producer_leg->cancel();
+        if (!consumer_ok) {
+          // The consumer refused or failed: it will never take the KV. The producer leg is closed (an
+          // engine aborts a request whose client left) and the transfer released once that leg ended.
+          if (!state->done) producer_leg->cancel();
+          release_after_producer(*state, executor);
+        }
         // A producer still answering finishes on its own (bounded by its deadline) so its
         // keep-alive connection goes back to the pool; a client disconnect still cancels it.
         co_await answer_from_consumer(*ex, *consumer_leg, result, std::move(head_bytes), decode_deadline);
@@ -629,6 +757,7 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
       }
       producer_failed = true;
       producer_result = state->result;
+      release_after_producer(*state, executor);
     }
 
     // The prefill failed. A client error would fail anywhere: pass it on.
@@ -678,6 +807,16 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     co_return;
   }
   const ClientRequest& request = *parsed;
+  // The engine's validation, once, before any leg: a request the consumer would refuse must not reach a
+  // producer (its leg asks for one token and would pass), where it would hold the prompt's KV for nothing.
+  ValidatedRequest validated;
+  const GenerationRoute route =
+      target == "/v1/chat/completions" ? GenerationRoute::kChat : GenerationRoute::kCompletions;
+  if (std::optional<server::ApiError> invalid = validate_generation_request(route, request.body, validated)) {
+    cached_counter("pd_router_requests_invalid_total", "Client requests refused by the router's validation", {}).inc();
+    co_await respond(*ex, invalid->http_status, "application/json", dump_response_json(invalid->to_json()));
+    co_return;
+  }
   if (request.dropped_kv_transfer_params) {
     cached_counter("pd_router_client_kv_transfer_params_dropped_total",
                    "Client requests whose own kv_transfer_params were removed", {})
@@ -715,9 +854,14 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
       co_return;
     }
     FlowOutcome outcome;
-    if (plan.kind == FlowKind::kCollocated) {
+    // A batched prompt (several prompts in one completion) goes whole to the chosen consumer, which
+    // prefills it itself: a P/D transfer carries one prompt's KV, and pdserve refuses kv_transfer_params
+    // on a batch. The consumer answers it exactly as a collocated pdserve does (choice indices, usage).
+    const bool batched = validated.num_prompts > 1;
+    if (plan.kind == FlowKind::kCollocated || batched) {
       if (plan.fallback == FallbackReason::kNoProducer) count_fallback("no_producer");
       if (plan.fallback == FallbackReason::kNoConsumer) count_fallback("no_consumer");
+      if (plan.kind != FlowKind::kCollocated) count_fallback("batched_prompts");
       // Pass-through keeps the client's bytes unless something had to be removed.
       std::string leg_body;
       if (request.dropped_kv_transfer_params) {
@@ -861,6 +1005,9 @@ Status RouterServer::start() {
 
   PD_RETURN_IF_ERROR(discovery_.start());
   net::co_spawn(*io_contexts_[0], impl_->accept_loop(), net::detached);
+  for (size_t i = 0; i < io_contexts_.size(); ++i) {
+    net::co_spawn(*io_contexts_[i], impl_->prune_loop(i), net::detached);
+  }
   for (auto& context : io_contexts_) {
     io_threads_.emplace_back([&context] {
       auto work = net::make_work_guard(*context);

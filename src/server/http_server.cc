@@ -120,12 +120,16 @@ net::awaitable<void> HttpExchange::respond_error(const ApiError& error) {
 
 net::awaitable<bool> HttpExchange::start_event_stream() {
   status_code_ = 200;
+  // HTTP/1.0 has no chunked encoding: such a client gets the events as they come and the end of the
+  // stream is the end of the connection (Connection: close).
+  if (!chunked_events()) keep_alive_ = false;
   http::response<http::empty_body> response{http::status::ok, request_.version()};
   response.set(http::field::server, "pdserve");
   response.set(http::field::content_type, "text/event-stream");
   response.set(http::field::cache_control, "no-cache");
   response.keep_alive(keep_alive());
-  response.chunked(true);
+  if (!chunked_events()) response.set(http::field::connection, "close");
+  response.chunked(chunked_events());
   if (broken_) co_return false;
   http::response_serializer<http::empty_body> serializer{response};
   connection_->stream.expires_after(std::chrono::milliseconds(options_.write_timeout_ms));
@@ -137,6 +141,7 @@ net::awaitable<bool> HttpExchange::start_event_stream() {
 
 net::awaitable<bool> HttpExchange::send_event(std::string_view data) {
   if (broken_ || data.empty()) co_return !broken_;
+  if (!chunked_events()) co_return co_await write_with_timeout(data);
   // One chunk per event so the client sees each token as it is produced.
   std::string chunk = fmt::format("{:x}\r\n", data.size());
   chunk.append(data);
@@ -147,6 +152,7 @@ net::awaitable<bool> HttpExchange::send_event(std::string_view data) {
 net::awaitable<bool> HttpExchange::end_event_stream() {
   if (stream_ended_) co_return !broken_;
   stream_ended_ = true;
+  if (!chunked_events()) co_return !broken_;  // the connection's close ends the body
   co_return co_await write_with_timeout("0\r\n\r\n");
 }
 

@@ -110,6 +110,8 @@ class HttpExchange {
  private:
   struct WatchState;
   net::awaitable<bool> write_with_timeout(std::string_view bytes);
+  // Chunked transfer encoding exists from HTTP/1.1 on.
+  bool chunked_events() const { return request_.version() >= 11; }
   void arm_watch();
 
   std::shared_ptr<Connection> connection_;

@@ -272,7 +272,7 @@ constexpr UnsupportedField kUnsupportedFields[] = {
     {"prompt_embeds", nullptr, "'prompt_embeds' is not supported by this server"},
     {"mm_processor_kwargs", nullptr, "multimodal inputs are not supported by this server", true},
     {"documents", nullptr, "'documents' is not supported by this server", true},
-    {"parallel_tool_calls", nullptr, "tool calling is not supported by this server"},
+    {"parallel_tool_calls", "true", "'parallel_tool_calls' false is not supported (replies may hold several calls)"},
     {"functions", nullptr, "function calling is not supported by this server", true},
     {"function_call", nullptr, "function calling is not supported by this server"},
     {"reasoning_effort", nullptr, "'reasoning_effort' is not supported by this server"},
@@ -506,6 +506,11 @@ std::optional<ApiError> normalize_content(ojson& message, size_t index) {
   return std::nullopt;
 }
 
+std::optional<ApiError> normalize_tool_calls(ojson& message, const std::string& param);
+
+// More tool definitions than any template sensibly renders.
+constexpr size_t kMaxTools = 256;
+
 std::optional<ApiError> validate_messages(const ojson* messages, ojson& out) {
   if (!messages) return bad_request("'messages' is required", "messages");
   if (!messages->is_array()) return bad_request("'messages' must be a list of message objects", "messages");
@@ -526,14 +531,81 @@ std::optional<ApiError> validate_messages(const ojson* messages, ojson& out) {
     if (auto error = normalize_content(message, i)) return error;
     if (auto name = message.find("name"); name != message.end() && !name->is_null() && !name->is_string())
       return bad_request(fmt::format("'{}.name' must be a string", param), param + ".name");
+    if (auto id = message.find("tool_call_id"); id != message.end() && !id->is_null() && !id->is_string())
+      return bad_request(fmt::format("'{}.tool_call_id' must be a string", param), param + ".tool_call_id");
+    if (auto error = normalize_tool_calls(message, param)) return error;
+  }
+  return std::nullopt;
+}
+
+// An assistant message's tool_calls as the chat template sees them: each
+// {id, type: "function", function: {name, arguments}} with arguments parsed
+// from its JSON string into an object (vLLM does the same; templates print
+// them with tojson).
+std::optional<ApiError> normalize_tool_calls(ojson& message, const std::string& param) {
+  auto calls = message.find("tool_calls");
+  if (calls == message.end() || calls->is_null()) return std::nullopt;
+  const std::string field = param + ".tool_calls";
+  if (message["role"] != "assistant")
+    return bad_request(fmt::format("'{}' is only allowed on assistant messages", field), field);
+  if (!calls->is_array()) return bad_request(fmt::format("'{}' must be a list", field), field);
+  for (size_t j = 0; j < calls->size(); ++j) {
+    ojson& call = (*calls)[j];
+    const std::string at = fmt::format("{}[{}]", field, j);
+    if (!call.is_object()) return bad_request(fmt::format("'{}' must be an object", at), at);
+    if (auto id = call.find("id"); id != call.end() && !id->is_string())
+      return bad_request(fmt::format("'{}.id' must be a string", at), at + ".id");
+    if (auto type = call.find("type"); type != call.end() && *type != "function")
+      return bad_request(fmt::format("'{}.type' must be \"function\"", at), at + ".type");
+    auto function = call.find("function");
+    if (function == call.end() || !function->is_object())
+      return bad_request(fmt::format("'{}.function' must be an object", at), at + ".function");
+    auto name = function->find("name");
+    if (name == function->end() || !name->is_string())
+      return bad_request(fmt::format("'{}.function.name' must be a string", at), at + ".function.name");
+    auto arguments = function->find("arguments");
+    if (arguments == function->end() || !arguments->is_string())
+      return bad_request(fmt::format("'{}.function.arguments' must be a JSON string", at), at + ".function.arguments");
+    ojson parsed = ojson::parse(arguments->get_ref<const std::string&>(), nullptr, /*allow_exceptions=*/false);
+    if (parsed.is_discarded() || !parsed.is_object())
+      return bad_request(fmt::format("'{}.function.arguments' must hold a JSON object", at),
+                         at + ".function.arguments");
+    *arguments = std::move(parsed);
+  }
+  return std::nullopt;
+}
+
+// tools: [{type: "function", function: {name, description?, parameters?}}].
+std::optional<ApiError> validate_tools(const ojson& tools) {
+  if (!tools.is_array()) return bad_request("'tools' must be a list of tool objects", "tools");
+  if (tools.size() > kMaxTools)
+    return bad_request(fmt::format("'tools' holds {} tools; at most {} are allowed", tools.size(), kMaxTools), "tools");
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const ojson& tool = tools[i];
+    const std::string at = fmt::format("tools[{}]", i);
+    if (!tool.is_object()) return bad_request(fmt::format("'{}' must be an object", at), at);
+    auto type = tool.find("type");
+    if (type == tool.end() || *type != "function")
+      return bad_request(fmt::format("'{}.type' must be \"function\"", at), at + ".type");
+    auto function = tool.find("function");
+    if (function == tool.end() || !function->is_object())
+      return bad_request(fmt::format("'{}.function' must be an object", at), at + ".function");
+    auto name = function->find("name");
+    if (name == function->end() || !name->is_string() || name->get_ref<const std::string&>().empty())
+      return bad_request(fmt::format("'{}.function.name' must be a non-empty string", at), at + ".function.name");
+    if (auto d = function->find("description"); d != function->end() && !d->is_null() && !d->is_string())
+      return bad_request(fmt::format("'{}.function.description' must be a string", at), at + ".function.description");
+    if (auto p = function->find("parameters"); p != function->end() && !p->is_null() && !p->is_object())
+      return bad_request(fmt::format("'{}.function.parameters' must be a JSON schema object", at),
+                         at + ".function.parameters");
   }
   return std::nullopt;
 }
 
 void parse_template_extras(FieldReader& reader, ojson& tools, ojson& kwargs) {
-  if (const ojson* t = reader.raw("tools")) {
-    if (!t->is_array())
-      reader.type_error("tools", "a list", *t);
+  if (const ojson* t = reader.raw("tools"); t && !t->is_null()) {
+    if (auto error = validate_tools(*t))
+      reader.fail(*error);
     else
       tools = *t;
   }
@@ -545,6 +617,40 @@ void parse_template_extras(FieldReader& reader, ojson& tools, ojson& kwargs) {
   }
   if (reader.raw("chat_template"))
     reader.fail(unsupported("a request-supplied 'chat_template' is not supported", "chat_template"));
+}
+
+// tool_choice as vLLM takes it: "none", "auto" (the default with tools),
+// "required" or {"type": "function", "function": {"name"}}. vLLM holds the
+// model to the last two with guided decoding; this server has none, so it
+// refuses them rather than return a reply that may not be a call.
+void parse_tool_choice(FieldReader& reader, ChatRequest& request) {
+  const bool has_tools = !request.tools.is_null() && !request.tools.empty();
+  const ojson* choice = reader.raw("tool_choice");
+  if (!choice || choice->is_null()) {
+    request.parse_tool_calls = has_tools;
+    return;
+  }
+  if (choice->is_string()) {
+    const auto& value = choice->get_ref<const std::string&>();
+    if (value == "none") return;
+    if (value != "auto" && value != "required")
+      return reader.fail(bad_request(
+          fmt::format("'tool_choice' must be \"none\", \"auto\", \"required\" or a named function; got \"{}\"", value),
+          "tool_choice"));
+  } else if (!choice->is_object() || !choice->contains("function") || !(*choice)["function"].is_object() ||
+             !(*choice)["function"].contains("name") || !(*choice)["function"]["name"].is_string()) {
+    return reader.fail(
+        bad_request("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
+                    "{\"name\": ...}}",
+                    "tool_choice"));
+  }
+  if (!has_tools) return reader.fail(bad_request("'tool_choice' needs 'tools'", "tool_choice"));
+  if (!choice->is_string() || choice->get_ref<const std::string&>() == "required")
+    return reader.fail(
+        unsupported("'tool_choice' \"required\" and named functions need guided decoding, which this server does "
+                    "not have; use \"auto\"",
+                    "tool_choice"));
+  request.parse_tool_calls = true;
 }
 
 }  // namespace
@@ -606,18 +712,7 @@ Parsed<ChatRequest> parse_chat_request(const ojson& body, const RequestLimits& l
   if (reader.boolean("continue_final_message").value_or(false))
     reader.fail(unsupported("'continue_final_message' is not supported", "continue_final_message"));
   parse_template_extras(reader, request.tools, request.chat_template_kwargs);
-  // No tool-call parser: tools may only be shown to the model with tool_choice
-  // "none" (plain text comes back, as from vLLM without a tool parser).
-  const ojson* choice = reader.raw("tool_choice");
-  const bool choice_none = choice && choice->is_string() && choice->get_ref<const std::string&>() == "none";
-  if (choice && !choice_none)
-    reader.fail(
-        unsupported("tool calling is not supported by this server (only 'tool_choice' \"none\")", "tool_choice"));
-  else if (!request.tools.is_null() && !request.tools.empty() && !choice_none)
-    reader.fail(
-        unsupported("tool calling is not supported by this server: send 'tools' only with 'tool_choice' "
-                    "\"none\"",
-                    "tools"));
+  parse_tool_choice(reader, request);
   if (!reader.error()) {
     if (auto error = validate_messages(reader.raw("messages"), request.messages)) reader.fail(*error);
   }
@@ -808,11 +903,16 @@ ResponseJson chat_response(const ResponseHeader& header, const std::vector<Choic
   ResponseJson out_choices = ResponseJson::array();
   for (size_t i = 0; i < choices.size(); ++i) {
     const auto& c = choices[i];
+    ResponseJson calls = ResponseJson::array();
+    for (const auto& call : c.tool_calls) calls.push_back(tool_call_json(call));
+    ResponseJson content = c.content_is_null ? ResponseJson(nullptr) : ResponseJson(c.text);
+    // vLLM: a reply whose tool calls were parsed finishes with "tool_calls".
+    ResponseJson finish = c.tool_calls.empty() ? finish_reason_json(c.finish_reason) : ResponseJson("tool_calls");
     out_choices.push_back(
         {{"index", i},
-         {"message", {{"role", "assistant"}, {"content", c.text}, {"tool_calls", ResponseJson::array()}}},
+         {"message", {{"role", "assistant"}, {"content", std::move(content)}, {"tool_calls", std::move(calls)}}},
          {"logprobs", c.logprobs},
-         {"finish_reason", finish_reason_json(c.finish_reason)},
+         {"finish_reason", std::move(finish)},
          {"stop_reason", c.stop_reason}});
     if (c.token_ids) out_choices.back()["token_ids"] = *c.token_ids;
   }
@@ -823,6 +923,10 @@ ResponseJson chat_response(const ResponseHeader& header, const std::vector<Choic
           {"choices", std::move(out_choices)},
           {"usage", usage_json(usage)},
           {"kv_transfer_params", kv_params_or_null(kv_transfer_params)}};
+}
+
+ResponseJson tool_call_json(const ToolCall& call) {
+  return {{"id", call.id}, {"type", "function"}, {"function", {{"name", call.name}, {"arguments", call.arguments}}}};
 }
 
 ResponseJson completion_chunk(const ResponseHeader& header, int32_t index, const std::string& text,

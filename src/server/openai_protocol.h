@@ -86,7 +86,10 @@ struct ChatRequest {
   GenerationFields fields;
   nlohmann::ordered_json messages;  // validated; every content normalized to a string (or null)
   bool add_generation_prompt = true;
-  nlohmann::ordered_json tools;  // null when absent; only rendered with tool_choice "none"
+  nlohmann::ordered_json tools;  // validated; null when absent; rendered by the chat template
+  // "auto" (the default with tools): the reply is parsed for tool calls; "none":
+  // tools are rendered (as vLLM does) but the reply is plain text.
+  bool parse_tool_calls = false;
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool logprobs = false;
   bool add_special_tokens = false;  // the template writes its own special tokens
@@ -161,6 +164,14 @@ struct ResponseHeader {
   std::string model;
 };
 
+// A parsed tool call of a chat reply (server/tool_calls.h finds them).
+struct ToolCall {
+  std::string id;  // "chatcmpl-tool-<32 hex digits>"
+  std::string name;
+  std::string arguments;  // a JSON object as a string
+};
+ResponseJson tool_call_json(const ToolCall& call);
+
 // One finished choice of a non-streamed response.
 struct ChoiceResult {
   std::string text;
@@ -168,6 +179,8 @@ struct ChoiceResult {
   engine::FinishReason finish_reason = engine::FinishReason::kNone;
   ResponseJson stop_reason;
   std::optional<std::vector<int32_t>> token_ids;  // return_token_ids
+  bool content_is_null = false;                   // chat: "content": null (a reply of tool calls only)
+  std::vector<ToolCall> tool_calls{};             // chat: finish_reason becomes "tool_calls" when any
 };
 
 ResponseJson completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices,

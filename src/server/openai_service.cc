@@ -14,6 +14,8 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "server/tool_calls.h"
+#include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
 // g++ 12 at -O2 flags Asio's awaitable frame (allocated by its own operator
@@ -80,8 +82,9 @@ struct OpenAiService::Generation {
     int32_t num_output_tokens = 0;
     std::optional<json> kv_transfer_params;
     std::string error;
-    bool invalid_request = false;  // the error is the client's (HTTP 400)
-    bool conflict = false;         // ... a duplicate of state in flight (HTTP 409)
+    bool invalid_request = false;                     // the error is the client's (HTTP 400)
+    bool conflict = false;                            // ... a duplicate of state in flight (HTTP 409)
+    std::optional<ToolCallStreamParser> tool_parser;  // chat streams that parse tool calls
   };
   struct Pending {
     size_t index;
@@ -91,6 +94,7 @@ struct OpenAiService::Generation {
   explicit Generation(const ConnectionExecutor& executor) : wake(executor) {}
 
   Api api = Api::kCompletion;
+  ToolCallFormat tool_format = ToolCallFormat::kNone;  // chat with tool_choice "auto"
   GenerationFields fields;
   ResponseHeader header;
   std::vector<Choice> choices;
@@ -399,8 +403,21 @@ net::awaitable<void> OpenAiService::handle_chat(HttpExchange& exchange) {
     co_await exchange.respond_error(error);
     co_return;
   }
+  ToolCallFormat tool_format = ToolCallFormat::kNone;
+  if (request.parse_tool_calls) {
+    tool_format = tool_call_format_for_template(tokenizer_->chat_template()->source());
+    if (tool_format == ToolCallFormat::kNone) {
+      ApiError error = unsupported(
+          "this model's chat template asks for no tool-call format this server parses (Hermes "
+          "<tool_call> blocks or Llama 3 JSON); send 'tool_choice' \"none\" to only show the tools",
+          "tools");
+      co_await exchange.respond_error(error);
+      co_return;
+    }
+  }
   auto generation = std::make_shared<Generation>(exchange.executor());
   generation->api = Generation::Api::kChat;
+  generation->tool_format = tool_format;
   auto prompt = std::get<std::vector<int32_t>>(std::move(ids));
   truncate_prompt(prompt, request.fields.truncate_prompt_tokens);
   add_choices(*generation, std::move(prompt), request.fields.n, std::nullopt);
@@ -635,15 +652,32 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
       choice.echo.reset();
     }
     const bool listed_tokens = g.fields.return_token_ids && !out.new_token_ids.empty();
-    bool has_payload =
-        !out.text_delta.empty() || !logprobs.is_null() || out.finished || untokenized_tokens || listed_tokens;
+    // Chat: the delta object; with a tool-call parser, text it holds back
+    // (a possible "<tool_call>") is not sent yet.
+    ResponseJson delta = ResponseJson::object();
+    bool tool_calls_finish = false;
+    if (chat && g.tool_format != ToolCallFormat::kNone) {
+      if (!choice.tool_parser) choice.tool_parser.emplace(g.tool_format, random_tool_call_id);
+      ToolCallStreamDelta parsed = choice.tool_parser->feed(out.text_delta);
+      if (out.finished) {
+        ToolCallStreamDelta tail = choice.tool_parser->finish();
+        parsed.content += tail.content;
+        parsed.calls.insert(parsed.calls.end(), tail.calls.begin(), tail.calls.end());
+        tool_calls_finish = choice.tool_parser->num_calls() > 0;
+      }
+      delta = tool_call_stream_delta_json(parsed);
+    } else if (chat && !out.text_delta.empty()) {
+      delta["content"] = out.text_delta;
+    }
+    const bool has_text = chat ? !delta.empty() : !out.text_delta.empty();
+    bool has_payload = has_text || !logprobs.is_null() || out.finished || untokenized_tokens || listed_tokens;
     if (has_payload) {
-      ResponseJson finish = out.finished ? finish_reason_json(choice.finish_reason) : ResponseJson(nullptr);
+      ResponseJson finish = !out.finished       ? ResponseJson(nullptr)
+                            : tool_calls_finish ? ResponseJson("tool_calls")
+                                                : finish_reason_json(choice.finish_reason);
       ResponseJson stop = out.finished ? choice.stop_reason : ResponseJson(nullptr);
       ResponseJson chunk;
       if (chat) {
-        ResponseJson delta = ResponseJson::object();
-        if (!out.text_delta.empty()) delta["content"] = out.text_delta;
         chunk = chat_chunk(g.header, static_cast<int32_t>(item.index), std::move(delta), std::move(logprobs),
                            std::move(finish), std::move(stop));
       } else {
@@ -750,6 +784,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     result.finish_reason = choice.finish_reason;
     result.stop_reason = choice.stop_reason;
     if (g.fields.return_token_ids) result.token_ids = std::move(choice.token_ids);
+    if (chat && g.tool_format != ToolCallFormat::kNone) apply_tool_calls(result, g.tool_format, random_tool_call_id);
     results.push_back(std::move(result));
   }
   ResponseJson response = chat ? chat_response(g.header, results, usage, kv_transfer_params)

@@ -19,6 +19,11 @@
 // --merge-in-attention 1: decode attention merges its partitions in its last CTA instead of the reduce
 // kernel (CudaRunnerOptions::decode_merge_in_attention; off by default).
 // --pdl-max-tokens N: programmatic dependent launch for passes of up to N tokens (default 256).
+// --fp8-model qwen3-30b-a3b-fp8|qwen3-235b-a22b-fp8|qwen3-32b-fp8|fp8-all: the FP8 rate (cuBLASLt
+// block-scaled, 2048x4096x4096) beside the bf16 rate, then kernel-level FP8 forward passes of
+// that shape (engine_bench_fp8.cc) instead of the bf16 runner; --layers N overrides the layer
+// count, --batches 1,16,64 the decode batches, --decode-only 1 skips prefill, --kv-fp8-batch N
+// (default 64, 0 = off) adds a decode step at batch N with the FP8 KV cache.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -31,6 +36,7 @@
 
 #include "engine/runner_cuda/cuda_model_runner.h"
 #include "tests/gpu/bench_util.h"
+#include "tests/gpu/engine_bench_fp8.h"
 #include "tests/gpu/gpu_util.h"
 
 namespace pd::gpu_test {
@@ -577,6 +583,9 @@ int main(int argc, char** argv) {
   int ctx = 2048;
   auto decode_kernel = pd::kernels::cuda::DecodeKernel::kTensorCore;
   auto gemm_policy = kc::GemmPolicy::kAutotune;
+  std::string fp8_model;
+  int fp8_layers = 0, kv_fp8_batch = 64;
+  std::vector<int> fp8_batches;
   bool decode_only = false, ops = false, ops_attention_only = false, ops_probe = false, pdl = true,
        merge_in_attention = false;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -601,6 +610,16 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--merge-in-attention") == 0) merge_in_attention = std::atoi(argv[i + 1]) != 0;
     if (std::strcmp(argv[i], "--pdl-max-tokens") == 0) g_pdl_max_tokens = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--model") == 0) which = argv[i + 1];
+    if (std::strcmp(argv[i], "--fp8-model") == 0) fp8_model = argv[i + 1];
+    if (std::strcmp(argv[i], "--layers") == 0) fp8_layers = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--kv-fp8-batch") == 0) kv_fp8_batch = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--batches") == 0) {
+      for (const char* c = argv[i + 1]; *c != '\0';) {
+        fp8_batches.push_back(std::atoi(c));
+        while (*c != '\0' && *c != ',') ++c;
+        if (*c == ',') ++c;
+      }
+    }
     if (std::strcmp(argv[i], "--ctx") == 0) ctx = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--decode-kernel") == 0 && std::strcmp(argv[i + 1], "simt") == 0) {
       decode_kernel = pd::kernels::cuda::DecodeKernel::kCudaCore;
@@ -618,6 +637,36 @@ int main(int argc, char** argv) {
   std::printf("device %s: d2d copy %.1f GB/s, bf16 GEMM 8192^3 %.1f TFLOP/s, decode attention on %s cores\n", prop.name,
               copy_gbs, gemm_tflops, decode_kernel == pd::kernels::cuda::DecodeKernel::kTensorCore ? "tensor" : "CUDA");
   kc::set_programmatic_launch(pdl);
+  if (!fp8_model.empty()) {
+    std::string fp8_note;
+    const double fp8_tflops = measure_fp8_gemm_tflops(2048, 4096, 4096, &fp8_note);
+    std::string big_note;
+    const double fp8_big = measure_fp8_gemm_tflops(8192, 8192, 8192, &big_note);
+    std::printf(
+        "FP8 GEMM (cuBLASLt block-scaled 1x128 x 128x128): %.1f TFLOP/s at 2048x4096x4096, %.1f at 8192^3; "
+        "bf16 %.1f TFLOP/s (8192^3); FP8 / bf16 = %.2f\n  %s\n  %s\n",
+        fp8_tflops, fp8_big, gemm_tflops, fp8_tflops / gemm_tflops, fp8_note.c_str(), big_note.c_str());
+    // The prefill floor takes the FP8 rate of the 2048x4096x4096 GEMM (the bf16 rate if FP8 is unavailable).
+    const double rate = fp8_tflops > 0.0 ? fp8_tflops : gemm_tflops;
+    std::vector<Fp8Row> fp8_rows;
+    const std::vector<std::string> names =
+        fp8_model == "fp8-all" ? std::vector<std::string>{"qwen3-30b-a3b-fp8", "qwen3-32b-fp8", "qwen3-235b-a22b-fp8"}
+                               : std::vector<std::string>{fp8_model};
+    for (const std::string& name : names) {
+      std::vector<int> batches = fp8_batches;
+      if (batches.empty()) {
+        batches = name == "qwen3-32b-fp8" ? std::vector<int>{1, 16, 64} : std::vector<int>{1, 16, 64, 128};
+      }
+      bench_fp8_model(name, fp8_layers, ctx, copy_gbs, rate, decode_only, batches, kv_fp8_batch, &fp8_rows);
+    }
+    std::printf("\n%-44s %10s %10s %8s  %s\n", "step (kernel-level, decode = graph replay)", "floor_ms", "meas_ms",
+                "x floor", "note");
+    for (const auto& r : fp8_rows) {
+      std::printf("%-44s %10.3f %10.3f %8.2f  %s\n", r.what.c_str(), r.floor_ms, r.measured_ms,
+                  r.measured_ms / r.floor_ms, r.note.c_str());
+    }
+    return 0;
+  }
   if (ops) bench_ops(qwen3_config(false), OpsContext{copy_gbs, ctx}, {1, 16, 64, 128}, ops_attention_only);
   std::vector<Row> rows;
   if (which == "all" || which == "qwen3-8b") {

@@ -3,6 +3,8 @@
 // Pass: relative L2 error <= 1e-2 and no NaN/unwritten element. Prints one
 // table row per check; exit code 1 when any check fails. Runs on a GPU only
 // (never in CI; CI compiles it).
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -14,8 +16,10 @@
 
 #include "engine/sampler.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/moe_layer.h"
 #include "tests/gpu/bench_util.h"
 #include "tests/gpu/gpu_util.h"
 
@@ -750,6 +754,901 @@ int run_benchmarks() {
   }
   return bench_prefill_attention(gemm_tf);
 }
+
+// ---- FP8 and MoE ----
+
+float fp8_to_float(uint8_t b) {
+  __nv_fp8_e4m3 v;
+  v.__x = b;
+  return static_cast<float>(v);
+}
+uint8_t float_to_fp8(float f) {
+  return __nv_fp8_e4m3(f).__x;
+}
+
+// bf16 rows whose 128-wide groups differ in magnitude by up to 2^+-3, so a scale applied to
+// the wrong group or row shows up as a large error.
+std::vector<bf16> grouped_bf16(int m, int k, std::vector<float>* exact) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> mag(-3, 3);
+  std::vector<bf16> out(static_cast<size_t>(m) * k);
+  exact->resize(out.size());
+  for (int r = 0; r < m; ++r) {
+    for (int g = 0; g < k / 128; ++g) {
+      const float f = std::ldexp(1.0f, mag(rng()));
+      for (int i = 0; i < 128; ++i) {
+        const size_t idx = static_cast<size_t>(r) * k + g * 128 + i;
+        out[idx] = __float2bfloat16(dist(rng()) * f);
+        (*exact)[idx] = __bfloat162float(out[idx]);
+      }
+    }
+  }
+  return out;
+}
+
+// The quantization kernel's arithmetic on the host: q = e4m3(x / (amax / 448)) per group.
+void quantize_fp8_host(const std::vector<float>& x, int m, int k, std::vector<uint8_t>* q, std::vector<float>* scales) {
+  q->assign(static_cast<size_t>(m) * k, 0);
+  scales->assign(static_cast<size_t>(m) * (k / 128), 0.0f);  // [row][group] here
+  for (int r = 0; r < m; ++r) {
+    for (int g = 0; g < k / 128; ++g) {
+      float amax = 0.0f;
+      for (int i = 0; i < 128; ++i) amax = std::max(amax, std::abs(x[static_cast<size_t>(r) * k + g * 128 + i]));
+      const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+      (*scales)[static_cast<size_t>(r) * (k / 128) + g] = scale;
+      for (int i = 0; i < 128; ++i) {
+        const size_t idx = static_cast<size_t>(r) * k + g * 128 + i;
+        (*q)[idx] = float_to_fp8(x[idx] / scale);
+      }
+    }
+  }
+}
+
+std::vector<float> dequantize_host(const std::vector<uint8_t>& q, const std::vector<float>& scales, int m, int k) {
+  std::vector<float> out(q.size());
+  for (int r = 0; r < m; ++r) {
+    for (int c = 0; c < k; ++c) {
+      const size_t idx = static_cast<size_t>(r) * k + c;
+      out[idx] = fp8_to_float(q[idx]) * scales[static_cast<size_t>(r) * (k / 128) + c / 128];
+    }
+  }
+  return out;
+}
+
+void check_quantize_fp8(int m, int k) {
+  std::vector<float> x_f;
+  auto x = grouped_bf16(m, k, &x_f);
+  std::vector<uint8_t> q_ref;
+  std::vector<float> s_ref;
+  quantize_fp8_host(x_f, m, k, &q_ref, &s_ref);
+  const int ld = kc::fp8_act_scale_ld(m);
+  DeviceBuffer<bf16> d_x(x.size());
+  DeviceBuffer<uint8_t> d_q(x.size());
+  DeviceBuffer<float> d_s(static_cast<size_t>(k / 128) * ld);
+  d_x.upload(x);
+  d_q.poison();
+  d_s.poison();
+  PD_STATUS_CHECK(kc::quantize_fp8(d_q.get(), d_s.get(), d_x.get(), m, k, nullptr));
+  const auto q = d_q.download();
+  const auto s_dev = d_s.download();
+  std::vector<float> s(static_cast<size_t>(m) * (k / 128));
+  size_t scale_mismatch = 0, byte_mismatch = 0;
+  for (int r = 0; r < m; ++r) {
+    for (int g = 0; g < k / 128; ++g) {
+      s[static_cast<size_t>(r) * (k / 128) + g] = s_dev[static_cast<size_t>(g) * ld + r];
+      scale_mismatch += s_dev[static_cast<size_t>(g) * ld + r] != s_ref[static_cast<size_t>(r) * (k / 128) + g];
+    }
+  }
+  for (size_t i = 0; i < q.size(); ++i) byte_mismatch += q[i] != q_ref[i];
+  ErrorStats e = compare(dequantize_host(q, s, m, k), dequantize_host(q_ref, s_ref, m, k));
+  e.num_nan += scale_mismatch + byte_mismatch;  // the kernel and the host arithmetic are the same: exact
+  record("quantize_fp8", std::to_string(m) + "x" + std::to_string(k), e,
+         "vs host: " + std::to_string(byte_mismatch) + " bytes, " + std::to_string(scale_mismatch) + " scales differ");
+}
+
+// A random FP8 weight [n][k] with 128 x 128 block scales of 2^-6..2^-2 (so a misplaced
+// scale is visible); w_deq = the dequantized weight.
+struct HostFp8Weight {
+  std::vector<uint8_t> q;
+  std::vector<float> scales;  // [ceil(n/128)][ceil(k/128)]
+  std::vector<float> w_deq;
+};
+HostFp8Weight make_fp8_weight(int n, int k) {
+  HostFp8Weight w;
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  std::uniform_int_distribution<int> mag(-6, -2);
+  const int nb = (n + 127) / 128, kb = (k + 127) / 128;
+  w.scales.resize(static_cast<size_t>(nb) * kb);
+  for (auto& sc : w.scales) sc = std::ldexp(1.0f, mag(rng()));
+  w.q.resize(static_cast<size_t>(n) * k);
+  w.w_deq.resize(w.q.size());
+  for (int r = 0; r < n; ++r) {
+    for (int c = 0; c < k; ++c) {
+      const size_t idx = static_cast<size_t>(r) * k + c;
+      w.q[idx] = float_to_fp8(dist(rng()));
+      w.w_deq[idx] = fp8_to_float(w.q[idx]) * w.scales[static_cast<size_t>(r / 128) * kb + c / 128];
+    }
+  }
+  return w;
+}
+
+struct DeviceFp8Weight {
+  DeviceBuffer<uint8_t> q;
+  DeviceBuffer<float> scales;
+  kc::Fp8Weight view;
+  DeviceFp8Weight(const HostFp8Weight& h, int n, int k)
+      : q(h.q.size()), scales(static_cast<size_t>((n + 127) / 128) * kc::fp8_weight_scale_ld(k)) {
+    q.upload(h.q);
+    scales.upload(kc::pad_fp8_weight_scales(h.scales, n, k));
+    view.data = q.get();
+    view.scale = scales.get();
+    view.n = n;
+    view.k = k;
+    view.scale_ld = kc::fp8_weight_scale_ld(k);
+  }
+};
+
+const char* fp8_policy_name(kc::Fp8GemmPolicy p) {
+  return p == kc::Fp8GemmPolicy::kAuto ? "auto" : p == kc::Fp8GemmPolicy::kCublas ? "cublas" : "stream";
+}
+
+// Fp8Gemm against the host: the cuBLASLt path against the host-quantized activations times
+// the dequantized weight (exact inputs, so only the accumulation order differs), the
+// streaming path against the bf16 activations.
+void check_fp8_gemm(int m, int n, int k, kc::Fp8GemmPolicy policy, bool accumulate = false) {
+  std::vector<float> a_f;
+  auto a = grouped_bf16(m, k, &a_f);
+  const HostFp8Weight hw = make_fp8_weight(n, k);
+  DeviceFp8Weight dw(hw, n, k);
+  std::vector<uint8_t> aq;
+  std::vector<float> as;
+  quantize_fp8_host(a_f, m, k, &aq, &as);
+  const std::vector<float> a_deq = dequantize_host(aq, as, m, k);
+  std::vector<float> base_f;
+  auto base = random_bf16(static_cast<size_t>(m) * n, 1.0f, rng(), &base_f);
+  DeviceBuffer<bf16> d_a(a.size()), d_out(static_cast<size_t>(m) * n);
+  d_a.upload(a);
+  if (accumulate) {
+    d_out.upload(base);
+  } else {
+    d_out.poison();
+  }
+  auto gemm = kc::Fp8Gemm::create(std::max(m, 1), k, policy);
+  PD_STATUS_CHECK(gemm.status());
+  PD_STATUS_CHECK((*gemm)->run(d_out.get(), d_a.get(), m, dw.view, nullptr, accumulate));
+  const bool cublas = (*gemm)->last_path() == kc::Fp8GemmPath::kCublas;
+  // cuBLASLt takes the first fp8_cublas_rows(m) rows (quantized), the streaming kernel the rest (bf16).
+  const int main_rows = cublas ? kc::fp8_cublas_rows(m) : 0;
+  std::vector<float> a_ref(a_f);
+  std::copy(a_deq.begin(), a_deq.begin() + static_cast<ptrdiff_t>(main_rows) * k, a_ref.begin());
+  std::vector<float> ref(static_cast<size_t>(m) * n);
+  cpu::matmul(a_ref.data(), hw.w_deq.data(), nullptr, m, n, k, ref.data());
+  if (accumulate) {
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] += base_f[i];
+  }
+  std::string note = std::string("policy ") + fp8_policy_name(policy) + ", ran " +
+                     (cublas ? "cuBLASLt for " + std::to_string(main_rows) + " rows" : std::string("stream"));
+  for (const auto& f : (*gemm)->fallbacks()) note += "; fallback " + f;
+  for (const auto& t : (*gemm)->tunings()) {
+    char buf[96];
+    std::snprintf(buf, sizeof(buf), "; tuned cublas %.1f us stream %.1f us", t.cublas_us, t.stream_us);
+    note += buf;
+  }
+  record(std::string("fp8_gemm") + (accumulate ? "_accum" : ""),
+         std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k),
+         compare(to_float(d_out.download()), ref), note);
+}
+
+// softmax + top-k (+ renormalization) on the host, ties to the lower id.
+void route_host(const std::vector<float>& logits, int t_count, int e_count, int top_k, bool renorm,
+                std::vector<int32_t>* ids, std::vector<float>* weights) {
+  ids->assign(static_cast<size_t>(t_count) * top_k, 0);
+  weights->assign(ids->size(), 0.0f);
+  for (int t = 0; t < t_count; ++t) {
+    const float* row = logits.data() + static_cast<size_t>(t) * e_count;
+    const float mx = *std::max_element(row, row + e_count);
+    std::vector<double> p(static_cast<size_t>(e_count));
+    double sum = 0.0;
+    for (int e = 0; e < e_count; ++e) sum += p[static_cast<size_t>(e)] = std::exp(static_cast<double>(row[e]) - mx);
+    std::vector<int> order(static_cast<size_t>(e_count));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int x, int y) { return p[static_cast<size_t>(x)] > p[static_cast<size_t>(y)]; });
+    double chosen = 0.0;
+    for (int j = 0; j < top_k; ++j) chosen += p[static_cast<size_t>(order[static_cast<size_t>(j)])] / sum;
+    for (int j = 0; j < top_k; ++j) {
+      const double w = p[static_cast<size_t>(order[static_cast<size_t>(j)])] / sum;
+      (*ids)[static_cast<size_t>(t) * top_k + j] = order[static_cast<size_t>(j)];
+      (*weights)[static_cast<size_t>(t) * top_k + j] = static_cast<float>(renorm ? w / chosen : w);
+    }
+  }
+}
+
+std::vector<float> random_logits(int t_count, int e_count) {
+  std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+  std::vector<float> l(static_cast<size_t>(t_count) * e_count);
+  for (auto& v : l) v = dist(rng());
+  return l;
+}
+
+void check_moe_route(int t_count, int e_count, int top_k, bool renorm) {
+  const auto logits = random_logits(t_count, e_count);
+  std::vector<int32_t> ids_ref;
+  std::vector<float> w_ref;
+  route_host(logits, t_count, e_count, top_k, renorm, &ids_ref, &w_ref);
+  DeviceBuffer<float> d_logits(logits.size()), d_w(ids_ref.size());
+  DeviceBuffer<int32_t> d_ids(ids_ref.size());
+  d_logits.upload(logits);
+  d_w.poison();
+  d_ids.poison();
+  PD_STATUS_CHECK(kc::moe_route(d_logits.get(), t_count, e_count, top_k, renorm, d_ids.get(), d_w.get(), nullptr));
+  const auto ids = d_ids.download();
+  size_t id_mismatch = 0;
+  for (size_t i = 0; i < ids.size(); ++i) id_mismatch += ids[i] != ids_ref[i];
+  ErrorStats e = compare(d_w.download(), w_ref);
+  e.num_nan += id_mismatch;
+  record(std::string("moe_route") + (renorm ? "_renorm" : ""),
+         std::to_string(t_count) + " tok, " + std::to_string(e_count) + " exp, top" + std::to_string(top_k), e,
+         std::to_string(id_mismatch) + " expert ids differ");
+}
+
+// The routing buffers of moe_align, downloaded.
+struct HostRouting {
+  std::vector<int32_t> offsets, padded, active, sorted_token, slot_of_choice;
+  int32_t num_active = 0;
+};
+struct DeviceRouting {
+  DeviceBuffer<int32_t> offsets, padded, active, num_active, sorted_token, slot_of_choice;
+  kc::MoeRouting view;
+  DeviceRouting(int e_count, int rows)
+      : offsets(e_count + 1),
+        padded(e_count + 1),
+        active(e_count),
+        num_active(1),
+        sorted_token(rows),
+        slot_of_choice(rows) {
+    for (auto* b : {&offsets, &padded, &active, &num_active, &sorted_token, &slot_of_choice}) b->poison();
+    view = {offsets.get(), padded.get(), active.get(), num_active.get(), sorted_token.get(), slot_of_choice.get()};
+  }
+  HostRouting download() const {
+    HostRouting h{offsets.download(),      padded.download(),         active.download(),
+                  sorted_token.download(), slot_of_choice.download(), 0};
+    h.num_active = num_active.download()[0];
+    return h;
+  }
+};
+
+// Violations of moe_align's contract for the pairs `ids` (0 when it holds).
+size_t routing_violations(const HostRouting& h, const std::vector<int32_t>& ids, int e_count, int top_k) {
+  size_t bad = 0;
+  std::vector<int32_t> count(static_cast<size_t>(e_count), 0);
+  for (int32_t e : ids) ++count[static_cast<size_t>(e)];
+  int32_t acc = 0, padded = 0, active = 0;
+  for (int e = 0; e < e_count; ++e) {
+    bad += h.offsets[static_cast<size_t>(e)] != acc;
+    bad += h.padded[static_cast<size_t>(e)] != padded;
+    if (count[static_cast<size_t>(e)] > 0) bad += h.active[static_cast<size_t>(active++)] != e;
+    acc += count[static_cast<size_t>(e)];
+    padded += kc::fp8_cublas_rows(count[static_cast<size_t>(e)]);
+  }
+  bad += h.offsets[static_cast<size_t>(e_count)] != acc;
+  bad += h.num_active != active;
+  std::vector<int> seen(ids.size(), 0);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int32_t pos = h.slot_of_choice[i];
+    if (pos < 0 || pos >= static_cast<int32_t>(ids.size())) {
+      ++bad;
+      continue;
+    }
+    ++seen[static_cast<size_t>(pos)];
+    const int32_t e = ids[i];
+    bad += pos < h.offsets[static_cast<size_t>(e)] || pos >= h.offsets[static_cast<size_t>(e) + 1];
+    bad += h.sorted_token[static_cast<size_t>(pos)] != static_cast<int32_t>(i / static_cast<size_t>(top_k));
+  }
+  for (int v : seen) bad += v != 1;
+  return bad;
+}
+
+void check_moe_align(int t_count, int e_count, int top_k) {
+  // Distinct experts per token, skewed towards low ids so some experts get many rows and some none.
+  std::vector<int32_t> ids;
+  std::geometric_distribution<int> skew(4.0 / e_count);
+  for (int t = 0; t < t_count; ++t) {
+    std::vector<int32_t> chosen;
+    while (static_cast<int>(chosen.size()) < top_k) {
+      const int e = skew(rng()) % e_count;
+      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+    }
+    ids.insert(ids.end(), chosen.begin(), chosen.end());
+  }
+  DeviceBuffer<int32_t> d_ids(ids.size());
+  d_ids.upload(ids);
+  DeviceRouting r(e_count, static_cast<int>(ids.size()));
+  PD_STATUS_CHECK(kc::moe_align(d_ids.get(), t_count, top_k, e_count, r.view, nullptr));
+  const HostRouting h = r.download();
+  ErrorStats e;
+  e.count = ids.size();
+  e.num_nan = routing_violations(h, ids, e_count, top_k);
+  record("moe_align",
+         std::to_string(t_count) + " tok, " + std::to_string(e_count) + " exp, top" + std::to_string(top_k), e,
+         std::to_string(e.num_nan) + " contract violations, " + std::to_string(h.num_active) + " active experts");
+}
+
+void check_moe_combine(int t_count, int top_k, int hidden, bool accumulate) {
+  const int rows = t_count * top_k;
+  std::vector<float> y_f, base_f;
+  auto y = random_bf16(static_cast<size_t>(rows) * hidden, 1.0f, rng(), &y_f);
+  auto base = random_bf16(static_cast<size_t>(t_count) * hidden, 1.0f, rng(), &base_f);
+  std::vector<int32_t> slot(static_cast<size_t>(rows));
+  std::iota(slot.begin(), slot.end(), 0);
+  std::shuffle(slot.begin(), slot.end(), rng());
+  std::vector<float> w(static_cast<size_t>(rows));
+  std::uniform_real_distribution<float> dist(0.0f, 1.0f);
+  for (auto& v : w) v = dist(rng());
+  std::vector<float> ref(static_cast<size_t>(t_count) * hidden);
+  for (int t = 0; t < t_count; ++t) {
+    for (int c = 0; c < hidden; ++c) {
+      double acc = accumulate ? base_f[static_cast<size_t>(t) * hidden + c] : 0.0;
+      for (int j = 0; j < top_k; ++j) {
+        const size_t i = static_cast<size_t>(t) * top_k + j;
+        acc += w[i] * y_f[static_cast<size_t>(slot[i]) * hidden + c];
+      }
+      ref[static_cast<size_t>(t) * hidden + c] = static_cast<float>(acc);
+    }
+  }
+  DeviceBuffer<bf16> d_y(y.size()), d_out(base.size());
+  DeviceBuffer<int32_t> d_slot(slot.size());
+  DeviceBuffer<float> d_w(w.size());
+  d_y.upload(y);
+  d_slot.upload(slot);
+  d_w.upload(w);
+  if (accumulate) {
+    d_out.upload(base);
+  } else {
+    d_out.poison();
+  }
+  PD_STATUS_CHECK(
+      kc::moe_combine(d_out.get(), d_y.get(), d_slot.get(), d_w.get(), t_count, top_k, hidden, accumulate, nullptr));
+  record(std::string("moe_combine") + (accumulate ? "_accum" : ""),
+         std::to_string(t_count) + " tok, top" + std::to_string(top_k) + ", hidden " + std::to_string(hidden),
+         compare(to_float(d_out.download()), ref));
+}
+
+// Grouped streaming GEMM over the routing of random logits: sorted row r of expert e
+// = x[sorted_token[r]] . W_e^T, FP8 or bf16 experts.
+void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, int n, int k, bool cuda_cores = false) {
+  const int rows = t_count * top_k;
+  const auto logits = random_logits(t_count, e_count);
+  DeviceBuffer<float> d_logits(logits.size()), d_w(static_cast<size_t>(rows));
+  DeviceBuffer<int32_t> d_ids(static_cast<size_t>(rows));
+  d_logits.upload(logits);
+  PD_STATUS_CHECK(kc::moe_route(d_logits.get(), t_count, e_count, top_k, true, d_ids.get(), d_w.get(), nullptr));
+  DeviceRouting r(e_count, rows);
+  PD_STATUS_CHECK(kc::moe_align(d_ids.get(), t_count, top_k, e_count, r.view, nullptr));
+  std::vector<float> x_f;
+  auto x = grouped_bf16(t_count, k, &x_f);
+  std::vector<float> w_deq(static_cast<size_t>(e_count) * n * k);
+  std::vector<uint8_t> w_q;
+  std::vector<float> w_scales;  // padded, all experts
+  std::vector<bf16> w_b;
+  for (int e = 0; e < e_count; ++e) {
+    if (fp8) {
+      const HostFp8Weight hw = make_fp8_weight(n, k);
+      w_q.insert(w_q.end(), hw.q.begin(), hw.q.end());
+      const auto padded = kc::pad_fp8_weight_scales(hw.scales, n, k);
+      w_scales.insert(w_scales.end(), padded.begin(), padded.end());
+      std::copy(hw.w_deq.begin(), hw.w_deq.end(), w_deq.begin() + static_cast<ptrdiff_t>(e) * n * k);
+    } else {
+      std::vector<float> wf;
+      auto wb = random_bf16(static_cast<size_t>(n) * k, 0.05f, rng(), &wf);
+      w_b.insert(w_b.end(), wb.begin(), wb.end());
+      std::copy(wf.begin(), wf.end(), w_deq.begin() + static_cast<ptrdiff_t>(e) * n * k);
+    }
+  }
+  DeviceBuffer<uint8_t> d_wq(w_q.size());
+  DeviceBuffer<float> d_ws(w_scales.size());
+  DeviceBuffer<bf16> d_wb(w_b.size()), d_x(x.size()), d_out(static_cast<size_t>(rows) * n);
+  if (fp8) {
+    d_wq.upload(w_q);
+    d_ws.upload(w_scales);
+  } else {
+    d_wb.upload(w_b);
+  }
+  d_x.upload(x);
+  d_out.poison();
+  kc::StreamGemmArgs a;
+  a.out = d_out.get();
+  a.ldo = n;
+  a.a = d_x.get();
+  a.lda = k;
+  a.a_rows = r.view.sorted_token;
+  a.w = fp8 ? static_cast<const void*>(d_wq.get()) : static_cast<const void*>(d_wb.get());
+  a.w_scale = fp8 ? d_ws.get() : nullptr;
+  a.w_scale_ld = fp8 ? kc::fp8_weight_scale_ld(k) : 0;
+  a.w_group_stride = static_cast<int64_t>(n) * k;
+  a.scale_group_stride = static_cast<int64_t>((n + 127) / 128) * kc::fp8_weight_scale_ld(k);
+  a.group_offsets = r.view.expert_offsets;
+  a.active_groups = r.view.active_experts;
+  a.num_active = r.view.num_active;
+  a.max_groups = std::min(e_count, rows);
+  a.n = n;
+  a.k = k;
+  a.cuda_cores = cuda_cores;
+  PD_STATUS_CHECK(kc::stream_gemm(a, t_count, nullptr));
+  const HostRouting h = r.download();
+  std::vector<float> ref(static_cast<size_t>(rows) * n);
+  for (int e = 0; e < e_count; ++e) {
+    for (int pos = h.offsets[static_cast<size_t>(e)]; pos < h.offsets[static_cast<size_t>(e) + 1]; ++pos) {
+      cpu::matmul(x_f.data() + static_cast<size_t>(h.sorted_token[static_cast<size_t>(pos)]) * k,
+                  w_deq.data() + static_cast<size_t>(e) * n * k, nullptr, 1, n, k,
+                  ref.data() + static_cast<size_t>(pos) * n);
+    }
+  }
+  record(std::string("stream_gemm_grouped_") + (fp8 ? (cuda_cores ? "fp8_simt" : "fp8_tc") : "bf16"),
+         std::to_string(t_count) + "x" + std::to_string(n) + "x" + std::to_string(k) + ", " + std::to_string(e_count) +
+             " exp top" + std::to_string(top_k),
+         compare(to_float(d_out.download()), ref), std::to_string(h.num_active) + " active experts");
+}
+
+// The whole expert part (MoeLayer) against the host: route, per chosen expert
+// down(silu(gate x) * up x) with bf16 rounding where the kernels store bf16, weighted sum,
+// added to the residual. The per-expert FP8 path quantizes its GEMM inputs per token, so the
+// host does too.
+void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int top_k, int hidden, int inter) {
+  const auto logits = random_logits(t_count, e_count);
+  std::vector<int32_t> ids;
+  std::vector<float> rw;
+  route_host(logits, t_count, e_count, top_k, true, &ids, &rw);
+  std::vector<float> x_f, base_f;
+  auto x = grouped_bf16(t_count, hidden, &x_f);
+  auto base = random_bf16(static_cast<size_t>(t_count) * hidden, 1.0f, rng(), &base_f);
+  const int gu_n = 2 * inter;
+  std::vector<float> gu_deq, dn_deq;  // all experts
+  std::vector<uint8_t> gu_q, dn_q;
+  std::vector<float> gu_s, dn_s;
+  std::vector<bf16> gu_b, dn_b;
+  for (int e = 0; e < e_count; ++e) {
+    if (fp8) {
+      const HostFp8Weight g = make_fp8_weight(gu_n, hidden), d = make_fp8_weight(hidden, inter);
+      gu_q.insert(gu_q.end(), g.q.begin(), g.q.end());
+      dn_q.insert(dn_q.end(), d.q.begin(), d.q.end());
+      const auto gp = kc::pad_fp8_weight_scales(g.scales, gu_n, hidden);
+      const auto dp = kc::pad_fp8_weight_scales(d.scales, hidden, inter);
+      gu_s.insert(gu_s.end(), gp.begin(), gp.end());
+      dn_s.insert(dn_s.end(), dp.begin(), dp.end());
+      gu_deq.insert(gu_deq.end(), g.w_deq.begin(), g.w_deq.end());
+      dn_deq.insert(dn_deq.end(), d.w_deq.begin(), d.w_deq.end());
+    } else {
+      std::vector<float> gf, df;
+      auto g = random_bf16(static_cast<size_t>(gu_n) * hidden, 0.06f, rng(), &gf);
+      auto d = random_bf16(static_cast<size_t>(hidden) * inter, 0.08f, rng(), &df);
+      gu_b.insert(gu_b.end(), g.begin(), g.end());
+      dn_b.insert(dn_b.end(), d.begin(), d.end());
+      gu_deq.insert(gu_deq.end(), gf.begin(), gf.end());
+      dn_deq.insert(dn_deq.end(), df.begin(), df.end());
+    }
+  }
+  DeviceBuffer<float> d_logits(logits.size());
+  DeviceBuffer<uint8_t> d_guq(gu_q.size()), d_dnq(dn_q.size());
+  DeviceBuffer<float> d_gus(gu_s.size()), d_dns(dn_s.size());
+  DeviceBuffer<bf16> d_gub(gu_b.size()), d_dnb(dn_b.size()), d_x(x.size()), d_out(base.size());
+  d_logits.upload(logits);
+  d_x.upload(x);
+  d_out.upload(base);
+  kc::MoeWeights w;
+  w.num_experts = e_count;
+  w.hidden = hidden;
+  w.inter = inter;
+  w.fp8 = fp8;
+  if (fp8) {
+    d_guq.upload(gu_q);
+    d_dnq.upload(dn_q);
+    d_gus.upload(gu_s);
+    d_dns.upload(dn_s);
+    w.gate_up = d_guq.get();
+    w.down = d_dnq.get();
+    w.gate_up_scale = d_gus.get();
+    w.down_scale = d_dns.get();
+  } else {
+    d_gub.upload(gu_b);
+    d_dnb.upload(dn_b);
+    w.gate_up = d_gub.get();
+    w.down = d_dnb.get();
+  }
+  auto layer = kc::MoeLayer::create(t_count, top_k, e_count, hidden, inter);
+  PD_STATUS_CHECK(layer.status());
+  auto gemm = kc::Gemm::create(64ull << 20, kc::GemmPolicy::kHeuristic);
+  PD_STATUS_CHECK(gemm.status());
+  auto fp8_gemm = kc::Fp8Gemm::create(t_count * top_k, std::max(hidden, inter), kc::Fp8GemmPolicy::kCublas);
+  PD_STATUS_CHECK(fp8_gemm.status());
+  PD_STATUS_CHECK((*layer)->forward(d_out.get(), d_x.get(), d_logits.get(), t_count, w, true, path, nullptr, true,
+                                    gemm->get(), fp8_gemm->get()));
+  // The per-expert FP8 path quantizes the GEMM inputs of an expert's first
+  // fp8_cublas_rows(count) rows (cuBLASLt) and multiplies the rest in bf16 (streaming): which
+  // (token, choice) went where comes from the routing the layer used.
+  const kc::MoeRouting& routing = (*layer)->routing();
+  std::vector<int32_t> offs(static_cast<size_t>(e_count) + 1), slot(static_cast<size_t>(t_count) * top_k);
+  PD_CUDA_CHECK(cudaMemcpy(offs.data(), routing.expert_offsets, offs.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  PD_CUDA_CHECK(cudaMemcpy(slot.data(), routing.slot_of_choice, slot.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  auto quantize_row = [](std::vector<float> v, int k) {
+    std::vector<uint8_t> q;
+    std::vector<float> sc;
+    quantize_fp8_host(v, 1, k, &q, &sc);
+    return dequantize_host(q, sc, 1, k);
+  };
+  std::vector<float> ref = base_f;
+  for (int t = 0; t < t_count; ++t) {
+    const std::vector<float> xin(x_f.begin() + static_cast<ptrdiff_t>(t) * hidden,
+                                 x_f.begin() + static_cast<ptrdiff_t>(t + 1) * hidden);
+    for (int j = 0; j < top_k; ++j) {
+      const size_t i = static_cast<size_t>(t) * top_k + j;
+      const int e = ids[i];
+      const int count = offs[static_cast<size_t>(e) + 1] - offs[static_cast<size_t>(e)];
+      const bool quantized =
+          fp8 && path == kc::MoePath::kPerExpert && slot[i] - offs[static_cast<size_t>(e)] < kc::fp8_cublas_rows(count);
+      const std::vector<float> x_use = quantized ? quantize_row(xin, hidden) : xin;
+      std::vector<float> gu(static_cast<size_t>(gu_n)), act(static_cast<size_t>(inter)), y(static_cast<size_t>(hidden));
+      cpu::matmul(x_use.data(), gu_deq.data() + static_cast<size_t>(e) * gu_n * hidden, nullptr, 1, gu_n, hidden,
+                  gu.data());
+      for (auto& v : gu) v = bf16_round(v);
+      cpu::silu_mul(gu.data(), gu.data() + inter, inter, act.data());
+      for (auto& v : act) v = bf16_round(v);
+      if (quantized) act = quantize_row(act, inter);
+      cpu::matmul(act.data(), dn_deq.data() + static_cast<size_t>(e) * hidden * inter, nullptr, 1, hidden, inter,
+                  y.data());
+      for (int c = 0; c < hidden; ++c) ref[static_cast<size_t>(t) * hidden + c] += rw[i] * bf16_round(y[c]);
+    }
+  }
+  std::string note;
+  for (const auto& f : (*fp8_gemm)->fallbacks()) note += "fallback " + f + "; ";
+  record(std::string("moe_layer_") + (fp8 ? "fp8" : "bf16") + (path == kc::MoePath::kStream ? "_stream" : "_expert"),
+         std::to_string(t_count) + " tok " + std::to_string(e_count) + "e top" + std::to_string(top_k) + " " +
+             std::to_string(hidden) + "/" + std::to_string(inter),
+         compare(to_float(d_out.download()), ref), note);
+}
+
+// cuBLASLt's scale layouts, checked directly: host-quantized activations with their scales
+// laid out as Fp8Gemm writes them (outer-dimension-major, ld = round_up(m, 4)) and the weight
+// scales padded to fp8_weight_scale_ld(k); the check is that layout. The notes give the error
+// of the alternatives (ld = m; row-major [m][k / 128]; unpadded weight scales), so a wrong
+// guess about cuBLASLt's layout would show which one it reads.
+void check_fp8_scale_layouts(int m, int n, int k) {
+  std::vector<float> a_f;
+  grouped_bf16(m, k, &a_f);
+  const HostFp8Weight hw = make_fp8_weight(n, k);
+  std::vector<uint8_t> aq;
+  std::vector<float> as;  // [m][k / 128]
+  quantize_fp8_host(a_f, m, k, &aq, &as);
+  const std::vector<float> a_deq = dequantize_host(aq, as, m, k);
+  std::vector<float> ref(static_cast<size_t>(m) * n);
+  cpu::matmul(a_deq.data(), hw.w_deq.data(), nullptr, m, n, k, ref.data());
+  const int kb = k / 128;
+  auto act_scales = [&](int variant) {  // 0: [kb][round_up(m, 4)], 1: [kb][m], 2: [m][kb]
+    const int ld = variant == 0 ? kc::fp8_act_scale_ld(m) : m;
+    std::vector<float> out(static_cast<size_t>(kb) * std::max(ld, kc::fp8_act_scale_ld(m)), 0.0f);
+    for (int r = 0; r < m; ++r) {
+      for (int g = 0; g < kb; ++g) {
+        const float v = as[static_cast<size_t>(r) * kb + g];
+        out[variant == 2 ? static_cast<size_t>(r) * kb + g : static_cast<size_t>(g) * ld + r] = v;
+      }
+    }
+    return out;
+  };
+  DeviceBuffer<uint8_t> d_aq(aq.size()), d_wq(hw.q.size());
+  d_aq.upload(aq);
+  d_wq.upload(hw.q);
+  const auto w_padded = kc::pad_fp8_weight_scales(hw.scales, n, k);
+  DeviceBuffer<float> d_ws(std::max(w_padded.size(), hw.scales.size()));
+  DeviceBuffer<float> d_as(static_cast<size_t>(kb) * kc::fp8_act_scale_ld(m));
+  DeviceBuffer<bf16> d_out(static_cast<size_t>(m) * n);
+  auto gemm = kc::Fp8Gemm::create(m, k, kc::Fp8GemmPolicy::kCublas);
+  PD_STATUS_CHECK(gemm.status());
+  auto run = [&](int act_variant, bool w_pad, std::string* err) -> ErrorStats {
+    d_as.upload(act_scales(act_variant));
+    d_ws.upload(w_pad ? w_padded : hw.scales);
+    d_out.poison();
+    kc::Fp8Weight w{d_wq.get(), d_ws.get(), n, k, kc::fp8_weight_scale_ld(k)};
+    const Status st = (*gemm)->run_quantized(d_out.get(), d_aq.get(), d_as.get(), m, w, nullptr);
+    if (!st.ok()) {
+      *err = st.to_string();
+      ErrorStats e;
+      e.num_nan = 1;
+      e.rel_l2 = 1.0;
+      return e;
+    }
+    return compare(to_float(d_out.download()), ref);
+  };
+  std::string err;
+  const ErrorStats main = run(0, true, &err);
+  char note[256];
+  std::string e1, e2, e3;
+  const ErrorStats unpadded_m = run(1, true, &e1), row_major = run(2, true, &e2), unpadded_w = run(0, false, &e3);
+  std::snprintf(note, sizeof(note),
+                "alternatives rel_l2: act ld=m %.2e, act [m][k/128] %.2e, weight scales unpadded %.2e%s",
+                unpadded_m.rel_l2, row_major.rel_l2, unpadded_w.rel_l2, err.empty() ? "" : (" ERROR " + err).c_str());
+  record("fp8_scale_layout", std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k), main, note);
+}
+
+// ---- FP8 KV cache (layout: RopeKvArgs::kv_fp8) ----
+
+// A random FP8 cache: codes of U(-2, 2), per-(token, head) scales 2^-3..2^1; `deq` is the
+// dequantized cache in the bf16 layout [blocks][2][16][heads][D] for the CPU reference.
+struct Fp8Cache {
+  int num_blocks, heads, dim;
+  std::vector<uint8_t> bytes;
+  std::vector<float> deq;
+  DeviceBuffer<uint8_t> dev;
+  Fp8Cache(int blocks, int kv_heads, int d)
+      : num_blocks(blocks),
+        heads(kv_heads),
+        dim(d),
+        dev(static_cast<size_t>(blocks) * kc::fp8_kv_block_bytes(16, kv_heads, d)) {
+    std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+    std::uniform_int_distribution<int> mag(-3, 1);
+    const size_t codes = 16ull * heads * dim, rows = 16ull * heads, bb = kc::fp8_kv_block_bytes(16, heads, dim);
+    bytes.assign(dev.count(), 0);
+    deq.assign(static_cast<size_t>(blocks) * 2 * codes, 0.0f);
+    for (int b = 0; b < blocks; ++b) {
+      uint8_t* base = bytes.data() + b * bb;
+      auto* scales = reinterpret_cast<float*>(base + 2 * codes);
+      for (size_t r = 0; r < 2 * rows; ++r) {
+        scales[r] = std::ldexp(1.0f, mag(rng()));
+        for (int i = 0; i < dim; ++i) {
+          const size_t e = r * dim + i;
+          base[e] = float_to_fp8(dist(rng()));
+          deq[b * 2 * codes + e] = fp8_to_float(base[e]) * scales[r];
+        }
+      }
+    }
+    dev.upload(bytes);
+  }
+  cpu::PagedKvLayout layout() const { return {num_blocks, kc::kKvBlockSize, heads, dim}; }
+};
+
+// rope_kv_write into an FP8 cache: the CPU rope of the bf16-rounded K / V rows quantized per
+// (token, head) as the layout says; compared dequantized over the whole cache (unwritten
+// rows must keep their values).
+void check_rope_kv_fp8(int head_dim, int num_q_heads, int num_kv_heads) {
+  const int tokens = 40;
+  const int width = (num_q_heads + 2 * num_kv_heads) * head_dim;
+  std::vector<float> qkv_f, kn_f;
+  auto qkv = random_bf16(static_cast<size_t>(tokens) * width, 2.0f, rng(), &qkv_f);
+  auto kn = random_bf16(head_dim, 1.5f, rng(), &kn_f);
+  std::vector<int32_t> positions(tokens), slots(tokens);
+  std::uniform_int_distribution<int> pos_dist(0, 32000);
+  for (auto& p : positions) p = pos_dist(rng());
+  Fp8Cache cache(8, num_kv_heads, head_dim);
+  std::vector<int32_t> all_slots(static_cast<size_t>(cache.num_blocks) * 16);
+  std::iota(all_slots.begin(), all_slots.end(), 0);
+  std::shuffle(all_slots.begin(), all_slots.end(), rng());
+  for (int t = 0; t < tokens; ++t) slots[t] = all_slots[t];
+  slots[5] = -1;
+  const auto inv_freq = cpu::rope_inv_freq(head_dim, 1000000.0, {});
+  DeviceBuffer<bf16> d_qkv(qkv.size()), d_kn(head_dim), d_q(static_cast<size_t>(tokens) * num_q_heads * head_dim);
+  DeviceBuffer<int32_t> d_pos(tokens), d_slots(tokens);
+  DeviceBuffer<float> d_freq(inv_freq.size());
+  d_qkv.upload(qkv);
+  d_kn.upload(kn);
+  d_pos.upload(positions);
+  d_slots.upload(slots);
+  d_freq.upload(inv_freq);
+  kc::RopeKvArgs args;
+  args.qkv = d_qkv.get();
+  args.q_out = d_q.get();
+  args.kv_cache = reinterpret_cast<bf16*>(cache.dev.get());
+  args.positions = d_pos.get();
+  args.slot_mapping = d_slots.get();
+  args.inv_freq = d_freq.get();
+  args.q_norm_weight = d_kn.get();
+  args.k_norm_weight = d_kn.get();
+  args.num_tokens = tokens;
+  args.num_q_heads = num_q_heads;
+  args.num_kv_heads = num_kv_heads;
+  args.head_dim = head_dim;
+  args.kv_fp8 = true;
+  PD_STATUS_CHECK(kc::rope_kv_write(args, nullptr));
+  const int qw = num_q_heads * head_dim, kw = num_kv_heads * head_dim;
+  std::vector<float> k(static_cast<size_t>(tokens) * kw), v(k.size());
+  for (int t = 0; t < tokens; ++t) {
+    const float* row = qkv_f.data() + static_cast<size_t>(t) * width;
+    std::copy(row + qw, row + qw + kw, k.begin() + static_cast<size_t>(t) * kw);
+    std::copy(row + qw + kw, row + width, v.begin() + static_cast<size_t>(t) * kw);
+  }
+  cpu::rms_norm(k.data(), kn_f.data(), tokens * num_kv_heads, head_dim, 1e-6f, k.data());
+  cpu::apply_rope(k.data(), tokens, num_kv_heads, head_dim, positions.data(), inv_freq);
+  std::vector<float> ref = cache.deq;
+  const size_t codes = 16ull * num_kv_heads * head_dim;
+  for (int t = 0; t < tokens; ++t) {
+    if (slots[t] < 0) continue;
+    const int block = slots[t] / 16, off = slots[t] % 16;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      for (int tensor = 0; tensor < 2; ++tensor) {
+        const float* src = (tensor == 0 ? k : v).data() + static_cast<size_t>(t) * kw + h * head_dim;
+        float amax = 0.0f;
+        for (int i = 0; i < head_dim; ++i) amax = std::max(amax, std::abs(bf16_round(src[i])));
+        const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+        float* dst =
+            ref.data() + block * 2 * codes + tensor * codes + (static_cast<size_t>(off) * num_kv_heads + h) * head_dim;
+        for (int i = 0; i < head_dim; ++i) dst[i] = fp8_to_float(float_to_fp8(bf16_round(src[i]) / scale)) * scale;
+      }
+    }
+  }
+  // Dequantize the device cache on the host.
+  const auto bytes = cache.dev.download();
+  std::vector<float> got(cache.deq.size());
+  const size_t bb = kc::fp8_kv_block_bytes(16, num_kv_heads, head_dim), rows = 16ull * num_kv_heads;
+  for (int b = 0; b < cache.num_blocks; ++b) {
+    const uint8_t* base = bytes.data() + b * bb;
+    const auto* scales = reinterpret_cast<const float*>(base + 2 * codes);
+    for (size_t r = 0; r < 2 * rows; ++r) {
+      for (int i = 0; i < head_dim; ++i)
+        got[b * 2 * codes + r * head_dim + i] = fp8_to_float(base[r * head_dim + i]) * scales[r];
+    }
+  }
+  record("rope.kv_cache_fp8", heads_shape(head_dim, num_q_heads, num_kv_heads), compare(got, ref),
+         "dequantized, unwritten rows intact");
+}
+
+// Decode (decode_attention_fp8) and prefill (kv_fp8_to_bf16_blocks + prefill_attention) over
+// an FP8 cache against cpu::paged_attention on the dequantized cache.
+void check_attention_fp8(bool decode, int head_dim, int num_q_heads, int num_kv_heads, const std::vector<SeqSpec>& seqs,
+                         int partition_tokens) {
+  int max_ctx = 1, max_q = 0, total_q = 0, total_blocks = 0;
+  for (const auto& sq : seqs) {
+    max_ctx = std::max(max_ctx, sq.ctx);
+    max_q = std::max(max_q, sq.q_len);
+    total_q += sq.q_len;
+    total_blocks += (sq.ctx + 15) / 16;
+  }
+  const int max_blocks = (max_ctx + 15) / 16;
+  Fp8Cache cache(total_blocks + 5, num_kv_heads, head_dim);
+  std::vector<int32_t> perm(static_cast<size_t>(cache.num_blocks));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng());
+  std::vector<int32_t> tables(seqs.size() * max_blocks, 0), compact(tables.size(), 0), used, qstart(seqs.size() + 1, 0),
+      ctxs(seqs.size());
+  int next = 0;
+  for (size_t sq = 0; sq < seqs.size(); ++sq) {
+    const int nb = (seqs[sq].ctx + 15) / 16;
+    for (int j = 0; j < nb; ++j) {
+      tables[sq * max_blocks + j] = perm[next];
+      compact[sq * max_blocks + j] = static_cast<int32_t>(used.size());
+      used.push_back(perm[next++]);
+    }
+    qstart[sq + 1] = qstart[sq] + seqs[sq].q_len;
+    ctxs[sq] = seqs[sq].ctx;
+  }
+  std::vector<float> q_f;
+  auto q = random_bf16(static_cast<size_t>(total_q) * num_q_heads * head_dim, 2.0f, rng(), &q_f);
+  DeviceBuffer<bf16> d_q(q.size()), d_out(q.size());
+  DeviceBuffer<int32_t> d_tables(tables.size()), d_compact(compact.size()), d_used(std::max<size_t>(1, used.size())),
+      d_qstart(qstart.size()), d_ctx(ctxs.size());
+  d_q.upload(q);
+  d_tables.upload(tables);
+  d_compact.upload(compact);
+  if (!used.empty()) d_used.upload(used);
+  d_qstart.upload(qstart);
+  d_ctx.upload(ctxs);
+  kc::AttentionArgs a;
+  a.q = d_q.get();
+  a.out = d_out.get();
+  a.query_start = d_qstart.get();
+  a.context_lens = d_ctx.get();
+  a.num_seqs = static_cast<int32_t>(seqs.size());
+  a.max_blocks_per_seq = max_blocks;
+  a.max_query_len = max_q;
+  a.max_context_len = max_ctx;
+  a.num_q_heads = num_q_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.head_dim = head_dim;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  a.decode_partition_tokens = partition_tokens;
+  std::vector<float> ref(q.size(), 0.0f), scratch(static_cast<size_t>(max_ctx) + 1);
+  const size_t row = static_cast<size_t>(num_q_heads) * head_dim;
+  for (size_t sq = 0; sq < seqs.size(); ++sq) {
+    if (seqs[sq].ctx == 0) continue;
+    std::vector<int32_t> pos(static_cast<size_t>(seqs[sq].q_len));
+    for (int i = 0; i < seqs[sq].q_len; ++i) pos[i] = seqs[sq].ctx - seqs[sq].q_len + i;
+    cpu::paged_attention(q_f.data() + qstart[sq] * row, seqs[sq].q_len, pos.data(), cache.deq.data(), cache.layout(),
+                         std::span<const int32_t>(tables.data() + sq * max_blocks, max_blocks), num_q_heads, a.scale,
+                         ref.data() + qstart[sq] * row, scratch.data());
+  }
+  std::string shape = heads_shape(head_dim, num_q_heads, num_kv_heads) + " seqs " + std::to_string(seqs.size()) +
+                      " maxctx " + std::to_string(max_ctx);
+  d_out.poison();
+  if (decode) {
+    a.kv_cache = reinterpret_cast<const bf16*>(cache.dev.get());
+    a.block_tables = d_tables.get();
+    const int part = partition_tokens > 0 ? partition_tokens : 256;
+    const size_t ws = kc::decode_attention_workspace_bytes(a.num_seqs, num_q_heads, head_dim, max_ctx, part);
+    DeviceBuffer<uint8_t> d_ws(ws);
+    d_ws.poison();
+    PD_STATUS_CHECK(kc::decode_attention_fp8(a, d_ws.get(), ws, nullptr));
+    record("decode_attention_fp8kv", shape + " part " + std::to_string(part), compare(to_float(d_out.download()), ref));
+    return;
+  }
+  DeviceBuffer<bf16> staged(std::max<size_t>(1, used.size()) * 2 * 16 * num_kv_heads * head_dim);
+  staged.poison();
+  PD_STATUS_CHECK(kc::kv_fp8_to_bf16_blocks(staged.get(), cache.dev.get(), d_used.get(),
+                                            static_cast<int32_t>(used.size()), num_kv_heads, head_dim, nullptr));
+  a.kv_cache = staged.get();
+  a.block_tables = d_compact.get();
+  PD_STATUS_CHECK(kc::prefill_attention(a, nullptr));
+  record("prefill_attention_fp8kv", shape + " (staged bf16)", compare(to_float(d_out.download()), ref));
+}
+
+void check_fp8_kv() {
+  check_rope_kv_fp8(128, 32, 4);
+  check_rope_kv_fp8(64, 14, 2);
+  std::vector<SeqSpec> decode_seqs;
+  for (int c : {1, 15, 16, 17, 255, 256, 257, 1000, 2048, 0, 4097}) decode_seqs.push_back({1, c});
+  for (int part : {0, 64, 1024}) {
+    check_attention_fp8(true, 128, 32, 4, decode_seqs, part);
+    check_attention_fp8(true, 128, 64, 8, decode_seqs, part);
+    check_attention_fp8(true, 64, 14, 2, decode_seqs, part);
+    check_attention_fp8(true, 128, 8, 8, decode_seqs, part);
+  }
+  const std::vector<SeqSpec> prefill_seqs = {{100, 100}, {37, 300}, {1, 17}, {200, 264}, {129, 1000}};
+  check_attention_fp8(false, 128, 32, 4, prefill_seqs, 0);
+  check_attention_fp8(false, 64, 14, 2, prefill_seqs, 0);
+}
+
+void check_fp8_moe() {
+  check_fp8_kv();
+  check_fp8_scale_layouts(32, 256, 768);
+  check_fp8_scale_layouts(48, 512, 1024);
+  check_fp8_scale_layouts(64, 256, 768);
+  check_quantize_fp8(1, 2048);
+  check_quantize_fp8(37, 768);
+  check_quantize_fp8(130, 4096);
+  // Shapes of Qwen3-30B-A3B / 32B / 235B layers; M not a multiple of 4; K = 768 (6 scale
+  // columns, padded to 8); accumulating stores.
+  for (auto policy : {kc::Fp8GemmPolicy::kCublas, kc::Fp8GemmPolicy::kStream}) {
+    for (auto [m, n, k] : std::vector<std::tuple<int, int, int>>{{1, 2048, 4096},
+                                                                 {3, 1536, 2048},
+                                                                 {16, 5120, 2048},
+                                                                 {37, 2048, 768},
+                                                                 {128, 4096, 4096},
+                                                                 {333, 1536, 2048}}) {
+      if (policy == kc::Fp8GemmPolicy::kStream && m > 128) continue;
+      check_fp8_gemm(m, n, k, policy);
+    }
+    check_fp8_gemm(5, 2048, 768, policy, true);
+    check_fp8_gemm(64, 1024, 1536, policy, true);
+  }
+  check_fp8_gemm(1, 2048, 4096, kc::Fp8GemmPolicy::kAuto);
+  check_fp8_gemm(64, 5120, 2048, kc::Fp8GemmPolicy::kAuto);
+  check_fp8_gemm(512, 2048, 2048, kc::Fp8GemmPolicy::kAuto);
+  for (bool renorm : {true, false}) {
+    check_moe_route(37, 128, 8, renorm);
+    check_moe_route(5, 60, 4, renorm);
+  }
+  check_moe_route(3, 512, 32, true);
+  check_moe_align(1, 128, 8);
+  check_moe_align(64, 128, 8);
+  check_moe_align(2000, 128, 8);
+  check_moe_align(300, 60, 4);
+  check_moe_combine(7, 8, 2048, false);
+  check_moe_combine(16, 4, 4096, true);
+  for (bool fp8 : {true, false}) {
+    check_stream_gemm_grouped(fp8, 1, 128, 8, 256, 2048);
+    check_stream_gemm_grouped(fp8, 16, 64, 8, 512, 768);
+    check_stream_gemm_grouped(fp8, 64, 32, 4, 256, 512);
+  }
+  // The CUDA-core kernel for FP8 experts (the tensor-core one is the default above); 40 tokens
+  // so an expert can have more than 16 rows (two weight passes on tensor cores).
+  check_stream_gemm_grouped(true, 16, 64, 8, 512, 768, true);
+  check_stream_gemm_grouped(true, 40, 4, 2, 256, 512);
+  check_stream_gemm_grouped(true, 40, 4, 2, 256, 512, true);
+  for (bool fp8 : {true, false}) {
+    for (auto path : {kc::MoePath::kStream, kc::MoePath::kPerExpert}) {
+      check_moe_layer(fp8, path, 5, 16, 4, 256, 128);
+      check_moe_layer(fp8, path, 40, 64, 8, 512, 256);
+      check_moe_layer(fp8, path, 200, 16, 4, 256, 128);  // ~50 rows per expert: cuBLASLt rows + a streamed rest
+    }
+  }
+}
+
 // Everything but decode attention and sampling (main).
 void check_others() {
   check_embedding();
@@ -857,9 +1756,19 @@ int main(int argc, char** argv) {
   // --decode-attention-only: the decode attention (and sampling) checks alone, for a quick run.
   bool decode_attention_only = false;
   for (int i = 1; i < argc; ++i) decode_attention_only |= std::string(argv[i]) == "--decode-attention-only";
-  if (!decode_attention_only) check_others();
-  check_decode_attention();
-  check_sampling();
+  // --fp8-moe-only: the FP8 and MoE checks alone.
+  bool fp8_moe_only = false;
+  for (int i = 1; i < argc; ++i) fp8_moe_only |= std::string(argv[i]) == "--fp8-moe-only";
+  if (fp8_moe_only) {
+    check_fp8_moe();
+  } else {
+    if (!decode_attention_only) {
+      check_others();
+      check_fp8_moe();
+    }
+    check_decode_attention();
+    check_sampling();
+  }
 
   int failures = 0;
   std::printf("\n%-22s %-36s %10s %10s %6s  %s\n", "kernel", "shape", "rel_l2", "max_abs", "nan", "result");

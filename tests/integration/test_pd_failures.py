@@ -53,9 +53,11 @@ def test_consumer_request_without_transfer_params_runs_as_a_normal_request(procs
 
 @pytest.mark.parametrize("read_mode", [False, True], ids=["write", "read"])
 def test_preempted_pd_requests_recompute_instead_of_hanging(procs, plain, read_mode):
-    # 48 blocks for 24 concurrent 100-token prompts generating 40 tokens: the consumer must preempt.
+    # 48 blocks for 24 concurrent 100-token prompts generating 40 tokens: without the admission
+    # reserve (on by default, which would defer them instead) the consumer must preempt.
     producer = start_instance(procs, "kv_producer", read_mode)
-    consumer = start_instance(procs, "kv_consumer", read_mode, flags=["--num-kv-blocks", "48"])
+    consumer = start_instance(procs, "kv_consumer", read_mode,
+                              flags=["--num-kv-blocks", "48", "--remote-output-reserve", "-1"])
     prompts = [p for p in mixed_prompts(60, seed=3) if 60 <= len(p) <= 150][:24]
     expected = [reference(plain, p, 40) for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(48) as legs, concurrent.futures.ThreadPoolExecutor(24) as pool:

@@ -89,10 +89,11 @@ def test_metrics_args_name_the_router_and_every_instance(tmp_path):
     assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+", url) for url in args[1:7:2])
     # Inside a longer argument (a bash -c line) it becomes text.
     proc = deploy("--config", "collocated", "--num-collocated", "2", "--log-dir", str(tmp_path), "--",
-                  "bash", "-c", "echo LINE {metrics_args}")
+                  "bash", "-c", "echo LINE {url} {metrics_args}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("LINE")]
-    assert line.split()[1:] == args[:6]
+    words = line.split()[1:]
+    assert len(words) == 7 and words[1:7:2] == ["--metrics-url"] * 3 and words[2] == words[0]
 
 
 def test_missing_command_and_bad_model_are_clear_errors(tmp_path):

@@ -1,11 +1,13 @@
 """pdrouter in front of real collocated pdserve instances: completions and chat, stream and
 not, through the official openai client; /v1/models, /health, API key; policies; a killed
 instance expires and traffic moves away; a restarted one is re-admitted; client disconnect
-frees the engine's blocks; 1,000 concurrent streaming clients."""
+frees the engine's blocks; 2,000 concurrent streaming clients; HTTP/1.0 and 100-continue clients;
+stale pooled engine connections; --client-idle-timeout-ms."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 
@@ -213,21 +215,33 @@ def test_killed_instance_expires_traffic_moves_away_and_restart_is_readmitted(pr
     assert after - before > 0, "no traffic reached the re-admitted instance"
 
 
-def test_thousand_concurrent_streaming_clients(procs):
-    raise_fd_limit(8192)
+def added_latency_histogram(router) -> list[tuple[str, float]]:
+    """(le, cumulative count) of pd_router_added_latency_seconds{route="/v1/completions"}."""
+    buckets = re.findall(r'^pd_router_added_latency_seconds_bucket\{([^}]*)\}\s+(\S+)$', router.metrics(), re.M)
+    out = []
+    for labels, value in buckets:
+        if 'route="/v1/completions"' in labels:
+            out.append((re.search(r'le="([^"]*)"', labels).group(1), float(value)))
+    return out
+
+
+def test_two_thousand_concurrent_streaming_clients(procs):
+    """2,000 streams at once through the router (loopback, one CPU engine): every one completes, nothing
+    is left held. Prints the router's added-latency histogram at that load (docs/perf/router.md)."""
+    raise_fd_limit(16384)
     engine = start_pdserve(procs, *ENGINE_FLAGS, "--max-num-seqs", "256")
     router = start_router(procs, "--collocated", engine.base_url, registration=False)
     router.wait_for_instances(1)
-    num_clients = 1000
+    num_clients = 2000
 
     async def run() -> list:
         # The openai client's own transport, with a pool large enough for every client at once.
         transport = openai._base_client  # noqa: SLF001 - where the client keeps its default Limits type
         limits = type(transport.DEFAULT_CONNECTION_LIMITS)(max_connections=num_clients + 10,
                                                            max_keepalive_connections=num_clients + 10)
-        http_client = openai.DefaultAsyncHttpxClient(limits=limits, timeout=120)
+        http_client = openai.DefaultAsyncHttpxClient(limits=limits, timeout=300)
         async with openai.AsyncOpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=120, http_client=http_client) as client:
+                                      timeout=300, http_client=http_client) as client:
             async def one(i: int):
                 stream = await client.completions.create(model=TINY_MODEL, prompt=f"client {i}", max_tokens=2,
                                                          temperature=0, stream=True,
@@ -243,7 +257,12 @@ def test_thousand_concurrent_streaming_clients(procs):
     errors = [r for r in results if r is not True]
     assert not errors, f"{len(errors)} of {num_clients} failed, first: {errors[0]!r}"
     assert router.metric("pd_router_requests_total", {"route": "/v1/completions", "status": "200"}) == num_clients
-    print(f"1000 concurrent streams in {elapsed:.1f}s")
+    wait_for(lambda: blocks_used(engine) == 0, 10, "no blocks held after the load")
+    wait_for(lambda: router.instances()[0]["outstanding"] == 0, 10, "every leg released")
+    histogram = added_latency_histogram(router)
+    assert histogram and histogram[-1][1] == num_clients
+    print(f"{num_clients} concurrent streams in {elapsed:.1f}s; router added latency (le, cumulative count): "
+          + ", ".join(f"{le}:{int(count)}" for le, count in histogram))
 
 
 def test_least_outstanding_counts_a_stream_for_its_whole_life(procs):
@@ -271,3 +290,106 @@ def test_least_outstanding_counts_a_stream_for_its_whole_life(procs):
     finally:
         sock.close()
     wait_for(lambda: all(i["outstanding"] == 0 for i in router.instances()), 30, "stream leg released")
+
+
+def raw_request(host: str, port: int, request: bytes, timeout_s: float = 60.0) -> bytes:
+    """Sends raw request bytes and reads until the peer closes the connection."""
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        sock.sendall(request)
+        received = b""
+        while data := sock.recv(65536):
+            received += data
+        return received
+
+
+STREAM_BODY = b'{"model":"%s","prompt":"x","max_tokens":4,"ignore_eos":true,"stream":true}' % TINY_MODEL.encode()
+
+
+@pytest.mark.parametrize("target", ["router", "engine"])
+def test_http10_client_gets_a_stream_without_chunked_encoding_ended_by_close(router, engines, target):
+    """HTTP/1.0 has no chunked encoding: the events come as they are, Connection: close ends the body."""
+    endpoint = router if target == "router" else engines[0]
+    answer = raw_request(endpoint.host, endpoint.port,
+                         b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(STREAM_BODY), STREAM_BODY))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    headers = head.lower().split(b"\r\n")
+    assert headers[0].startswith(b"http/1.") and b" 200 " in headers[0]
+    assert b"transfer-encoding: chunked" not in headers
+    assert b"connection: close" in headers
+    events = [e for e in body.split(b"\n\n") if e]
+    assert all(e.startswith(b"data: ") for e in events), body[:200]  # no chunk-size lines in between
+    assert events[-1] == b"data: [DONE]"
+    # An HTTP/1.1 client still gets chunks.
+    answer11 = raw_request(endpoint.host, endpoint.port,
+                           b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                           % (len(STREAM_BODY), STREAM_BODY))
+    assert b"transfer-encoding: chunked" in answer11.partition(b"\r\n\r\n")[0].lower()
+
+
+def test_router_answers_expect_100_continue_before_the_body(router):
+    """A client that sends `Expect: 100-continue` waits for the interim answer before its body."""
+    body = b'{"model":"%s","prompt":"x","max_tokens":2}' % TINY_MODEL.encode()
+    with socket.create_connection((router.host, router.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        sock.settimeout(5)  # far below the client idle timeout: only a 100 Continue answers this soon
+        interim = sock.recv(65536)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        final = b""
+        while b"\r\n\r\n" not in final:
+            final += sock.recv(65536)
+        assert final.startswith(b"HTTP/1.1 200")
+
+
+def test_client_idle_timeout_flag_closes_a_silent_connection(procs, engines):
+    router = start_router(procs, "--collocated", engines[0].base_url, "--client-idle-timeout-ms", "300",
+                          registration=False)
+    with socket.create_connection((router.host, router.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and then nothing
+        started = time.monotonic()
+        assert sock.recv(65536) == b""  # closed by the router
+        assert time.monotonic() - started < 5
+
+
+def test_pooled_connections_the_engine_closed_while_idle_never_fail_a_request(procs):
+    """The engine closes connections idle for its keep-alive (1 s here). A router that keeps them longer
+    (--backend-idle-timeout-ms 60000, a misconfiguration) must still answer every request: a stale pooled
+    connection is retried on a NEW connection, never on another pooled one."""
+    engine = start_pdserve(procs, *ENGINE_FLAGS, "--keep-alive-timeout-ms", "1000")
+    router = start_router(procs, "--collocated", engine.base_url, "--backend-idle-timeout-ms", "60000",
+                          "--io-threads", "1", registration=False)
+    router.wait_for_instances(1)
+
+    async def burst(num_requests: int) -> list:
+        async with openai.AsyncOpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=60) as client:
+            async def one(i: int):
+                answer = await client.completions.create(model=TINY_MODEL, prompt=f"x {i}", max_tokens=2)
+                return answer.usage.completion_tokens == 2
+            return await asyncio.gather(*(one(i) for i in range(num_requests)), return_exceptions=True)
+
+    assert all(r is True for r in asyncio.run(burst(16)))  # fills the pool with several connections
+    time.sleep(2.0)  # idles past the engine's keep-alive (what is tested, not synchronisation)
+    # One at a time: every request finds more stale pooled connections than it has retries.
+    client = client_for(router.base_url)
+    for i in range(8):
+        assert client.completions.create(model=TINY_MODEL, prompt=f"y {i}", max_tokens=2).usage.completion_tokens == 2
+    assert router.metric("pd_router_stale_connection_retries_total") >= 1
+
+
+def test_pooled_connections_are_closed_after_backend_idle_timeout(procs):
+    """With --backend-idle-timeout-ms below the engine's keep-alive no request meets a stale connection."""
+    engine = start_pdserve(procs, *ENGINE_FLAGS, "--keep-alive-timeout-ms", "1000")
+    router = start_router(procs, "--collocated", engine.base_url, "--backend-idle-timeout-ms", "400",
+                          registration=False)
+    router.wait_for_instances(1)
+    client = client_for(router.base_url)
+    for round_index in range(3):
+        for i in range(4):
+            assert client.completions.create(model=TINY_MODEL, prompt=f"{round_index} {i}",
+                                             max_tokens=2).usage.completion_tokens == 2
+        time.sleep(1.5)  # idles past the engine's keep-alive (what is tested, not synchronisation)
+    assert router.metric("pd_router_stale_connection_retries_total") == 0

@@ -5,6 +5,10 @@ router's real listener; what the router believes is read back from its /health."
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import socket
+import subprocess
 import time
 
 import msgpack
@@ -12,8 +16,8 @@ import pytest
 import zmq
 import zmq.utils.z85
 
-from conftest import wait_for
-from router_fixtures import Heartbeat, Registrar, registration_record, start_router
+from conftest import start_pdserve, wait_for
+from router_fixtures import TINY_MODEL, Heartbeat, Registrar, registration_record, start_router
 
 
 def nonces(router, instance_id):
@@ -157,3 +161,90 @@ def test_curve_registration_admits_only_holders_of_the_secret(procs, tmp_path):
     finally:
         for registrar in (outsider, wrong, member):
             registrar.close()
+
+
+def outstanding_of(router, instance_id):
+    return [i["outstanding"] for i in router.instances() if i["instance_id"] == instance_id]
+
+
+def test_a_re_registered_instance_keeps_counting_the_streams_it_still_runs(procs):
+    """A new record for the same instance (here a new boot nonce) must not reset its outstanding count to 0
+    while streams started before it still run: least_outstanding would pile new work on it."""
+    engine = start_pdserve(procs, "--model", TINY_MODEL, "--max-model-len", "2048")
+    router = start_router(procs)
+    registrar = Registrar(router.registration_port)
+    sock = None
+    try:
+        registrar.send_record(registration_record("e0", "both", f"{engine.host}:{engine.port}", boot_nonce=1))
+        wait_for(lambda: nonces(router, "e0") == [1], 10, "first record")
+        body = (b'{"model":"%s","prompt":"long","max_tokens":1900,"ignore_eos":true,"stream":true}'
+                % TINY_MODEL.encode())
+        sock = socket.create_connection((router.host, router.port), timeout=60)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert outstanding_of(router, "e0") == [1]
+        registrar.send_record(registration_record("e0", "both", f"{engine.host}:{engine.port}", boot_nonce=2))
+        wait_for(lambda: nonces(router, "e0") == [2], 10, "the new record replaced the old one")
+        assert outstanding_of(router, "e0") == [1]
+        sock.close()
+        sock = None
+        wait_for(lambda: outstanding_of(router, "e0") == [0], 30, "the stream's end counted on the new record")
+    finally:
+        if sock is not None:
+            sock.close()
+        registrar.close()
+
+
+SLOW_RESOLVER_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <netdb.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Names ending in .slow.test take 2 s to resolve (to 127.0.0.1); every other name resolves as usual. */
+int getaddrinfo(const char* node, const char* service, const struct addrinfo* hints, struct addrinfo** res) {
+  int (*real)(const char*, const char*, const struct addrinfo*, struct addrinfo**) = dlsym(RTLD_NEXT, "getaddrinfo");
+  static const char suffix[] = ".slow.test";
+  size_t n = node ? strlen(node) : 0;
+  if (n > sizeof(suffix) - 1 && strcmp(node + n - (sizeof(suffix) - 1), suffix) == 0) {
+    sleep(2);
+    return real("127.0.0.1", service, hints, res);
+  }
+  return real(node, service, hints, res);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def slow_resolver(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("slow_resolver")
+    source = directory / "slow_resolver.c"
+    source.write_text(SLOW_RESOLVER_C)
+    library = directory / "slow_resolver.so"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.fail("no C compiler to build the getaddrinfo interposer")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source), "-ldl"], check=True)
+    return str(library)
+
+
+def test_host_names_are_resolved_off_the_control_thread_within_the_resolve_timeout(procs, slow_resolver):
+    """A registration naming a host that takes 2 s to resolve must not hold up other registrations
+    (they are admitted at once), and is dropped when --resolve-timeout-ms passes without an answer."""
+    env = {**os.environ, "LD_PRELOAD": slow_resolver}
+    router = start_router(procs, "--resolve-timeout-ms", "500", env=env)
+    registrar = Registrar(router.registration_port)
+    try:
+        registrar.send_record(registration_record("slow", "producer", "engine.slow.test:9"))
+        registrar.send_record(registration_record("fast", "producer", "127.0.0.1:9"))
+        wait_for(lambda: "fast" in router.instance_ids(), 1.5, "the instance with an IP address admitted at once")
+        assert "slow" not in router.instance_ids()
+        time.sleep(2.5)  # past the slow lookup itself: its late answer must not admit it
+        assert "slow" not in router.instance_ids()
+        # A name that resolves in time is admitted.
+        registrar.send_record(registration_record("named", "producer", "localhost:9"))
+        wait_for(lambda: "named" in router.instance_ids(), 5, "an instance registered by host name")
+    finally:
+        registrar.close()

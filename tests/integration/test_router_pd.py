@@ -6,13 +6,16 @@ sides."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 import socket
 import time
 
 import openai
 import pytest
 
-from conftest import metric_value, start_pdserve, wait_for
+from conftest import http_request, metric_value, start_pdserve, wait_for
 from router_fixtures import TINY_MODEL, Heartbeat, Registrar, pdserve_flags, registration_record, start_router
 
 PROMPT = "The capital of the land of tiny models is"
@@ -209,3 +212,111 @@ def test_backend_api_key_serves_engines_run_with_api_key(procs, reference, mode)
     finally:
         for heartbeat in heartbeats:
             heartbeat.stop()
+
+
+# Well below CONNECTOR_TIMEOUTS: a hold that ends only at defer_timeout (WRITE) or transfer_timeout (READ)
+# is seen as held here.
+RELEASED_WITHIN_S = 2.0
+
+
+def producer_requests(producer) -> float:
+    """Completion requests the engine answered, whatever their status."""
+    samples = re.findall(r'^pd_http_requests_total\{([^}]*)\}\s+(\S+)$', producer.metrics(), re.M)
+    return sum(float(value) for labels, value in samples if 'route="/v1/completions"' in labels)
+
+
+def test_a_request_the_engine_refuses_is_refused_by_the_router_before_any_leg(deployment):
+    """max_tokens: -1 would pass on the producer leg (rewritten to 1) and be refused by the consumer."""
+    mode, router, producer, consumer = deployment
+    direct = http_request(consumer.base_url, "POST", "/v1/completions",
+                          body={"model": TINY_MODEL, "prompt": PROMPT, "max_tokens": -1})
+    before = producer_requests(producer)
+    status, body, _ = http_request(router.base_url, "POST", "/v1/completions",
+                                   body={"model": TINY_MODEL, "prompt": PROMPT, "max_tokens": -1})
+    assert status == direct[0] == 400
+    error, engine_error = json.loads(body)["error"], json.loads(direct[1])["error"]
+    # The engine's error: same fields; the message's upper bound is the engine's context length there.
+    assert {k: error[k] for k in ("type", "param", "code")} == {k: engine_error[k] for k in ("type", "param", "code")}
+    assert error["message"].startswith("'max_tokens' must be an integer between 1 and")
+    status, body, _ = http_request(router.base_url, "POST", "/v1/completions",
+                                   body={"model": TINY_MODEL, "prompt": PROMPT, "temperature": -1})
+    direct = http_request(consumer.base_url, "POST", "/v1/completions",
+                          body={"model": TINY_MODEL, "prompt": PROMPT, "temperature": -1})
+    assert status == direct[0] == 400 and json.loads(body) == json.loads(direct[1])
+    chat_status, chat_body, _ = http_request(router.base_url, "POST", "/v1/chat/completions",
+                                             body={"model": TINY_MODEL, "messages": [], "max_tokens": 4})
+    assert chat_status == 400 and json.loads(chat_body)["error"]["param"] == "messages"
+    assert producer_requests(producer) == before
+    assert router.metric("pd_router_requests_invalid_total") >= 2
+
+
+def test_requests_the_consumer_refuses_release_the_producers_blocks_at_once(deployment):
+    """Beyond the consumer's context length (a bound only the engine knows): the producer computed the
+    prompt for a consumer that refused it. Its blocks must come back now, not at its timeout."""
+    mode, router, producer, consumer = deployment
+    wait_for(lambda: blocks_used(producer) == 0, 30, "an idle producer")
+    client = client_for(router.base_url)
+
+    async def refused(i: int):
+        async_client = openai.AsyncOpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0,
+                                          timeout=60)
+        async with async_client:
+            with pytest.raises(openai.BadRequestError):
+                await async_client.completions.create(model=TINY_MODEL, prompt=f"{i} " + "word " * 100,
+                                                      max_tokens=100_000)
+
+    async def all_refused():
+        await asyncio.gather(*(refused(i) for i in range(24)))
+
+    asyncio.run(all_refused())
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=TINY_MODEL, prompt=PROMPT, max_tokens=100_000, stream=True)
+    wait_for(lambda: blocks_used(producer) == 0, RELEASED_WITHIN_S,
+             "the producer's blocks released right after the consumer refused")
+    assert router.metric("pd_router_transfer_releases_total", {"outcome": "failed"}) == 0
+
+
+def test_clients_that_abort_early_leave_no_blocks_held_on_the_producer(deployment):
+    """Clients that close within the first 50 ms, at every point of the P/D exchange."""
+    mode, router, producer, consumer = deployment
+    wait_for(lambda: blocks_used(producer) == 0 and blocks_used(consumer) == 0, 30, "idle engines")
+    body = (b'{"model":"%s","prompt":"%s","max_tokens":64,"ignore_eos":true,"stream":true}'
+            % (TINY_MODEL.encode(), b"word " * 200))
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    sockets = []
+    for i in range(25):
+        sock = socket.create_connection((router.host, router.port), timeout=30)
+        sock.sendall(request)
+        sockets.append((time.monotonic() + i * 0.002, sock))
+    for abort_at, sock in sockets:  # the stimulus: each client closes at its own moment in 0..50 ms
+        time.sleep(max(0.0, abort_at - time.monotonic()))
+        sock.close()
+    wait_for(lambda: all(i["outstanding"] == 0 for i in router.instances()), 30, "router legs released")
+    wait_for(lambda: blocks_used(producer) == 0, RELEASED_WITHIN_S,
+             "the producer's blocks released right after the clients went away")
+    wait_for(lambda: blocks_used(consumer) == 0, 10, "the consumer's blocks released")
+
+
+def test_batched_prompts_are_served_through_pd_like_one_pdserve(deployment, reference):
+    """`prompt` as a list of strings or of token-id lists: one answer, choice per prompt, summed usage."""
+    mode, router, producer, consumer = deployment
+    for prompt in (["The capital of", "Once upon a time", "Tiny models"], [[1, 2, 3, 4], [5, 6, 7]]):
+        expected = client_for(reference.base_url).completions.create(model=TINY_MODEL, prompt=prompt, max_tokens=6,
+                                                                     temperature=0, extra_body={"ignore_eos": True})
+        answer = client_for(router.base_url).completions.create(model=TINY_MODEL, prompt=prompt, max_tokens=6,
+                                                                temperature=0, extra_body={"ignore_eos": True})
+        assert [c.index for c in answer.choices] == list(range(len(prompt)))
+        assert [c.text for c in answer.choices] == [c.text for c in expected.choices]
+        assert answer.usage.prompt_tokens == expected.usage.prompt_tokens
+        assert answer.usage.completion_tokens == 6 * len(prompt)
+        chunks = list(client_for(router.base_url).completions.create(
+            model=TINY_MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        texts = ["" for _ in prompt]
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == [c.text for c in expected.choices]
+        assert chunks[-1].usage.completion_tokens == 6 * len(prompt)
+    assert router.metric("pd_router_fallbacks_total", {"reason": "batched_prompts"}) == 4

@@ -233,7 +233,7 @@ REFUSED = [
     ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"choice": ["a"]}),
     ("response_format", {"type": "json_object"}), ("length_penalty", 0.5), ("logits_processors", ["x"]),
     ("priority", 1), ("cache_salt", "s"), ("spaces_between_special_tokens", False),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"), ("best_of", 3),
+    ("tool_choice", "required"), ("best_of", 3),
 ]
 
 
@@ -249,14 +249,17 @@ def test_unimplemented_fields_are_refused_naming_the_field(client, field, value)
     assert chat_info.value.body["param"] == field
 
 
-def test_chat_tools_are_refused_unless_tool_choice_is_none(client):
+def test_chat_tools_are_served_and_completion_tools_refused(client):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=tools)
+        complete(client, extra_body={"tools": tools})
     assert info.value.body["param"] == "tools"
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=tools,
                                          tool_choice="none", max_tokens=2)
     assert out.choices[0].message.tool_calls in (None, [])
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=tools,
+                                         max_tokens=2)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_errors_share_one_shape(server):

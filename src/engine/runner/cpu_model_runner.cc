@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 
 #include "engine/sampler.h"
 
@@ -10,7 +11,8 @@ namespace cpu = kernels::cpu;
 
 Result<std::unique_ptr<CpuModelRunner>> CpuModelRunner::create(model::ModelConfig config, model::ModelWeights weights,
                                                                int32_t block_size, int32_t num_kv_blocks,
-                                                               int32_t max_model_len, KvDtype kv_dtype) {
+                                                               int32_t max_model_len, KvDtype kv_dtype,
+                                                               int32_t tensor_parallel_size) {
   PD_RETURN_IF_ERROR(config.validate());
   if (block_size <= 0 || block_size > 1024)
     return invalid_argument("block_size must be in [1, 1024], got {}", block_size);
@@ -19,7 +21,10 @@ Result<std::unique_ptr<CpuModelRunner>> CpuModelRunner::create(model::ModelConfi
   if (kv_dtype != KvDtype::kFloat32 && kv_dtype != KvDtype::kFp8E4m3)
     return invalid_argument("the CPU runner keeps its KV cache in float32 or fp8_e4m3, not {}",
                             kv_dtype_name(kv_dtype));
+  PD_ASSIGN_OR_RETURN(model::TpSplit split, model::plan_tensor_parallel(config, tensor_parallel_size));
   std::unique_ptr<CpuModelRunner> r(new CpuModelRunner());
+  r->split_ = split;
+  const int32_t tp = split.tp_size;
   r->config_ = std::move(config);
   r->weights_ = std::move(weights);
   r->max_model_len_ = max_model_len;
@@ -40,6 +45,7 @@ Result<std::unique_ptr<CpuModelRunner>> CpuModelRunner::create(model::ModelConfi
     const model::Tensor* t = r->weights_.find(name);
     return t ? t->data.data() : nullptr;
   };
+  std::vector<std::vector<float>> full_copies;
   auto linear = [&](const std::string& name, const float* bias) {
     Linear l;
     l.bias = bias;
@@ -51,14 +57,17 @@ Result<std::unique_ptr<CpuModelRunner>> CpuModelRunner::create(model::ModelConfi
     const model::Tensor* scales = r->weights_.find(name + ".weight_scale_inv");
     std::vector<float> dense(w->fp8.size());
     model::dequantize_fp8_blocks(w->fp8.data(), scales->data.data(), w->shape[0], w->shape[1], dense.data());
-    r->dequantised_.push_back(std::move(dense));
-    l.weight = r->dequantised_.back().data();
+    // With more than one rank the full copy lives only until the ranks' slices are cut.
+    auto& store = tp == 1 ? r->dequantised_ : full_copies;
+    store.push_back(std::move(dense));
+    l.weight = store.back().data();
     l.fp8_input = true;
     return l;
   };
   r->embed_ = get("model.embed_tokens.weight");
   r->final_norm_ = get("model.norm.weight");
   r->lm_head_ = c.tie_word_embeddings ? r->embed_ : get("lm_head.weight");
+  std::vector<LayerPtrs> full_layers;
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     LayerPtrs lp;
@@ -84,13 +93,80 @@ Result<std::unique_ptr<CpuModelRunner>> CpuModelRunner::create(model::ModelConfi
       lp.up_proj = linear(p + "mlp.up_proj", nullptr);
       lp.down_proj = linear(p + "mlp.down_proj", nullptr);
     }
-    r->layers_.push_back(std::move(lp));
+    full_layers.push_back(std::move(lp));
+  }
+  r->ranks_.resize(static_cast<size_t>(tp));
+  if (tp == 1) {
+    r->ranks_[0].layers = std::move(full_layers);
+  } else {
+    // Megatron split: column-parallel linears keep output rows [row0, row1) (and
+    // that slice of their bias); row-parallel ones keep input columns [col0,
+    // col1), their bias only on rank 0 (added once before the reduction).
+    auto keep = [&](std::vector<float> v) {
+      r->dequantised_.push_back(std::move(v));
+      return r->dequantised_.back().data();
+    };
+    auto column = [&](const Linear& full, int64_t in, int64_t row0, int64_t row1) {
+      Linear l;
+      l.fp8_input = full.fp8_input;
+      l.weight = keep(model::slice_rows(full.weight, in, row0, row1));
+      if (full.bias != nullptr) l.bias = keep(std::vector<float>(full.bias + row0, full.bias + row1));
+      return l;
+    };
+    auto row = [&](const Linear& full, int64_t out, int64_t in, int64_t col0, int64_t col1, int32_t rank) {
+      Linear l;
+      l.fp8_input = full.fp8_input;
+      l.weight = keep(model::slice_cols(full.weight, out, in, col0, col1));
+      if (full.bias != nullptr && rank == 0) l.bias = full.bias;
+      return l;
+    };
+    const int64_t hd = c.head_dim, hidden = c.hidden_size;
+    const int64_t q_rank = static_cast<int64_t>(split.heads_per_rank) * hd;
+    const int64_t kv_rank = static_cast<int64_t>(split.kv_heads_per_rank) * hd;
+    for (int32_t rank = 0; rank < tp; ++rank) {
+      const int64_t q0 = rank * q_rank;
+      const int64_t kv0 = static_cast<int64_t>(split.kv_head_begin(rank, c.num_kv_heads)) * hd;
+      for (const LayerPtrs& f : full_layers) {
+        LayerPtrs lp;
+        lp.input_norm = f.input_norm;
+        lp.q_proj = column(f.q_proj, hidden, q0, q0 + q_rank);
+        lp.k_proj = column(f.k_proj, hidden, kv0, kv0 + kv_rank);
+        lp.v_proj = column(f.v_proj, hidden, kv0, kv0 + kv_rank);
+        lp.q_norm = f.q_norm;
+        lp.k_norm = f.k_norm;
+        lp.o_proj = row(f.o_proj, hidden, c.q_size(), q0, q0 + q_rank, rank);
+        lp.post_norm = f.post_norm;
+        lp.router = f.router;
+        if (f.router != nullptr) {
+          const int64_t i_rank = split.moe_intermediate_per_rank, i0 = rank * i_rank;
+          for (const Expert& e : f.experts)
+            lp.experts.push_back({column(e.gate_proj, hidden, i0, i0 + i_rank),
+                                  column(e.up_proj, hidden, i0, i0 + i_rank),
+                                  row(e.down_proj, hidden, c.moe.moe_intermediate_size, i0, i0 + i_rank, rank)});
+        } else {
+          const int64_t i_rank = split.intermediate_per_rank, i0 = rank * i_rank;
+          lp.gate_proj = column(f.gate_proj, hidden, i0, i0 + i_rank);
+          lp.up_proj = column(f.up_proj, hidden, i0, i0 + i_rank);
+          lp.down_proj = row(f.down_proj, hidden, c.intermediate_size, i0, i0 + i_rank, rank);
+        }
+        r->ranks_[static_cast<size_t>(rank)].layers.push_back(std::move(lp));
+      }
+    }
+    // The full linear weights are no longer read (row-parallel biases stay: rank 0 points at them).
+    full_copies.clear();
+    for (const model::WeightSpec& spec : model::weight_specs(c)) {
+      const std::string_view name = spec.name;
+      if (name.ends_with("_proj.weight") || name.ends_with("_proj.weight_scale_inv") ||
+          (name.ends_with("_proj.bias") && !name.ends_with("o_proj.bias")))
+        r->weights_.erase(spec.name);
+    }
   }
   // The codes are no longer needed: the forward pass reads the fp32 copies.
   if (c.quant.fp8()) {
     for (const model::WeightSpec& spec : model::weight_specs(c))
       if (spec.dtype == model::WeightDtype::kF8E4M3) r->weights_.erase(spec.name);
   }
+  r->pool_ = std::make_unique<RankPool>(tp);
 
   cpu::RopeScalingParams scaling;
   scaling.llama3 = c.rope_scaling.type == model::RopeScalingType::kLlama3;
@@ -101,26 +177,46 @@ Result<std::unique_ptr<CpuModelRunner>> CpuModelRunner::create(model::ModelConfi
   r->inv_freq_ = cpu::rope_inv_freq(c.head_dim, c.rope_theta, scaling);
 
   r->spec_.num_layers = c.num_layers;
-  r->spec_.num_kv_heads = c.num_kv_heads;
+  // The instance's pool: every rank holds kv_heads_per_rank heads of every block
+  // (tp_size * kv_heads_per_rank heads in all, replicas included).
+  r->spec_.num_kv_heads = split.kv_heads_per_rank * tp;
   r->spec_.head_dim = c.head_dim;
   r->spec_.block_size = block_size;
   r->spec_.dtype = kv_dtype;
   r->spec_.num_blocks = num_kv_blocks;
-  r->layout_ = {num_kv_blocks, block_size, c.num_kv_heads, c.head_dim};
-  for (int32_t l = 0; l < c.num_layers; ++l) {
-    if (kv_dtype == KvDtype::kFp8E4m3) {
-      r->kv_fp8_.push_back(std::make_unique_for_overwrite<uint8_t[]>(r->spec_.bytes_per_layer()));
-    } else {
-      r->kv_f32_.push_back(std::make_unique_for_overwrite<float[]>(r->spec_.bytes_per_layer() / sizeof(float)));
+  for (Rank& rank : r->ranks_) {
+    rank.layout = {num_kv_blocks, block_size, split.kv_heads_per_rank, c.head_dim};
+    const size_t blocks = static_cast<size_t>(num_kv_blocks);
+    for (int32_t l = 0; l < c.num_layers; ++l) {
+      if (kv_dtype == KvDtype::kFp8E4m3) {
+        rank.kv_fp8.push_back(
+            std::make_unique_for_overwrite<uint8_t[]>(blocks * static_cast<size_t>(rank.layout.fp8_block_bytes())));
+      } else {
+        rank.kv_f32.push_back(
+            std::make_unique_for_overwrite<float[]>(blocks * static_cast<size_t>(rank.layout.block_stride())));
+      }
     }
   }
   return r;
 }
 
 void* CpuModelRunner::kv_layer_base(int32_t layer) {
-  if (layer < 0 || layer >= config_.num_layers) return nullptr;
-  if (spec_.dtype == KvDtype::kFp8E4m3) return kv_fp8_[static_cast<size_t>(layer)].get();
-  return kv_f32_[static_cast<size_t>(layer)].get();
+  if (split_.tp_size != 1) return nullptr;
+  return kv_layer_base(0, layer);
+}
+
+void* CpuModelRunner::kv_layer_base(int32_t rank, int32_t layer) {
+  if (layer < 0 || layer >= config_.num_layers || rank < 0 || rank >= split_.tp_size) return nullptr;
+  Rank& rk = ranks_[static_cast<size_t>(rank)];
+  if (spec_.dtype == KvDtype::kFp8E4m3) return rk.kv_fp8[static_cast<size_t>(layer)].get();
+  return rk.kv_f32[static_cast<size_t>(layer)].get();
+}
+
+void CpuModelRunner::all_reduce(int64_t count, float* delta) {
+  std::vector<const float*> partials;
+  partials.reserve(ranks_.size());
+  for (const Rank& rk : ranks_) partials.push_back(rk.partial.data());
+  cpu::sum_rank_partials(partials, count, delta);
 }
 
 void CpuModelRunner::run_linear(const Linear& l, const float* x, int32_t m, int32_t n, int32_t k, float* out,
@@ -133,46 +229,33 @@ void CpuModelRunner::run_linear(const Linear& l, const float* x, int32_t m, int3
   cpu::matmul(x, l.weight, l.bias, m, n, k, out);
 }
 
-void CpuModelRunner::run_moe(const LayerPtrs& w, const float* x, int32_t t, float* delta) {
-  const model::MoeConfig& moe = config_.moe;
+void CpuModelRunner::run_moe(Rank& rank, const LayerPtrs& w, const float* x, int32_t t,
+                             const std::vector<std::vector<std::pair<int32_t, float>>>& routed) {
   const int32_t hidden = config_.hidden_size;
-  const int32_t inter = moe.moe_intermediate_size;
-  const int32_t top_k = moe.num_experts_per_tok;
-  std::vector<float> router_logits(static_cast<size_t>(t) * moe.num_experts);
-  cpu::matmul(x, w.router, nullptr, t, moe.num_experts, hidden, router_logits.data());
-  std::vector<int32_t> ids(static_cast<size_t>(t) * top_k);
-  std::vector<float> route_weights(ids.size());
-  cpu::moe_route(router_logits.data(), t, moe.num_experts, top_k, moe.norm_topk_prob, ids.data(), route_weights.data());
-  // Rows per expert, in token order; experts run in ascending id and add into
-  // delta in that order (HF's loop over the hit experts).
-  std::vector<std::vector<std::pair<int32_t, float>>> routed(static_cast<size_t>(moe.num_experts));
-  for (int32_t r = 0; r < t; ++r)
-    for (int32_t i = 0; i < top_k; ++i) {
-      const size_t at = static_cast<size_t>(r) * top_k + i;
-      routed[static_cast<size_t>(ids[at])].push_back({r, route_weights[at]});
-    }
-  std::fill(delta, delta + static_cast<int64_t>(t) * hidden, 0.0f);
-  std::vector<float> xs, gate, up, out, scratch;
-  for (int32_t e = 0; e < moe.num_experts; ++e) {
-    const auto& rows = routed[static_cast<size_t>(e)];
+  const int32_t inter = split_.moe_intermediate_per_rank;
+  // Experts run in ascending id and add into the partial in that order (HF's
+  // loop over the hit experts); each rank covers its slice of the intermediate dim.
+  rank.partial.assign(static_cast<size_t>(t) * hidden, 0.0f);
+  for (size_t e = 0; e < routed.size(); ++e) {
+    const auto& rows = routed[e];
     if (rows.empty()) continue;
     const int32_t m = static_cast<int32_t>(rows.size());
-    xs.resize(static_cast<size_t>(m) * hidden);
+    rank.xs.resize(static_cast<size_t>(m) * hidden);
     for (int32_t i = 0; i < m; ++i)
       std::copy_n(x + static_cast<int64_t>(rows[static_cast<size_t>(i)].first) * hidden, hidden,
-                  xs.data() + static_cast<int64_t>(i) * hidden);
-    gate.resize(static_cast<size_t>(m) * inter);
-    up.resize(gate.size());
-    out.resize(xs.size());
-    const Expert& ex = w.experts[static_cast<size_t>(e)];
-    run_linear(ex.gate_proj, xs.data(), m, inter, hidden, gate.data(), &scratch);
-    run_linear(ex.up_proj, xs.data(), m, inter, hidden, up.data(), &scratch);
-    cpu::silu_mul(gate.data(), up.data(), static_cast<int64_t>(m) * inter, gate.data());
-    run_linear(ex.down_proj, gate.data(), m, hidden, inter, out.data(), &scratch);
+                  rank.xs.data() + static_cast<int64_t>(i) * hidden);
+    rank.gate.resize(static_cast<size_t>(m) * inter);
+    rank.up.resize(rank.gate.size());
+    rank.out.resize(rank.xs.size());
+    const Expert& ex = w.experts[e];
+    run_linear(ex.gate_proj, rank.xs.data(), m, inter, hidden, rank.gate.data(), &rank.quant_scratch);
+    run_linear(ex.up_proj, rank.xs.data(), m, inter, hidden, rank.up.data(), &rank.quant_scratch);
+    cpu::silu_mul(rank.gate.data(), rank.up.data(), static_cast<int64_t>(m) * inter, rank.gate.data());
+    run_linear(ex.down_proj, rank.gate.data(), m, hidden, inter, rank.out.data(), &rank.quant_scratch);
     for (int32_t i = 0; i < m; ++i) {
       const auto [row, weight] = rows[static_cast<size_t>(i)];
-      float* d = delta + static_cast<int64_t>(row) * hidden;
-      const float* o = out.data() + static_cast<int64_t>(i) * hidden;
+      float* d = rank.partial.data() + static_cast<int64_t>(row) * hidden;
+      const float* o = rank.out.data() + static_cast<int64_t>(i) * hidden;
       for (int32_t j = 0; j < hidden; ++j) d[j] += o[j] * weight;
     }
   }
@@ -217,9 +300,6 @@ Result<std::vector<float>> CpuModelRunner::forward(const StepInput& input, Logit
   PD_RETURN_IF_ERROR(validate(input));
   const model::ModelConfig& c = config_;
   const int32_t hidden = c.hidden_size;
-  const int32_t q_size = c.q_size();
-  const int32_t kv_size = c.kv_size();
-  const int32_t inter = c.intermediate_size;
 
   // Gather the rows this step computes: only tokens named by some seq.
   std::vector<int32_t> ids, positions;
@@ -245,62 +325,113 @@ Result<std::vector<float>> CpuModelRunner::forward(const StepInput& input, Logit
     max_keys = std::max(max_keys, seq.num_computed_tokens + seq.num_new_tokens);
   }
   const int32_t t = static_cast<int32_t>(ids.size());
+  const int32_t heads = split_.heads_per_rank;
+  const int32_t kv_heads = split_.kv_heads_per_rank;
+  const int32_t q_size = heads * c.head_dim;
+  const int32_t kv_size = kv_heads * c.head_dim;
+  const int32_t inter = split_.intermediate_per_rank;
+  const int64_t rows_hidden = static_cast<int64_t>(t) * hidden;
 
-  std::vector<float> residual(static_cast<size_t>(t) * hidden), x(residual.size()), delta(residual.size());
-  std::vector<float> q(static_cast<size_t>(t) * q_size), attn(q.size());
-  std::vector<float> k(static_cast<size_t>(t) * kv_size), v(k.size());
-  std::vector<float> gate(static_cast<size_t>(t) * inter), up(gate.size());
-  std::vector<float> scratch(static_cast<size_t>(std::max(max_keys, 1)));
-  std::vector<float> quant_scratch;
+  // Shared by the ranks (read-only inside run()): residual, x; delta is the reduced sum.
+  std::vector<float> residual(static_cast<size_t>(rows_hidden)), x(residual.size()), delta(residual.size());
   const bool fp8_kv = spec_.dtype == KvDtype::kFp8E4m3;
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const size_t keys = static_cast<size_t>(std::max(max_keys, 1));
+  std::vector<std::vector<std::pair<int32_t, float>>> routed;
 
   cpu::embedding(embed_, hidden, ids, residual.data());
   for (int32_t l = 0; l < c.num_layers; ++l) {
-    const LayerPtrs& w = layers_[static_cast<size_t>(l)];
-    cpu::rms_norm(residual.data(), w.input_norm, t, hidden, c.rms_norm_eps, x.data());
-    run_linear(w.q_proj, x.data(), t, q_size, hidden, q.data(), &quant_scratch);
-    run_linear(w.k_proj, x.data(), t, kv_size, hidden, k.data(), &quant_scratch);
-    run_linear(w.v_proj, x.data(), t, kv_size, hidden, v.data(), &quant_scratch);
-    if (c.qk_norm) {  // per-head RMSNorm over head_dim, before RoPE (HF Qwen3Attention)
-      cpu::rms_norm(q.data(), w.q_norm, t * c.num_heads, c.head_dim, c.rms_norm_eps, q.data());
-      cpu::rms_norm(k.data(), w.k_norm, t * c.num_kv_heads, c.head_dim, c.rms_norm_eps, k.data());
-    }
-    cpu::apply_rope(q.data(), t, c.num_heads, c.head_dim, positions.data(), inv_freq_);
-    cpu::apply_rope(k.data(), t, c.num_kv_heads, c.head_dim, positions.data(), inv_freq_);
+    const size_t li = static_cast<size_t>(l);
+    cpu::rms_norm(residual.data(), ranks_[0].layers[li].input_norm, t, hidden, c.rms_norm_eps, x.data());
+    // Column-parallel q/k/v: each rank its heads.
+    pool_->run([&](int32_t ri) {
+      Rank& rk = ranks_[static_cast<size_t>(ri)];
+      const LayerPtrs& w = rk.layers[li];
+      rk.q.resize(static_cast<size_t>(t) * q_size);
+      rk.k.resize(static_cast<size_t>(t) * kv_size);
+      rk.v.resize(rk.k.size());
+      run_linear(w.q_proj, x.data(), t, q_size, hidden, rk.q.data(), &rk.quant_scratch);
+      run_linear(w.k_proj, x.data(), t, kv_size, hidden, rk.k.data(), &rk.quant_scratch);
+      run_linear(w.v_proj, x.data(), t, kv_size, hidden, rk.v.data(), &rk.quant_scratch);
+      if (c.qk_norm) {  // per-head RMSNorm over head_dim, before RoPE (HF Qwen3Attention)
+        cpu::rms_norm(rk.q.data(), w.q_norm, t * heads, c.head_dim, c.rms_norm_eps, rk.q.data());
+        cpu::rms_norm(rk.k.data(), w.k_norm, t * kv_heads, c.head_dim, c.rms_norm_eps, rk.k.data());
+      }
+      cpu::apply_rope(rk.q.data(), t, heads, c.head_dim, positions.data(), inv_freq_);
+      cpu::apply_rope(rk.k.data(), t, kv_heads, c.head_dim, positions.data(), inv_freq_);
+    });
 
     // KV of earlier positions (prefix hits, remote KV) must be in place before
     // this layer reads the cache.
     if (input.layer_hooks != nullptr) input.layer_hooks->wait_for_layer_load(l);
-    if (fp8_kv) {
-      uint8_t* kv_layer = kv_fp8_[static_cast<size_t>(l)].get();
-      cpu::write_kv_cache_fp8(kv_layer, layout_, k.data(), v.data(), t, slots.data());
-      for (const SeqRows& sr : seq_rows) {
-        cpu::paged_attention_fp8(q.data() + static_cast<int64_t>(sr.first_row) * q_size, sr.num_rows,
-                                 positions.data() + sr.first_row, kv_layer, layout_, sr.seq->block_table, c.num_heads,
-                                 scale, attn.data() + static_cast<int64_t>(sr.first_row) * q_size, scratch.data());
+    // Each rank writes and attends over its shard of the KV blocks, then its
+    // row-parallel o_proj partial.
+    pool_->run([&](int32_t ri) {
+      Rank& rk = ranks_[static_cast<size_t>(ri)];
+      const LayerPtrs& w = rk.layers[li];
+      rk.attn.resize(rk.q.size());
+      rk.scratch.resize(keys);
+      if (fp8_kv) {
+        uint8_t* kv_layer = rk.kv_fp8[li].get();
+        cpu::write_kv_cache_fp8(kv_layer, rk.layout, rk.k.data(), rk.v.data(), t, slots.data());
+        for (const SeqRows& sr : seq_rows) {
+          cpu::paged_attention_fp8(rk.q.data() + static_cast<int64_t>(sr.first_row) * q_size, sr.num_rows,
+                                   positions.data() + sr.first_row, kv_layer, rk.layout, sr.seq->block_table, heads,
+                                   scale, rk.attn.data() + static_cast<int64_t>(sr.first_row) * q_size,
+                                   rk.scratch.data());
+        }
+      } else {
+        float* kv_layer = rk.kv_f32[li].get();
+        cpu::write_kv_cache(kv_layer, rk.layout, rk.k.data(), rk.v.data(), t, slots.data());
+        for (const SeqRows& sr : seq_rows) {
+          cpu::paged_attention(rk.q.data() + static_cast<int64_t>(sr.first_row) * q_size, sr.num_rows,
+                               positions.data() + sr.first_row, kv_layer, rk.layout, sr.seq->block_table, heads, scale,
+                               rk.attn.data() + static_cast<int64_t>(sr.first_row) * q_size, rk.scratch.data());
+        }
       }
-    } else {
-      float* kv_layer = kv_f32_[static_cast<size_t>(l)].get();
-      cpu::write_kv_cache(kv_layer, layout_, k.data(), v.data(), t, slots.data());
-      for (const SeqRows& sr : seq_rows) {
-        cpu::paged_attention(q.data() + static_cast<int64_t>(sr.first_row) * q_size, sr.num_rows,
-                             positions.data() + sr.first_row, kv_layer, layout_, sr.seq->block_table, c.num_heads,
-                             scale, attn.data() + static_cast<int64_t>(sr.first_row) * q_size, scratch.data());
-      }
-    }
+      rk.partial.resize(static_cast<size_t>(rows_hidden));
+      run_linear(w.o_proj, rk.attn.data(), t, hidden, q_size, rk.partial.data(), &rk.quant_scratch);
+    });
     if (input.layer_hooks != nullptr) input.layer_hooks->save_layer(l);
 
-    run_linear(w.o_proj, attn.data(), t, hidden, q_size, delta.data(), &quant_scratch);
-    cpu::add_rms_norm(residual.data(), delta.data(), w.post_norm, t, hidden, c.rms_norm_eps, x.data());
-    if (w.router != nullptr) {
-      run_moe(w, x.data(), t, delta.data());
+    all_reduce(rows_hidden, delta.data());
+    const LayerPtrs& w0 = ranks_[0].layers[li];
+    cpu::add_rms_norm(residual.data(), delta.data(), w0.post_norm, t, hidden, c.rms_norm_eps, x.data());
+    if (w0.router != nullptr) {
+      // The router is replicated: routed once here, the same for every rank.
+      const model::MoeConfig& moe = c.moe;
+      const int32_t top_k = moe.num_experts_per_tok;
+      std::vector<float> router_logits(static_cast<size_t>(t) * moe.num_experts);
+      cpu::matmul(x.data(), w0.router, nullptr, t, moe.num_experts, hidden, router_logits.data());
+      std::vector<int32_t> expert_ids(static_cast<size_t>(t) * top_k);
+      std::vector<float> route_weights(expert_ids.size());
+      cpu::moe_route(router_logits.data(), t, moe.num_experts, top_k, moe.norm_topk_prob, expert_ids.data(),
+                     route_weights.data());
+      routed.assign(static_cast<size_t>(moe.num_experts), {});
+      for (int32_t r = 0; r < t; ++r)
+        for (int32_t i = 0; i < top_k; ++i) {
+          const size_t at = static_cast<size_t>(r) * top_k + i;
+          routed[static_cast<size_t>(expert_ids[at])].push_back({r, route_weights[at]});
+        }
+      pool_->run([&](int32_t ri) {
+        Rank& rk = ranks_[static_cast<size_t>(ri)];
+        run_moe(rk, rk.layers[li], x.data(), t, routed);
+      });
     } else {
-      run_linear(w.gate_proj, x.data(), t, inter, hidden, gate.data(), &quant_scratch);
-      run_linear(w.up_proj, x.data(), t, inter, hidden, up.data(), &quant_scratch);
-      cpu::silu_mul(gate.data(), up.data(), static_cast<int64_t>(t) * inter, gate.data());
-      run_linear(w.down_proj, gate.data(), t, hidden, inter, delta.data(), &quant_scratch);
+      // Column-parallel gate/up, row-parallel down.
+      pool_->run([&](int32_t ri) {
+        Rank& rk = ranks_[static_cast<size_t>(ri)];
+        const LayerPtrs& w = rk.layers[li];
+        rk.gate.resize(static_cast<size_t>(t) * inter);
+        rk.up.resize(rk.gate.size());
+        rk.partial.resize(static_cast<size_t>(rows_hidden));
+        run_linear(w.gate_proj, x.data(), t, inter, hidden, rk.gate.data(), &rk.quant_scratch);
+        run_linear(w.up_proj, x.data(), t, inter, hidden, rk.up.data(), &rk.quant_scratch);
+        cpu::silu_mul(rk.gate.data(), rk.up.data(), static_cast<int64_t>(t) * inter, rk.gate.data());
+        run_linear(w.down_proj, rk.gate.data(), t, hidden, inter, rk.partial.data(), &rk.quant_scratch);
+      });
     }
+    all_reduce(rows_hidden, delta.data());
     for (size_t i = 0; i < residual.size(); ++i) residual[i] += delta[i];
   }
 

@@ -1,15 +1,19 @@
 // The CPU model runner: fp32 reference forward pass of the Llama / Qwen2 /
 // Qwen3 / Qwen3-MoE decoder (bf16 or block-FP8 weights) over a paged KV cache
 // (fp32 or fp8 e4m3 with per-(token, head) scales), then sampling through the
-// engine's sampler. Single-threaded; called only from the engine thread.
+// engine's sampler. Called only from the engine thread; with tensor_parallel_size
+// N > 1 each step runs on N ranks (threads of a RankPool, Megatron-style split,
+// partial sums reduced in rank order), giving the same greedy tokens as N = 1.
 #pragma once
 
 #include <memory>
 #include <vector>
 
 #include "engine/model_runner.h"
+#include "engine/runner/rank_pool.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "model/config.h"
+#include "model/tp_shard.h"
 #include "model/weights.h"
 
 namespace pd::engine {
@@ -20,14 +24,22 @@ class CpuModelRunner final : public ModelRunner {
   // below max_model_len. kv_dtype: kFloat32 or kFp8E4m3 (KvCacheSpec's layout).
   // Fails when a weight is missing, mis-shaped or of the wrong dtype. FP8
   // weights are dequantised here, once (w = code * scale_inv of its block).
+  // tensor_parallel_size: ranks of the step (model::plan_tensor_parallel's
+  // checks; each rank keeps its slice of every split weight and of every KV block).
   static Result<std::unique_ptr<CpuModelRunner>> create(model::ModelConfig config, model::ModelWeights weights,
                                                         int32_t block_size, int32_t num_kv_blocks,
-                                                        int32_t max_model_len, KvDtype kv_dtype = KvDtype::kFloat32);
+                                                        int32_t max_model_len, KvDtype kv_dtype = KvDtype::kFloat32,
+                                                        int32_t tensor_parallel_size = 1);
 
   const KvCacheSpec& kv_cache_spec() const override { return spec_; }
   int32_t vocab_size() const override { return config_.vocab_size; }
   Result<StepOutput> execute(const StepInput& input) override;
+  // The layer's KV region at tensor_parallel_size 1; null with more ranks (each
+  // rank has its own region: kv_layer_base(rank, layer); P/D transfers of
+  // sharded KV are not supported yet).
   void* kv_layer_base(int32_t layer) override;
+  void* kv_layer_base(int32_t rank, int32_t layer);
+  int32_t tensor_parallel_size() const { return split_.tp_size; }
   bool kv_on_device() const override { return false; }
 
   const model::ModelConfig& config() const { return config_; }
@@ -65,31 +77,45 @@ class CpuModelRunner final : public ModelRunner {
     std::vector<Expert> experts;           // MoE: num_experts
   };
 
+  // One tensor-parallel rank: its weight slices, its KV regions and its
+  // per-step buffers (touched only by that rank's thread during run()).
+  struct Rank {
+    std::vector<LayerPtrs> layers;
+    kernels::cpu::PagedKvLayout layout;  // kv_heads_per_rank heads
+    // One contiguous KV region per layer (kv_f32 or kv_fp8 by spec_.dtype),
+    // allocated without zero-fill: a slot is read only after this runner or a
+    // KV transfer wrote it.
+    std::vector<std::unique_ptr<float[]>> kv_f32;
+    std::vector<std::unique_ptr<uint8_t[]>> kv_fp8;
+    std::vector<float> q, k, v, attn, gate, up, partial, scratch, quant_scratch;
+    std::vector<float> xs, out;  // MoE rows of one expert
+  };
+
   CpuModelRunner() = default;
   Status validate(const StepInput& input) const;
   // out[m][out] = linear(x[m][in]); `scratch` holds the quantised input when needed.
   void run_linear(const Linear& l, const float* x, int32_t m, int32_t n, int32_t k, float* out,
                   std::vector<float>* scratch) const;
-  // delta = Qwen3-MoE sparse block of x (rows t).
-  void run_moe(const LayerPtrs& w, const float* x, int32_t t, float* delta);
+  // rank.partial = this rank's share of the Qwen3-MoE sparse block of x (rows t).
+  void run_moe(Rank& rank, const LayerPtrs& w, const float* x, int32_t t,
+               const std::vector<std::vector<std::pair<int32_t, float>>>& routed);
+  // delta = sum over the ranks' `partial`, in rank order.
+  void all_reduce(int64_t count, float* delta);
 
   model::ModelConfig config_;
   model::ModelWeights weights_;
   KvCacheSpec spec_;
   int32_t max_model_len_ = 0;
-  kernels::cpu::PagedKvLayout layout_;
+  model::TpSplit split_;
+  std::unique_ptr<RankPool> pool_;
+  std::vector<Rank> ranks_;
   std::vector<float> inv_freq_;
   const float* embed_ = nullptr;
   const float* final_norm_ = nullptr;
   const float* lm_head_ = nullptr;  // the embedding table when tied
-  std::vector<LayerPtrs> layers_;
-  // fp32 copies of the FP8 weights (the codes in weights_ are not read by the forward pass).
+  // fp32 copies of the FP8 weights (the codes in weights_ are not read by the
+  // forward pass), and the ranks' slices when tensor_parallel_size > 1.
   std::vector<std::vector<float>> dequantised_;
-  // One contiguous KV region per layer (kv_f32_ or kv_fp8_ by spec_.dtype),
-  // allocated without zero-fill: a slot is read only after this runner or a KV
-  // transfer wrote it.
-  std::vector<std::unique_ptr<float[]>> kv_f32_;
-  std::vector<std::unique_ptr<uint8_t[]>> kv_fp8_;
 };
 
 }  // namespace pd::engine

@@ -11,6 +11,7 @@
 #include "engine/runner/cpu_model_runner.h"
 #include "model/config.h"
 #include "model/safetensors.h"
+#include "model/tp_shard.h"
 #include "model/weights.h"
 
 namespace pd::engine {
@@ -56,6 +57,13 @@ std::filesystem::path find_assets_dir() {
 Result<LoadedModel> load_model(const ModelLoadOptions& options) {
   if (options.device != "cpu" && options.device != "cuda")
     return invalid_argument("device must be cpu or cuda, got '{}'", options.device);
+  if (options.tensor_parallel_size < 1)
+    return invalid_argument("tensor_parallel_size must be >= 1, got {}", options.tensor_parallel_size);
+  if (options.tensor_parallel_size > 1 && options.device != "cpu")
+    return unimplemented(
+        "tensor_parallel_size {} on device '{}': tensor parallelism runs on the cpu device only in this build (the "
+        "NCCL path is not built yet)",
+        options.tensor_parallel_size, options.device);
 #ifndef PDSERVE_HAVE_CUDA_RUNNER
   if (options.device == "cuda")
     return unimplemented("device 'cuda': this build has no CUDA runner (it was built without nvcc)");
@@ -102,15 +110,11 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
   if (max_model_len > config.max_position_embeddings)
     return invalid_argument("max_model_len {} exceeds the model's max_position_embeddings {}", max_model_len,
                             config.max_position_embeddings);
+  PD_ASSIGN_OR_RETURN(const model::TpSplit split, model::plan_tensor_parallel(config, options.tensor_parallel_size));
 
 #ifdef PDSERVE_HAVE_CUDA_RUNNER
   if (options.device == "cuda") {
-    // The CUDA runner reads bf16 dense weights into a bf16 KV cache; the MoE and
-    // block-FP8 formats and the fp8 KV cache run on the CPU runner only.
-    if (config.family == model::ModelFamily::kQwen3Moe)
-      return unimplemented("device 'cuda': {} (MoE) runs on the cpu device only in this build", config.architecture);
-    if (config.quant.fp8())
-      return unimplemented("device 'cuda': block-FP8 checkpoints run on the cpu device only in this build");
+    // The CUDA runner keeps a bf16 KV cache (its FP8 KV kernels are not wired into it yet).
     if (options.kv_cache_dtype == "fp8")
       return unimplemented("device 'cuda': --kv-cache-dtype fp8 runs on the cpu device only in this build");
     CudaLoadRequest request;
@@ -140,7 +144,7 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
     const int64_t bytes = options.kv_cache_bytes > 0 ? options.kv_cache_bytes : kDefaultCpuKvCacheBytes;
     KvCacheSpec probe;
     probe.num_layers = config.num_layers;
-    probe.num_kv_heads = config.num_kv_heads;
+    probe.num_kv_heads = split.kv_heads_per_rank * split.tp_size;  // the ranks' shards, replicas included
     probe.head_dim = config.head_dim;
     probe.block_size = options.block_size;
     probe.dtype = cpu_kv_dtype;
@@ -165,9 +169,10 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
   loaded.eos_token_ids = config.eos_token_ids;
   loaded.max_model_len = max_model_len;
   PD_ASSIGN_OR_RETURN(auto runner, CpuModelRunner::create(std::move(config), std::move(weights), options.block_size,
-                                                          num_blocks, max_model_len, cpu_kv_dtype));
-  PD_LOG_INFO("loaded {} ({}) on cpu: {} {} KV blocks of {} tokens, max_model_len {}", options.model,
-              loaded.architecture, num_blocks, kv_dtype_name(cpu_kv_dtype), options.block_size, max_model_len);
+                                                          num_blocks, max_model_len, cpu_kv_dtype, split.tp_size));
+  PD_LOG_INFO("loaded {} ({}) on cpu: {} {} KV blocks of {} tokens, max_model_len {}, tensor_parallel_size {}",
+              options.model, loaded.architecture, num_blocks, kv_dtype_name(cpu_kv_dtype), options.block_size,
+              max_model_len, split.tp_size);
   loaded.runner = std::move(runner);
   return loaded;
 }

@@ -25,6 +25,8 @@ struct ModelLoadOptions {
   // one fp32 scale per (token, kv head) inside each block (KvCacheSpec).
   std::string kv_cache_dtype = "auto";
   int32_t max_model_len = 0;  // 0 = min(config max_position_embeddings, 4096)
+  // Ranks of the tensor-parallel split (cpu only: threads of this process).
+  int32_t tensor_parallel_size = 1;
   // cuda only: fraction of device memory for weights + KV, and the largest
   // batch the runner must hold (sizes its pinned step buffers and graph buckets).
   double gpu_memory_utilization = 0.9;

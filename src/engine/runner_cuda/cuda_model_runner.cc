@@ -120,6 +120,16 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
   size_t total_bytes = 0;
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaMemGetInfo(&free_bytes_at_start_, &total_bytes), "cudaMemGetInfo"));
   PD_ASSIGN_OR_RETURN(gemm_, kc::Gemm::create(64ull << 20, options_.gemm_policy));
+  const bool moe = config_.family == model::ModelFamily::kQwen3Moe && config_.moe.num_experts > 0;
+  if ((config_.quant.fp8() || moe) && !options_.fuse_norms_into_gemms) {
+    return unimplemented("cuda runner: FP8 and MoE models run with fuse_norms_into_gemms only");
+  }
+  if (config_.quant.fp8()) {
+    const int32_t max_k = kc::fp8_round_up(std::max({config_.hidden_size, config_.num_heads * config_.head_dim,
+                                                     config_.intermediate_size, config_.moe.moe_intermediate_size}),
+                                           kc::kFp8Block);
+    PD_ASSIGN_OR_RETURN(fp8_gemm_, kc::Fp8Gemm::create(options_.max_num_batched_tokens, max_k));
+  }
   PD_RETURN_IF_ERROR(upload_weights(host_weights));
   PD_RETURN_IF_ERROR(allocate_buffers());
   PD_RETURN_IF_ERROR(allocate_kv_pool());
@@ -162,6 +172,7 @@ Status CudaModelRunner::prepare_decode_buckets() {
   }
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "bucket preparation sync"));
   gemm_->set_tuning(false);
+  if (fp8_gemm_ != nullptr) fp8_gemm_->set_tuning(false);
   bucket_preparation_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return Status::Ok();
 }
@@ -224,6 +235,76 @@ Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) 
     return kc::cuda_status(cudaMemcpy(dst, v.data(), v.size() * sizeof(bf16), cudaMemcpyHostToDevice), "ones");
   };
   const bool real = host_weights != nullptr;
+  const bool fp8 = c.quant.fp8();
+
+  // Block-FP8 linear: the named parts' e4m3 codes stacked by rows ([rows][k] each, rows a
+  // multiple of 128 except the last part's, so the 128 x 128 scale blocks stay aligned), and
+  // their weight_scale_inv rows padded to fp8_weight_scale_ld(k). Dummy: uniform codes, one
+  // scale for the whole tensor (values uniform with the bf16 dummies' std dev).
+  // codes_at / scales_at: where to put it (an expert inside its layer's packed tensors), else allocated here.
+  auto fp8_linear = [&](kc::Fp8Weight* out, std::initializer_list<std::pair<std::string, int64_t>> parts, int64_t k,
+                        uint8_t* codes_at = nullptr, float* scales_at = nullptr) -> Status {
+    int64_t rows = 0;
+    int64_t i = 0;
+    for (const auto& part : parts) {
+      if (i + 1 < static_cast<int64_t>(parts.size()) && part.second % kc::kFp8Block != 0) {
+        return unimplemented(
+            "cuda runner: FP8 weight {} has {} rows, not a multiple of {} (its scale blocks would "
+            "straddle the fused tensor)",
+            part.first, part.second, kc::kFp8Block);
+      }
+      rows += part.second;
+      ++i;
+    }
+    const int32_t ld = kc::fp8_weight_scale_ld(static_cast<int32_t>(k));
+    const int64_t scale_rows = (rows + kc::kFp8Block - 1) / kc::kFp8Block;
+    uint8_t* codes = codes_at;
+    float* scales = scales_at;
+    if (codes == nullptr) {
+      codes = static_cast<uint8_t*>(alloc(static_cast<size_t>(rows * k)));
+      scales = static_cast<float*>(alloc(static_cast<size_t>(scale_rows * ld) * sizeof(float)));
+      if (codes == nullptr || scales == nullptr) {
+        return resource_exhausted("cuda runner: out of device memory (FP8 weights)");
+      }
+      weight_bytes_ += static_cast<size_t>(rows * k) + static_cast<size_t>(scale_rows * ld) * sizeof(float);
+    }
+    out->data = codes;
+    out->scale = scales;
+    out->n = static_cast<int32_t>(rows);
+    out->k = static_cast<int32_t>(k);
+    out->scale_ld = ld;
+    if (!real) {
+      PD_RETURN_IF_ERROR(kc::fill_uniform_fp8(codes, static_cast<size_t>(rows * k),
+                                              options_.dummy_seed * 1000003ull + tensor_index++, 1.0f, stream_));
+      const std::vector<float> v(static_cast<size_t>(scale_rows * ld), uniform_scale);
+      return kc::cuda_status(cudaMemcpy(scales, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice),
+                             "fp8 scale upload");
+    }
+    std::vector<uint8_t> code_staging;
+    std::vector<float> scale_staging;
+    for (const auto& [name, part_rows] : parts) {
+      const model::Tensor* t = host_weights->find(name + ".weight");
+      const model::Tensor* si = host_weights->find(name + ".weight_scale_inv");
+      if (t == nullptr || si == nullptr) return not_found("cuda runner: FP8 weight {} or its scale missing", name);
+      if (t->dtype != model::WeightDtype::kF8E4M3 || static_cast<int64_t>(t->fp8.size()) != part_rows * k) {
+        return invalid_argument("cuda runner: weight {} is not {} x {} e4m3 codes", name, part_rows, k);
+      }
+      const int64_t kb = (k + kc::kFp8Block - 1) / kc::kFp8Block, rb = (part_rows + kc::kFp8Block - 1) / kc::kFp8Block;
+      if (static_cast<int64_t>(si->data.size()) != rb * kb) {
+        return invalid_argument("cuda runner: {}.weight_scale_inv has {} entries, expected {}", name, si->data.size(),
+                                rb * kb);
+      }
+      code_staging.insert(code_staging.end(), t->fp8.begin(), t->fp8.end());
+      const std::vector<float> padded =
+          kc::pad_fp8_weight_scales(si->data, static_cast<int32_t>(part_rows), static_cast<int32_t>(k));
+      scale_staging.insert(scale_staging.end(), padded.begin(), padded.end());
+    }
+    PD_RETURN_IF_ERROR(kc::cuda_status(
+        cudaMemcpy(codes, code_staging.data(), code_staging.size(), cudaMemcpyHostToDevice), "fp8 weight upload"));
+    return kc::cuda_status(
+        cudaMemcpy(scales, scale_staging.data(), scale_staging.size() * sizeof(float), cudaMemcpyHostToDevice),
+        "fp8 scale upload");
+  };
 
   PD_ASSIGN_OR_RETURN(embed_, device_tensor(vocab * h));
   PD_RETURN_IF_ERROR(real ? upload(embed_, {{"model.embed_tokens.weight", vocab * h}}) : dummy(embed_, vocab * h));
@@ -236,15 +317,21 @@ Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) 
     PD_RETURN_IF_ERROR(real ? upload(lm_head_, {{"lm_head.weight", vocab * h}}) : dummy(lm_head_, vocab * h));
   }
   layers_.resize(static_cast<size_t>(c.num_layers));
+  const int64_t num_experts = c.moe.num_experts, moe_inter = c.moe.moe_intermediate_size;
   for (int32_t l = 0; l < c.num_layers; ++l) {
     LayerWeights& w = layers_[static_cast<size_t>(l)];
     const std::string p = "model.layers." + std::to_string(l) + ".";
+    const bool sparse = c.family == model::ModelFamily::kQwen3Moe && c.is_moe_layer(l);
     PD_ASSIGN_OR_RETURN(w.input_norm, device_tensor(h));
     PD_ASSIGN_OR_RETURN(w.post_norm, device_tensor(h));
-    PD_ASSIGN_OR_RETURN(w.qkv, device_tensor(qkv_rows * h));
-    PD_ASSIGN_OR_RETURN(w.o_proj, device_tensor(h * hq * d));
-    PD_ASSIGN_OR_RETURN(w.gate_up, device_tensor(2 * inter * h));
-    PD_ASSIGN_OR_RETURN(w.down, device_tensor(h * inter));
+    if (!fp8) {
+      PD_ASSIGN_OR_RETURN(w.qkv, device_tensor(qkv_rows * h));
+      PD_ASSIGN_OR_RETURN(w.o_proj, device_tensor(h * hq * d));
+      if (!sparse) {
+        PD_ASSIGN_OR_RETURN(w.gate_up, device_tensor(2 * inter * h));
+        PD_ASSIGN_OR_RETURN(w.down, device_tensor(h * inter));
+      }
+    }
     if (c.qkv_bias) {
       PD_ASSIGN_OR_RETURN(w.qkv_bias, device_tensor(qkv_rows));
     }
@@ -255,16 +342,86 @@ Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) 
       PD_ASSIGN_OR_RETURN(w.q_norm, device_tensor(d));
       PD_ASSIGN_OR_RETURN(w.k_norm, device_tensor(d));
     }
+    if (fp8) {
+      PD_RETURN_IF_ERROR(fp8_linear(
+          &w.qkv8,
+          {{p + "self_attn.q_proj", hq * d}, {p + "self_attn.k_proj", hkv * d}, {p + "self_attn.v_proj", hkv * d}}, h));
+      PD_RETURN_IF_ERROR(fp8_linear(&w.o_proj8, {{p + "self_attn.o_proj", h}}, hq * d));
+      if (!sparse) {
+        PD_RETURN_IF_ERROR(fp8_linear(&w.gate_up8, {{p + "mlp.gate_proj", inter}, {p + "mlp.up_proj", inter}}, h));
+        PD_RETURN_IF_ERROR(fp8_linear(&w.down8, {{p + "mlp.down_proj", h}}, inter));
+      }
+    }
+    if (sparse) {
+      PD_ASSIGN_OR_RETURN(w.router, device_tensor(num_experts * h));
+      PD_RETURN_IF_ERROR(real ? upload(w.router, {{p + "mlp.gate.weight", num_experts * h}})
+                              : dummy(w.router, num_experts * h));
+      kc::MoeWeights& e = w.experts;
+      e.num_experts = static_cast<int32_t>(num_experts);
+      e.hidden = static_cast<int32_t>(h);
+      e.inter = static_cast<int32_t>(moe_inter);
+      e.fp8 = fp8;
+      if (fp8) {
+        // Experts back to back: each expert's gate|up (and down) fused like a dense MLP's.
+        auto packed = [&](int64_t n, int64_t k, uint8_t** codes, float** scales, int64_t* codes_per,
+                          int64_t* scales_per) -> Status {
+          *codes_per = n * k;
+          *scales_per = (n + kc::kFp8Block - 1) / kc::kFp8Block * kc::fp8_weight_scale_ld(static_cast<int32_t>(k));
+          *codes = static_cast<uint8_t*>(alloc(static_cast<size_t>(*codes_per * num_experts)));
+          *scales = static_cast<float*>(alloc(static_cast<size_t>(*scales_per * num_experts) * sizeof(float)));
+          if (*codes == nullptr || *scales == nullptr)
+            return resource_exhausted("cuda runner: out of device memory (experts)");
+          weight_bytes_ += static_cast<size_t>(*codes_per * num_experts) +
+                           static_cast<size_t>(*scales_per * num_experts) * sizeof(float);
+          return Status::Ok();
+        };
+        uint8_t *gu_codes = nullptr, *dn_codes = nullptr;
+        float *gu_scales = nullptr, *dn_scales = nullptr;
+        int64_t gu_cp = 0, gu_sp = 0, dn_cp = 0, dn_sp = 0;
+        PD_RETURN_IF_ERROR(packed(2 * moe_inter, h, &gu_codes, &gu_scales, &gu_cp, &gu_sp));
+        PD_RETURN_IF_ERROR(packed(h, moe_inter, &dn_codes, &dn_scales, &dn_cp, &dn_sp));
+        for (int64_t x = 0; x < num_experts; ++x) {
+          const std::string ep = p + "mlp.experts." + std::to_string(x) + ".";
+          kc::Fp8Weight unused;
+          PD_RETURN_IF_ERROR(fp8_linear(&unused, {{ep + "gate_proj", moe_inter}, {ep + "up_proj", moe_inter}}, h,
+                                        gu_codes + x * gu_cp, gu_scales + x * gu_sp));
+          PD_RETURN_IF_ERROR(
+              fp8_linear(&unused, {{ep + "down_proj", h}}, moe_inter, dn_codes + x * dn_cp, dn_scales + x * dn_sp));
+        }
+        e.gate_up = gu_codes;
+        e.gate_up_scale = gu_scales;
+        e.down = dn_codes;
+        e.down_scale = dn_scales;
+      } else {
+        PD_ASSIGN_OR_RETURN(bf16 * gate_up, device_tensor(num_experts * 2 * moe_inter * h));
+        PD_ASSIGN_OR_RETURN(bf16 * down, device_tensor(num_experts * h * moe_inter));
+        for (int64_t x = 0; x < num_experts; ++x) {
+          const std::string ep = p + "mlp.experts." + std::to_string(x) + ".";
+          bf16* gu = gate_up + x * 2 * moe_inter * h;
+          bf16* dn = down + x * h * moe_inter;
+          PD_RETURN_IF_ERROR(
+              real ? upload(gu, {{ep + "gate_proj.weight", moe_inter * h}, {ep + "up_proj.weight", moe_inter * h}})
+                   : dummy(gu, 2 * moe_inter * h));
+          PD_RETURN_IF_ERROR(real ? upload(dn, {{ep + "down_proj.weight", h * moe_inter}}) : dummy(dn, h * moe_inter));
+        }
+        e.gate_up = gate_up;
+        e.down = down;
+      }
+    }
     if (real) {
       PD_RETURN_IF_ERROR(upload(w.input_norm, {{p + "input_layernorm.weight", h}}));
       PD_RETURN_IF_ERROR(upload(w.post_norm, {{p + "post_attention_layernorm.weight", h}}));
-      PD_RETURN_IF_ERROR(upload(w.qkv, {{p + "self_attn.q_proj.weight", hq * d * h},
-                                        {p + "self_attn.k_proj.weight", hkv * d * h},
-                                        {p + "self_attn.v_proj.weight", hkv * d * h}}));
-      PD_RETURN_IF_ERROR(upload(w.o_proj, {{p + "self_attn.o_proj.weight", h * hq * d}}));
-      PD_RETURN_IF_ERROR(
-          upload(w.gate_up, {{p + "mlp.gate_proj.weight", inter * h}, {p + "mlp.up_proj.weight", inter * h}}));
-      PD_RETURN_IF_ERROR(upload(w.down, {{p + "mlp.down_proj.weight", h * inter}}));
+      if (!fp8) {
+        PD_RETURN_IF_ERROR(upload(w.qkv, {{p + "self_attn.q_proj.weight", hq * d * h},
+                                          {p + "self_attn.k_proj.weight", hkv * d * h},
+                                          {p + "self_attn.v_proj.weight", hkv * d * h}}));
+        PD_RETURN_IF_ERROR(upload(w.o_proj, {{p + "self_attn.o_proj.weight", h * hq * d}}));
+        if (!sparse) {
+          PD_RETURN_IF_ERROR(
+              upload(w.gate_up, {{p + "mlp.gate_proj.weight", inter * h}, {p + "mlp.up_proj.weight", inter * h}}));
+          PD_RETURN_IF_ERROR(upload(w.down, {{p + "mlp.down_proj.weight", h * inter}}));
+        }
+      }
       if (w.qkv_bias != nullptr) {
         PD_RETURN_IF_ERROR(upload(w.qkv_bias, {{p + "self_attn.q_proj.bias", hq * d},
                                                {p + "self_attn.k_proj.bias", hkv * d},
@@ -278,10 +435,10 @@ Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) 
     } else {
       PD_RETURN_IF_ERROR(ones(w.input_norm, h));
       PD_RETURN_IF_ERROR(ones(w.post_norm, h));
-      PD_RETURN_IF_ERROR(dummy(w.qkv, qkv_rows * h));
-      PD_RETURN_IF_ERROR(dummy(w.o_proj, h * hq * d));
-      PD_RETURN_IF_ERROR(dummy(w.gate_up, 2 * inter * h));
-      PD_RETURN_IF_ERROR(dummy(w.down, h * inter));
+      if (w.qkv != nullptr) PD_RETURN_IF_ERROR(dummy(w.qkv, qkv_rows * h));
+      if (w.o_proj != nullptr) PD_RETURN_IF_ERROR(dummy(w.o_proj, h * hq * d));
+      if (w.gate_up != nullptr) PD_RETURN_IF_ERROR(dummy(w.gate_up, 2 * inter * h));
+      if (w.down != nullptr) PD_RETURN_IF_ERROR(dummy(w.down, h * inter));
       if (w.qkv_bias != nullptr) PD_RETURN_IF_ERROR(dummy(w.qkv_bias, qkv_rows));
       if (w.o_bias != nullptr) PD_RETURN_IF_ERROR(dummy(w.o_bias, h));
       if (w.q_norm != nullptr) {
@@ -320,6 +477,11 @@ Status CudaModelRunner::allocate_buffers() {
   gate_up_buf_ = bf(t * 2 * inter);
   act_buf_ = bf(t * inter);
   sample_hidden_ = bf(s * h);
+  if (c.family == model::ModelFamily::kQwen3Moe && c.moe.num_experts > 0) {
+    PD_ASSIGN_OR_RETURN(moe_, kc::MoeLayer::create(options_.max_num_batched_tokens, c.moe.num_experts_per_tok,
+                                                   c.moe.num_experts, c.hidden_size, c.moe.moe_intermediate_size));
+    router_logits_ = static_cast<float*>(alloc(t * static_cast<size_t>(c.moe.num_experts) * sizeof(float)));
+  }
   logits_ = static_cast<float*>(alloc(s * c.vocab_size * sizeof(float)));
   // Largest workspace over every decode batch size (the partition depends on it).
   decode_ws_bytes_ = 0;
@@ -525,7 +687,10 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = layers_[static_cast<size_t>(l)];
     bf16* kv = static_cast<bf16*>(kv_layer_base(l));
-    if (fused) {
+    if (fused && w.qkv8.data != nullptr) {
+      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, residual_, nullptr, w.input_norm, t, h, c.rms_norm_eps, stream_));
+      PD_RETURN_IF_ERROR(fp8_gemm_->run(qkv_buf_, x_, t, w.qkv8, stream_));
+    } else if (fused) {
       PD_RETURN_IF_ERROR(gemm_->run(qkv_buf_, kc::GemmOut::kBFloat16, residual_, w.qkv, t, qkv_width, h, stream_,
                                     normed(w.input_norm)));
     } else {
@@ -563,9 +728,33 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
       PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "layer sync before save_layer"));
       hooks->save_layer(l);
     }
-    PD_RETURN_IF_ERROR(gemm_->run(block_out, kc::GemmOut::kBFloat16, attn_buf_, w.o_proj, t, h, hq * d, stream_,
-                                  fused ? accumulate : kc::GemmFusion{}));
+    if (w.o_proj8.data != nullptr) {
+      PD_RETURN_IF_ERROR(fp8_gemm_->run(block_out, attn_buf_, t, w.o_proj8, stream_, /*accumulate=*/true));
+    } else {
+      PD_RETURN_IF_ERROR(gemm_->run(block_out, kc::GemmOut::kBFloat16, attn_buf_, w.o_proj, t, h, hq * d, stream_,
+                                    fused ? accumulate : kc::GemmFusion{}));
+    }
     if (w.o_bias != nullptr) PD_RETURN_IF_ERROR(kc::add_bias(block_out, w.o_bias, t, h, stream_));
+    if (w.router != nullptr) {
+      // Qwen3-MoE sparse layer (fused only): router logits from the normalized rows, then the
+      // experts' weighted sum added into the residual stream. Decode passes (graphs) stream the
+      // routed experts' weights; passes with prefill rows run one GEMM per active expert.
+      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, residual_, nullptr, w.post_norm, t, h, c.rms_norm_eps, stream_));
+      PD_RETURN_IF_ERROR(
+          gemm_->run(router_logits_, kc::GemmOut::kFloat32, x_, w.router, t, c.moe.num_experts, h, stream_));
+      const kc::MoePath path =
+          shape.num_prefill > 0 || hooks != nullptr ? kc::MoePath::kPerExpert : kc::MoePath::kStream;
+      PD_RETURN_IF_ERROR(moe_->forward(residual_, x_, router_logits_, t, w.experts, c.moe.norm_topk_prob, path, stream_,
+                                       /*accumulate=*/true, gemm_.get(), fp8_gemm_.get()));
+      continue;
+    }
+    if (w.gate_up8.data != nullptr) {
+      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, residual_, nullptr, w.post_norm, t, h, c.rms_norm_eps, stream_));
+      PD_RETURN_IF_ERROR(fp8_gemm_->run(gate_up_buf_, x_, t, w.gate_up8, stream_));
+      PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
+      PD_RETURN_IF_ERROR(fp8_gemm_->run(residual_, act_buf_, t, w.down8, stream_, /*accumulate=*/true));
+      continue;
+    }
     if (fused) {
       PD_RETURN_IF_ERROR(gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, residual_, w.gate_up, t,
                                     2 * c.intermediate_size, h, stream_, normed(w.post_norm)));

@@ -18,8 +18,10 @@
 #include <vector>
 
 #include "engine/model_runner.h"
+#include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/moe_layer.h"
 #include "model/config.h"
 #include "model/weights.h"
 
@@ -122,6 +124,12 @@ class CudaModelRunner final : public ModelRunner {
     __nv_bfloat16* post_norm = nullptr;
     __nv_bfloat16* gate_up = nullptr;  // [2 I][H]: gate rows then up rows
     __nv_bfloat16* down = nullptr;     // [H][I]
+    // Block-FP8 models: the same linears as e4m3 codes + padded 128 x 128 scales (the bf16
+    // pointers above stay null then).
+    kernels::cuda::Fp8Weight qkv8, o_proj8, gate_up8, down8;
+    // Qwen3-MoE sparse layers: router [E][H] bf16 and the experts (gate_up / down unused).
+    __nv_bfloat16* router = nullptr;
+    kernels::cuda::MoeWeights experts;
   };
   // Shapes of one forward pass over the internal token order: decode
   // sequences (one token each) first, then prefill sequences.
@@ -162,6 +170,9 @@ class CudaModelRunner final : public ModelRunner {
   KvCacheSpec spec_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<kernels::cuda::Gemm> gemm_;
+  std::unique_ptr<kernels::cuda::Fp8Gemm> fp8_gemm_;  // block-FP8 models
+  std::unique_ptr<kernels::cuda::MoeLayer> moe_;      // Qwen3-MoE: shared by the sparse layers
+  float* router_logits_ = nullptr;                    // [max_num_batched_tokens][E]
   std::vector<void*> allocations_;
   size_t weight_bytes_ = 0;
   size_t free_bytes_at_start_ = 0;  // device memory free before this instance allocated (KV budget)

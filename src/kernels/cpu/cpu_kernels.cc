@@ -335,4 +335,13 @@ void moe_route(const float* router_logits, int32_t rows, int32_t num_experts, in
   }
 }
 
+void sum_rank_partials(std::span<const float* const> partials, int64_t count, float* out) {
+  if (partials.empty()) return;
+  if (out != partials[0]) std::copy_n(partials[0], count, out);
+  for (size_t r = 1; r < partials.size(); ++r) {
+    const float* p = partials[r];
+    for (int64_t i = 0; i < count; ++i) out[i] += p[i];
+  }
+}
+
 }  // namespace pd::kernels::cpu

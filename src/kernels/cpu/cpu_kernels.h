@@ -42,6 +42,11 @@ std::vector<float> rope_inv_freq(int32_t head_dim, double theta, const RopeScali
 void apply_rope(float* x, int32_t rows, int32_t num_heads, int32_t head_dim, const int32_t* positions,
                 std::span<const float> inv_freq);
 
+// The shared-memory all-reduce of tensor-parallel ranks: out[i] = ((p[0][i] +
+// p[1][i]) + p[2][i]) + ..., always in rank order, so the sum does not depend on
+// which rank finished first. out may alias p[0].
+void sum_rank_partials(std::span<const float* const> partials, int64_t count, float* out);
+
 // out[r][j] = silu(gate[r][j]) * up[r][j]
 void silu_mul(const float* gate, const float* up, int64_t count, float* out);
 

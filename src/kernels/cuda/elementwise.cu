@@ -3,6 +3,7 @@
 // where the row width allows (hidden sizes are multiples of 8 for every
 // supported model; dispatch.cc checks).
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
@@ -214,6 +215,37 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_kv_kernel(RopeKvArgs a) 
   bf16* dst;
   if (is_q) {
     dst = a.q_out + (static_cast<int64_t>(t) * a.num_q_heads + head) * kHeadDim;
+  } else if (a.kv_fp8) {
+    if (slot < 0) return;
+    const int block = slot / a.block_size;
+    const int offset = slot % a.block_size;
+    const int kv_head = is_k ? head - a.num_q_heads : head - a.num_q_heads - a.num_kv_heads;
+    const int64_t codes = static_cast<int64_t>(a.block_size) * a.num_kv_heads * kHeadDim;  // per K or V
+    uint8_t* base = reinterpret_cast<uint8_t*>(a.kv_cache) +
+                    block * (2 * codes + 2LL * a.block_size * a.num_kv_heads * static_cast<int64_t>(sizeof(float)));
+    const int64_t row = static_cast<int64_t>(offset) * a.num_kv_heads + kv_head;
+    float amax = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+      lo[p] = __bfloat162float(__float2bfloat16(lo[p]));
+      hi[p] = __bfloat162float(__float2bfloat16(hi[p]));
+      amax = fmaxf(amax, fmaxf(fabsf(lo[p]), fabsf(hi[p])));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+    uint8_t* code = base + (is_k ? 0 : codes) + row * kHeadDim;
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+      const int i = lane * kPairs + p;
+      code[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(lo[p] / scale, __NV_SATFINITE, __NV_E4M3));
+      code[i + kHalf] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(hi[p] / scale, __NV_SATFINITE, __NV_E4M3));
+    }
+    if (lane == 0) {
+      float* scales = reinterpret_cast<float*>(base + 2 * codes);
+      scales[(is_k ? 0 : static_cast<int64_t>(a.block_size) * a.num_kv_heads) + row] = scale;
+    }
+    return;
   } else {
     if (slot < 0) return;
     const int block = slot / a.block_size;

@@ -42,6 +42,11 @@ struct RopeKvArgs {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   int32_t block_size = kKvBlockSize;
+  // FP8 KV cache (engine/README.md): kv_cache points at e4m3 blocks of
+  // [2][block][kv heads][D] codes followed by [2][block][kv heads] fp32 scales; each
+  // (token, kv head) row of K and V is stored as e4m3(x / s) with s = amax|x| / 448 (1 for 0),
+  // x being the bf16-rounded value the bf16 cache would hold.
+  bool kv_fp8 = false;
 };
 // Paged attention over the KV cache (which already holds this step's keys and
 // values). Sequence s owns query rows [query_start[s], query_start[s+1]) of q

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "common/status.h"
+#include "kernels/cuda/fp8_args.h"
 #include "kernels/cuda/kernel_args.h"
 
 namespace pd::kernels::cuda {
@@ -76,5 +77,54 @@ void set_programmatic_launch(bool enabled);
 // Fills n bf16 values with a counter-based hash of (seed, index), uniform in
 // [-scale, scale): dummy weights and random test data without host traffic.
 Status fill_uniform(bf16* out, size_t n, uint64_t seed, float scale, cudaStream_t stream);
+
+// ---- FP8 and MoE (fp8.cu, moe.cu; layouts in fp8_args.h) ----
+
+// Per-token 1 x 128 quantization of x [rows][k] (k a multiple of 128) to e4m3 `out` [rows][k]:
+// scale = amax / 448 of each 128-wide group (1 for an all-zero group), stored at
+// scales[g * fp8_act_scale_ld(rows) + row] (cuBLASLt's VEC128_32F layout).
+Status quantize_fp8(uint8_t* out, float* scales, const bf16* x, int32_t rows, int32_t k, cudaStream_t stream);
+// The same for rows sorted by expert (moe_align's routing): the first
+// m_e = fp8_cublas_rows(count_e) rows of expert e's range [expert_offsets[e], +count_e) get
+// their own scale block of [k / 128][m_e] at scales + padded_offsets[e] * (k / 128), the
+// layout one cuBLASLt call per expert reads; the other rows get codes but no scale.
+Status quantize_fp8_grouped(uint8_t* out, float* scales, const bf16* x, int32_t rows, int32_t k,
+                            const MoeRouting& routing, int32_t num_experts, cudaStream_t stream);
+
+// Weight-streaming GEMM (see StreamGemmArgs): bf16 activations, FP8 (w_scale set, k a
+// multiple of 128) or bf16 weights, bf16 out, fp32 accumulate. rows_hint >= the rows of the
+// largest group (dense: m); it picks how many rows share one pass over the weights.
+Status stream_gemm(const StreamGemmArgs& args, int32_t rows_hint, cudaStream_t stream);
+
+// Router: logits [num_tokens][num_experts] fp32 -> per token the top_k experts by softmax
+// probability (ties to the lower id) and their weights (the probabilities, divided by their
+// sum when renormalize is set): topk_ids / topk_weights [num_tokens][top_k].
+Status moe_route(const float* logits, int32_t num_tokens, int32_t num_experts, int32_t top_k, bool renormalize,
+                 int32_t* topk_ids, float* topk_weights, cudaStream_t stream);
+// Sorts the num_tokens * top_k (token, choice) pairs by expert into `routing` (fp8_args.h).
+// One CTA; no host synchronization, so it can sit in a CUDA graph.
+Status moe_align(const int32_t* topk_ids, int32_t num_tokens, int32_t top_k, int32_t num_experts,
+                 const MoeRouting& routing, cudaStream_t stream);
+// out[t][:] (+ out[t][:] when accumulate) = sum_j topk_weights[t][j] * y[slot_of_choice[t * top_k + j]][:].
+Status moe_combine(bf16* out, const bf16* y, const int32_t* slot_of_choice, const float* topk_weights,
+                   int32_t num_tokens, int32_t top_k, int32_t hidden, bool accumulate, cudaStream_t stream);
+
+// FP8 KV cache (RopeKvArgs::kv_fp8 writes it; layout in engine/README.md): bytes of one
+// block of one layer.
+inline size_t fp8_kv_block_bytes(int32_t block_size, int32_t num_kv_heads, int32_t head_dim) {
+  return 2ull * block_size * num_kv_heads * (static_cast<size_t>(head_dim) + sizeof(float));
+}
+// Decode attention reading the FP8 cache at args.kv_cache (CUDA cores; split-K partitions
+// of args.decode_partition_tokens, the workspace of decode_attention_workspace_bytes; the
+// decode_kernel / stages / evict-first / merge-counter fields are ignored).
+Status decode_attention_fp8(const AttentionArgs& args, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+// Prefill over the FP8 cache: dst block i (bf16 [2][block][heads][D]) = dequantized
+// cache block block_ids[i]; the bf16 prefill kernel then runs on dst with a block table
+// renumbered to the positions in block_ids.
+Status kv_fp8_to_bf16_blocks(bf16* dst, const void* fp8_cache, const int32_t* block_ids, int32_t num_blocks,
+                             int32_t num_kv_heads, int32_t head_dim, cudaStream_t stream);
+
+// Dummy FP8 weights: n e4m3 bytes uniform in [-scale, scale) from a counter hash of (seed, index).
+Status fill_uniform_fp8(uint8_t* out, size_t n, uint64_t seed, float scale, cudaStream_t stream);
 
 }  // namespace pd::kernels::cuda

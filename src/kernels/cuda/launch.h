@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cuda/fp8_args.h"
 #include "kernels/cuda/kernel_args.h"
 
 namespace pd::kernels::cuda::detail {
@@ -54,6 +55,26 @@ cudaError_t launch_skinny_gemm(void* out, bool out_fp32, const bf16* a, const bf
 // Whether the decode-path launchers use programmatic dependent launch (pdl.cuh);
 // set through kernels.h's set_programmatic_launch.
 bool programmatic_launch_enabled();
+// FP8 and MoE (fp8.cu, moe.cu); shapes checked by dispatch.cc.
+cudaError_t launch_quantize_fp8(uint8_t* out, float* scales, const bf16* x, int32_t rows, int32_t k, int32_t scale_ld,
+                                const int32_t* offsets, const int32_t* padded_offsets, int32_t num_groups,
+                                cudaStream_t stream);
+// rows_hint: the most rows any group has (or may have): picks the rows per weight pass.
+cudaError_t launch_stream_gemm(const StreamGemmArgs& args, int32_t rows_hint, cudaStream_t stream);
+// Tensor-core streaming for dense FP8 weights, 1 <= m <= 16, n % 8 == 0, k % 128 == 0 (fp8.cu).
+cudaError_t launch_fp8_tc_stream(bf16* out, const bf16* a, const uint8_t* w, const float* w_scale, int32_t scale_ld,
+                                 int32_t m, int32_t n, int32_t k, bool accumulate, cudaStream_t stream);
+cudaError_t launch_moe_route(const float* logits, int32_t num_tokens, int32_t num_experts, int32_t top_k,
+                             bool renormalize, int32_t* topk_ids, float* topk_weights, cudaStream_t stream);
+cudaError_t launch_moe_align(const int32_t* topk_ids, int32_t num_tokens, int32_t top_k, int32_t num_experts,
+                             const MoeRouting& routing, cudaStream_t stream);
+cudaError_t launch_moe_combine(bf16* out, const bf16* y, const int32_t* slot_of_choice, const float* weights,
+                               int32_t num_tokens, int32_t top_k, int32_t hidden, bool accumulate, cudaStream_t stream);
+cudaError_t launch_decode_attention_fp8(const AttentionArgs& args, float* workspace, int32_t num_partitions,
+                                        cudaStream_t stream);
+cudaError_t launch_kv_fp8_to_bf16(bf16* dst, const uint8_t* cache, const int32_t* block_ids, int32_t num_blocks,
+                                  int32_t block_size, int32_t num_kv_heads, int32_t head_dim, cudaStream_t stream);
+cudaError_t launch_fill_uniform_fp8(uint8_t* out, size_t n, uint64_t seed, float scale, cudaStream_t stream);
 cudaError_t launch_fill_uniform(bf16* out, size_t n, uint64_t seed, float scale, cudaStream_t stream);
 
 }  // namespace pd::kernels::cuda::detail

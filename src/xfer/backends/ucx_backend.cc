@@ -108,6 +108,34 @@ std::string endpoint_transports(ucp_ep_h ep) {
   return joined;
 }
 
+// The index of the md named `name` in UCX's own description of the context
+// (ucp_context_print_info; UCX 1.13 has no query for it): lines look like
+// "#            md 3  :  component 3  posix". -1 when there is none.
+int md_index_of(ucp_context_h context, const std::string& name) {
+  char* text = nullptr;
+  size_t text_bytes = 0;
+  FILE* stream = open_memstream(&text, &text_bytes);
+  if (stream == nullptr) return -1;
+  ucp_context_print_info(context, stream);
+  std::fclose(stream);
+  std::string info(text, text_bytes);
+  std::free(text);
+  size_t line_start = 0;
+  while (line_start < info.size()) {
+    size_t line_end = info.find('\n', line_start);
+    if (line_end == std::string::npos) line_end = info.size();
+    const std::string line = info.substr(line_start, line_end - line_start);
+    line_start = line_end + 1;
+    int md = -1;
+    int component = -1;
+    char md_name[64] = {};
+    if (std::sscanf(line.c_str(), "# md %d : component %d %63s", &md, &component, md_name) == 3 && name == md_name) {
+      return md;
+    }
+  }
+  return -1;
+}
+
 // The device copier of ucx staging (EngineConfig::ucx_staging); null when GPU memory
 // cannot be staged here.
 Result<std::unique_ptr<StagingCopier>> make_staging_copier(const EngineConfig& config) {
@@ -206,6 +234,7 @@ class UcxBackend : public Backend {
     ucs_status_t s = ucp_init(&params, ucp_config, &context_);
     ucp_config_release(ucp_config);
     if (s != UCS_OK) return unavailable("ucp_init: {}", ucs_status_string(s));
+    posix_md_index_ = md_index_of(context_, "posix");
     ucp_context_attr_t attr = {};
     attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
     if (ucp_context_query(context_, &attr) == UCS_OK) {
@@ -412,7 +441,7 @@ class UcxBackend : public Backend {
       StagedMemory mine{static_cast<uint8_t*>(local.ptr), local.bytes, local_device, local.device};
       return std::shared_ptr<Route>(std::make_shared<UcxRoute>(peer, mine, remote.region_id));
     }
-    if (Status checked = check_ucx_rkey(key->second); !checked.ok()) {
+    if (Status checked = check_ucx_rkey(key->second, posix_md_index_); !checked.ok()) {
       refused_blobs("ucx_rkey").inc();
       return checked.with_context(fmt::format("remote region {} of '{}'", remote.region_id, remote.engine_name));
     }
@@ -569,6 +598,7 @@ class UcxBackend : public Backend {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::vector<uint8_t> address_;
+  int posix_md_index_ = -1;                           // this context's posix md (ucx_wire_check.h, check_ucx_rkey)
   std::optional<UcxAddressProfile> address_profile_;  // our own address's format, when the walker follows it
   uint8_t address_version_ = 0;                       // else: its version
   int epoll_fd_ = -1;

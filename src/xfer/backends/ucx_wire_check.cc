@@ -207,7 +207,7 @@ Status check_ucx_worker_address(std::span<const uint8_t> blob, const UcxAddressP
   return Status::Ok();
 }
 
-Status check_ucx_rkey(std::span<const uint8_t> blob) {
+Status check_ucx_rkey(std::span<const uint8_t> blob, int posix_md_index) {
   if (blob.size() < 9 || blob.size() > kMaxUcxRkeyBytes) {
     return invalid_argument("UCX remote key of {} bytes (9 to {} accepted)", blob.size(), kMaxUcxRkeyBytes);
   }
@@ -222,8 +222,14 @@ Status check_ucx_rkey(std::span<const uint8_t> blob) {
   for (int bit = 0; bit < 64; ++bit) {
     if ((md_map & (uint64_t{1} << bit)) == 0) continue;
     uint8_t bytes = 0;
-    if (!in.byte(&bytes) || !in.take(bytes)) {
+    const uint8_t* section = nullptr;
+    if (!in.byte(&bytes) || !in.take(bytes, &section)) {
       return invalid_argument("UCX remote key: truncated in the key of md {} at byte {}", bit, in.pos());
+    }
+    if (bit == posix_md_index) {
+      uint64_t length = 0;
+      if (bytes >= 24) std::memcpy(&length, section + 16, sizeof(length));
+      if (length == 0) return invalid_argument("UCX remote key: a posix key of {} bytes with no segment length", bytes);
     }
   }
   if (!in.done()) return invalid_argument("UCX remote key: {} trailing bytes", blob.size() - in.pos());

@@ -71,8 +71,12 @@ Status check_ucx_worker_address(std::span<const uint8_t> blob, const UcxAddressP
 // (e.g. UCX_UNIFIED_MODE, another UCX release): size bounds and the same version.
 Status check_ucx_worker_address_header(std::span<const uint8_t> blob, uint8_t own_version);
 
-// Walks a packed remote key (ucp_rkey_pack's output).
-Status check_ucx_rkey(std::span<const uint8_t> blob);
+// Walks a packed remote key (ucp_rkey_pack's output). posix_md_index: the md index of
+// this worker's posix shared-memory md (-1: none). Its section must be a posix key
+// (segment id, address, length) of non-zero length: uct_posix_rkey_unpack asserts on a
+// zero length (found by fuzz_ucx_descriptor). Peers are assumed to run this UCX build with
+// the same md order (one image per deployment); a key laid out otherwise is refused.
+Status check_ucx_rkey(std::span<const uint8_t> blob, int posix_md_index = -1);
 
 // Largest blobs accepted (real ones are a few hundred bytes).
 inline constexpr size_t kMaxUcxAddressBytes = 8192;

@@ -363,3 +363,27 @@ TEST(CpuKernels, Fp8PagedAttentionEqualsAttentionOverTheDequantisedValues) {
 
 }  // namespace
 }  // namespace pd::kernels::cpu
+
+namespace pd::kernels::cpu {
+namespace {
+
+// The ranks' partials are summed in rank order, whatever the caller: with
+// (1e8, 1, -1e8) fp32 gives (1e8 + 1) - 1e8 = 0, any other order of the last
+// two a different value; the answer must be the rank-order one every time.
+TEST(SumRankPartials, AddsInRankOrder) {
+  const std::vector<float> p0 = {1e8f, 2.0f}, p1 = {1.0f, 3.0f}, p2 = {-1e8f, 4.0f};
+  const std::vector<const float*> parts = {p0.data(), p1.data(), p2.data()};
+  std::vector<float> out(2, -7.0f);
+  sum_rank_partials(parts, 2, out.data());
+  EXPECT_EQ(out[0], (1e8f + 1.0f) + -1e8f);
+  EXPECT_EQ(out[0], 0.0f);
+  EXPECT_EQ(out[1], 9.0f);
+  // In place on rank 0's buffer.
+  std::vector<float> q0 = p0;
+  const std::vector<const float*> in_place = {q0.data(), p1.data(), p2.data()};
+  sum_rank_partials(in_place, 2, q0.data());
+  EXPECT_EQ(q0, out);
+}
+
+}  // namespace
+}  // namespace pd::kernels::cpu

@@ -59,7 +59,7 @@ TEST(Fp8E4m3, MidpointsRoundToTheEvenCodeAndOthersToTheNearest) {
     EXPECT_EQ(f32_to_fp8_e4m3(std::nextafter(mid, 0.0f)), code);
     EXPECT_EQ(f32_to_fp8_e4m3(std::nextafter(mid, 1e9f)), code + 1);
   }
-  EXPECT_EQ(f32_to_fp8_e4m3(34.0f), 0x60);  // between 32 (0x60) and 36 (0x61): even wins
+  EXPECT_EQ(f32_to_fp8_e4m3(34.0f), 0x60);       // between 32 (0x60) and 36 (0x61): even wins
   EXPECT_EQ(f32_to_fp8_e4m3(0x1.0p-10f), 0x00);  // half the smallest subnormal: ties to 0
 }
 

@@ -1,6 +1,7 @@
 #include "server/http_server.h"
 
 #include <gtest/gtest.h>
+
 #include <boost/asio/connect.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/read_until.hpp>
@@ -8,6 +9,7 @@
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
 
+#include <cctype>
 #include <chrono>
 #include <future>
 #include <stdexcept>
@@ -222,6 +224,25 @@ TEST_F(HttpServerTest, EventStreamIsChunkedAndEnds) {
   EXPECT_NE(data.find("text/event-stream"), std::string::npos);
   EXPECT_NE(data.find("chunked"), std::string::npos);
   EXPECT_LT(data.find("data: 1"), data.find("data: 2"));
+}
+
+TEST_F(HttpServerTest, EventStreamToAnHttp10ClientIsUnchunkedAndEndedByClose) {
+  // HTTP/1.0 has no chunked encoding: the events go as they are and the close ends the body.
+  start();
+  auto socket = connect();
+  net::write(socket, net::buffer(std::string("GET /events HTTP/1.0\r\n\r\n")));
+  std::string data;
+  boost::system::error_code ec;
+  net::read(socket, net::dynamic_buffer(data), ec);  // until the server closes
+  EXPECT_EQ(ec, net::error::eof) << ec.message();
+  const size_t header_end = data.find("\r\n\r\n");
+  ASSERT_NE(header_end, std::string::npos) << data;
+  std::string header = data.substr(0, header_end);
+  for (char& c : header) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  EXPECT_EQ(header.rfind("http/1.0 200", 0), 0u) << header;
+  EXPECT_EQ(header.find("chunked"), std::string::npos) << header;
+  EXPECT_NE(header.find("connection: close"), std::string::npos) << header;
+  EXPECT_EQ(data.substr(header_end + 4), "data: 1\n\ndata: 2\n\n");
 }
 
 TEST_F(HttpServerTest, ClientThatClosesMidStreamIsNoticed) {

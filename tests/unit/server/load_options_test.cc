@@ -20,7 +20,8 @@ TEST(ModelLoadOptions, EveryRunnerFlagReachesTheLoader) {
                                                                   {"--max-model-len", "1024"},
                                                                   {"--max-num-seqs", "12"},
                                                                   {"--gpu-memory-utilization", "0.5"},
-                                                                  {"--max-num-batched-tokens", "4096"}};
+                                                                  {"--max-num-batched-tokens", "4096"},
+                                                                  {"--tensor-parallel-size", "4"}};
   std::vector<const char*> args = {"pdserve"};
   for (const auto& [flag, value] : flags) {
     args.push_back(flag);
@@ -41,6 +42,7 @@ TEST(ModelLoadOptions, EveryRunnerFlagReachesTheLoader) {
   EXPECT_DOUBLE_EQ(o.gpu_memory_utilization, 0.5);
   EXPECT_EQ(o.max_num_seqs, 12);
   EXPECT_EQ(o.max_num_batched_tokens, 4096);
+  EXPECT_EQ(o.tensor_parallel_size, 4);
 }
 
 TEST(ModelLoadOptions, NegativeCudaDeviceIsRefused) {

@@ -209,15 +209,12 @@ TEST(RequestParsing, UnimplementedVllmFieldsAreRefusedNamingTheField) {
       {"cache_salt", R"("s")"},
       {"prompt_embeds", R"("AAAA")"},
       {"mm_processor_kwargs", R"({"a": 1})"},
-      {"parallel_tool_calls", "true"},
+      {"parallel_tool_calls", "false"},
       {"functions", R"([{"name": "f"}])"},
       {"function_call", R"("auto")"},
       {"reasoning_effort", R"("low")"},
       {"include_reasoning", "false"},
       {"prediction", R"({"type": "content", "content": "x"})"},
-      {"tools", R"([{"type": "function", "function": {"name": "f"}}])"},
-      {"tool_choice", R"("auto")"},
-      {"tool_choice", R"("required")"},
       {"suffix", R"("x")"},
   };
   for (const auto& [field, value] : refused) {
@@ -247,16 +244,121 @@ TEST(RequestParsing, OffValuesOfUnimplementedFieldsAreAccepted) {
   }
 }
 
-TEST(ChatRequestParsing, ToolsOnlyWithToolChoiceNone) {
-  const char* tools = R"([{"type": "function", "function": {"name": "f"}}])";
-  ojson body = ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})");
-  body["tools"] = ojson::parse(tools);
-  body["tool_choice"] = "none";
+ojson chat_body_with_tools() {
+  return ojson::parse(R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "get_weather", "description": "d",
+                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]})");
+}
+
+TEST(ChatRequestParsing, ToolChoiceAutoIsTheDefaultWithTools) {
+  ojson body = chat_body_with_tools();
   auto parsed = parse_chat_request(body, limits());
+  ASSERT_FALSE(failed(parsed)) << std::get<ApiError>(parsed).message;
+  EXPECT_TRUE(std::get<ChatRequest>(parsed).parse_tool_calls);
+  EXPECT_EQ(std::get<ChatRequest>(parsed).tools, body["tools"]);
+  body["tool_choice"] = "auto";
+  parsed = parse_chat_request(body, limits());
   ASSERT_FALSE(failed(parsed));
+  EXPECT_TRUE(std::get<ChatRequest>(parsed).parse_tool_calls);
+  // "none": the tools still reach the template (as in vLLM), the reply is text.
+  body["tool_choice"] = "none";
+  parsed = parse_chat_request(body, limits());
+  ASSERT_FALSE(failed(parsed));
+  EXPECT_FALSE(std::get<ChatRequest>(parsed).parse_tool_calls);
   EXPECT_EQ(std::get<ChatRequest>(parsed).tools.size(), 1u);
-  body["tool_choice"] = ojson::parse(R"({"type": "function", "function": {"name": "f"}})");
-  EXPECT_EQ(error_of(parse_chat_request(body, limits())).param, "tool_choice");
+  // No tools: nothing to parse.
+  parsed =
+      parse_chat_request(ojson::parse(R"({"messages": [{"role": "user", "content": "x"}], "tools": []})"), limits());
+  ASSERT_FALSE(failed(parsed));
+  EXPECT_FALSE(std::get<ChatRequest>(parsed).parse_tool_calls);
+}
+
+TEST(ChatRequestParsing, RequiredAndNamedToolChoiceAreRefused) {
+  ojson body = chat_body_with_tools();
+  for (const char* choice : {R"("required")", R"({"type": "function", "function": {"name": "get_weather"}})"}) {
+    body["tool_choice"] = ojson::parse(choice);
+    auto error = error_of(parse_chat_request(body, limits()));
+    EXPECT_EQ(error.http_status, 400);
+    EXPECT_EQ(error.param, "tool_choice");
+    EXPECT_EQ(error.code, "unsupported_parameter");
+    EXPECT_NE(error.message.find("guided decoding"), std::string::npos) << error.message;
+  }
+  for (const char* choice : {R"("sometimes")", "3", R"({"type": "function"})", R"({"function": {"name": 1}})"}) {
+    body["tool_choice"] = ojson::parse(choice);
+    auto error = error_of(parse_chat_request(body, limits()));
+    EXPECT_EQ(error.param, "tool_choice") << choice;
+  }
+  ojson no_tools = ojson::parse(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"})");
+  EXPECT_EQ(error_of(parse_chat_request(no_tools, limits())).param, "tool_choice");
+  no_tools["tool_choice"] = "none";
+  EXPECT_FALSE(failed(parse_chat_request(no_tools, limits())));
+}
+
+TEST(ChatRequestParsing, BadToolsNameTheField) {
+  const std::pair<const char*, const char*> cases[] = {
+      {R"({"type": "function"})", "tools"},
+      {R"([3])", "tools[0]"},
+      {R"([{"type": "retrieval", "function": {"name": "f"}}])", "tools[0].type"},
+      {R"([{"function": {"name": "f"}}])", "tools[0].type"},
+      {R"([{"type": "function"}])", "tools[0].function"},
+      {R"([{"type": "function", "function": {"name": ""}}])", "tools[0].function.name"},
+      {R"([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {}}])",
+       "tools[1].function.name"},
+      {R"([{"type": "function", "function": {"name": "f", "description": 1}}])", "tools[0].function.description"},
+      {R"([{"type": "function", "function": {"name": "f", "parameters": "object"}}])", "tools[0].function.parameters"},
+  };
+  for (const auto& [tools, param] : cases) {
+    ojson body = ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})");
+    body["tools"] = ojson::parse(tools);
+    auto error = error_of(parse_chat_request(body, limits()));
+    EXPECT_EQ(error.http_status, 400) << tools;
+    EXPECT_EQ(error.param, param) << tools;
+    ojson tokenize = ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})");
+    tokenize["tools"] = ojson::parse(tools);
+    EXPECT_EQ(error_of(parse_tokenize_request(tokenize, limits())).param, param) << tools;
+  }
+  ojson many = ojson::parse(R"({"messages": [{"role": "user", "content": "x"}], "tools": []})");
+  for (int i = 0; i < 300; ++i) many["tools"].push_back(chat_body_with_tools()["tools"][0]);
+  EXPECT_EQ(error_of(parse_chat_request(many, limits())).param, "tools");
+}
+
+TEST(ChatRequestParsing, ToolCallHistoryReachesTheTemplateWithParsedArguments) {
+  ojson body = chat_body_with_tools();
+  body["messages"] = ojson::parse(R"([
+      {"role": "user", "content": "Weather in Paris?"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "chatcmpl-tool-1", "type": "function",
+          "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+      {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "sunny"}])");
+  auto parsed = parse_chat_request(body, limits());
+  ASSERT_FALSE(failed(parsed)) << std::get<ApiError>(parsed).message;
+  const auto& messages = std::get<ChatRequest>(parsed).messages;
+  EXPECT_EQ(messages[1]["tool_calls"][0]["function"]["arguments"], ojson::parse(R"({"city": "Paris"})"));
+  EXPECT_EQ(messages[2]["tool_call_id"], "chatcmpl-tool-1");
+  EXPECT_EQ(messages[2]["content"], "sunny");
+}
+
+TEST(ChatRequestParsing, BadToolCallHistoryNamesTheField) {
+  const std::pair<const char*, const char*> cases[] = {
+      {R"({"role": "assistant", "content": null, "tool_calls": {}})", "messages[1].tool_calls"},
+      {R"({"role": "user", "content": "x", "tool_calls": []})", "messages[1].tool_calls"},
+      {R"({"role": "assistant", "tool_calls": [{"type": "function"}]})", "messages[1].tool_calls[0].function"},
+      {R"({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]})",
+       "messages[1].tool_calls[0].function.name"},
+      {R"({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]})",
+       "messages[1].tool_calls[0].function.arguments"},
+      {R"({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]})",
+       "messages[1].tool_calls[0].function.arguments"},
+      {R"({"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f", "arguments": "{}"}}]})",
+       "messages[1].tool_calls[0].type"},
+      {R"({"role": "tool", "tool_call_id": 7, "content": "x"})", "messages[1].tool_call_id"},
+  };
+  for (const auto& [message, param] : cases) {
+    ojson body = ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})");
+    body["messages"].push_back(ojson::parse(message));
+    auto error = error_of(parse_chat_request(body, limits()));
+    EXPECT_EQ(error.http_status, 400) << message;
+    EXPECT_EQ(error.param, param) << message;
+  }
 }
 
 TEST(CompletionRequestParsing, ContinuousUsageStatsIsRead) {

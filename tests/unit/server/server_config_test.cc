@@ -60,12 +60,27 @@ TEST(ServerCli, UnknownFlagIsAnErrorAndHelpExitsZero) {
   EXPECT_NE(help.message.find("--max-model-len"), std::string::npos);
 }
 
-TEST(ServerConfigValidation, TensorParallelOtherThanOneIsRefused) {
-  auto outcome = parse({"--tensor-parallel-size", "2"});
-  ASSERT_TRUE(outcome.config);
-  auto status = validate_server_config(*outcome.config);
+TEST(ServerConfigValidation, TensorParallelRunsOnCpuOnlyWithoutPd) {
+  auto cpu = parse({"--tensor-parallel-size", "2"});
+  ASSERT_TRUE(cpu.config);
+  EXPECT_TRUE(validate_server_config(*cpu.config).ok());
+
+  auto cuda = parse({"--tensor-parallel-size", "2", "--device", "cuda"});
+  ASSERT_TRUE(cuda.config);
+  auto status = validate_server_config(*cuda.config);
   EXPECT_EQ(status.code(), ErrorCode::kUnimplemented);
-  EXPECT_NE(status.message().find("tensor-parallel-size 2"), std::string::npos);
+  EXPECT_NE(status.message().find("--tensor-parallel-size 2 with --device cuda"), std::string::npos)
+      << status.to_string();
+
+  auto pd = parse({"--tensor-parallel-size", "2", "--kv-transfer-config", R"({"kv_role":"kv_producer"})"});
+  ASSERT_TRUE(pd.config);
+  status = validate_server_config(*pd.config);
+  EXPECT_EQ(status.code(), ErrorCode::kUnimplemented);
+  EXPECT_NE(status.message().find("--kv-transfer-config"), std::string::npos) << status.to_string();
+
+  auto zero = parse({"--tensor-parallel-size", "0"});
+  ASSERT_TRUE(zero.config);
+  EXPECT_EQ(validate_server_config(*zero.config).code(), ErrorCode::kInvalidArgument);
 }
 
 TEST(ServerConfigValidation, KvTransferConfigMustBeAJsonObject) {

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <random>
 
 #include "common/metrics.h"
@@ -149,6 +150,30 @@ TEST_F(UcxBlobs, SessionRefusesAGarbageRemoteKeyAndCountsIt) {
   ASSERT_TRUE(id.ok()) << id.status().to_string();
   EXPECT_TRUE(engine_->wait(*id, Deadline::after_ms(5'000)).ok());
   engine_->release(*id);
+}
+
+// Found by fuzz_ucx_descriptor: a forged key with a shared-memory (posix) section of zero
+// segment length made uct_posix_rkey_unpack assert. A key with one zero 32-byte section for
+// md i, for each of the first 8 md indices, must be refused or work, never abort; the one at
+// this machine's posix md is refused.
+TEST_F(UcxBlobs, AKeyWithAZeroSharedMemoryLengthIsRefusedNotAnAbort) {
+  auto peer = make_engine("wire-shm");
+  ASSERT_TRUE(peer);
+  ASSERT_TRUE(engine_->connect(peer->describe()).ok());
+  std::vector<uint8_t> remote(4096, 0);
+  auto remote_desc = peer->register_memory(remote.data(), remote.size(), MemKind::kHost);
+  ASSERT_TRUE(remote_desc.ok());
+  int num_refused = 0;
+  for (int md = 0; md < 8; ++md) {
+    std::vector<uint8_t> key(8 + 1 + 1 + 32, 0);
+    const uint64_t md_map = uint64_t{1} << md;
+    std::memcpy(key.data(), &md_map, sizeof(md_map));
+    key[9] = 32;  // section length; the section is all zeros
+    MemDesc forged = *remote_desc;
+    forged.keys["ucx"] = key;
+    num_refused += engine_->session(local_, forged, "ucx").ok() ? 0 : 1;
+  }
+  EXPECT_GE(num_refused, 1) << "this machine's UCX has a posix md; its zero-length key must be refused";
 }
 
 }  // namespace

@@ -91,7 +91,8 @@ def sweep_table(report: dict) -> str:
     lines = ["============ pdbench sweep" + (f": {report['label']}" if report.get("label") else "") +
              " (latencies in ms) ============", header]
     for run in report["runs"]:
-        line = (f"{_num(run.get('realised_rate'), 3):>9}{_rate(run['request_rate']):>8}{run['completed']:>6}{run['failed']:>6}"
+        line = (f"{_num(run.get('realised_rate'), 3):>9}{_rate(run['request_rate']):>8}"
+                f"{run['completed']:>6}{run['failed']:>6}"
                 f"{_num(run['request_throughput'], 2):>8}{_num(run['output_throughput'], 0):>9}"
                 f"{_num(run['ttft_ms']['p50']):>9}{_num(run['ttft_ms']['p99']):>9}"
                 f"{_num(run['tpot_ms']['p50']):>9}{_num(run['tpot_ms']['p99']):>9}{_num(run['itl_ms']['p99']):>9}")

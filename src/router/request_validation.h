@@ -1,0 +1,33 @@
+// The engine's own request validation, applied once at the router before any
+// leg exists. A request an engine would refuse must not reach a producer: the
+// producer leg carries max_tokens = 1 and would accept what the consumer then
+// refuses, leaving the prompt's KV held on the producer for nothing.
+//
+// This is pdserve's parser (server::parse_completion_request /
+// parse_chat_request, which fills engine::SamplingParams), linked, not a copy.
+// The router does not know an instance's max_model_len, so that one
+// model-dependent bound (max_tokens, min_tokens against the context length) is
+// left to the engine; everything else is checked with pdserve's default limits.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "server/api_error.h"
+
+namespace pd::router {
+
+enum class GenerationRoute { kCompletions, kChat };
+
+struct ValidatedRequest {
+  size_t num_prompts = 1;  // /v1/completions: prompts in a batched `prompt`; chat: 1
+};
+
+// The engine's verdict on a client body (without the client's kv_transfer_params): the
+// ApiError pdserve would answer (same message, type, param and code), or what the router needs.
+std::optional<server::ApiError> validate_generation_request(GenerationRoute route, const nlohmann::ordered_json& body,
+                                                            ValidatedRequest& out);
+
+}  // namespace pd::router
