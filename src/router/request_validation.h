@@ -30,4 +30,16 @@ struct ValidatedRequest {
 std::optional<server::ApiError> validate_generation_request(GenerationRoute route, const nlohmann::ordered_json& body,
                                                             ValidatedRequest& out);
 
+// The ApiError pdserve answers for a body the router could not read (`reason` is the router's
+// own message): not JSON or not an object as pdserve words it, a mistyped field named in `param`
+// by pdserve's parser, and otherwise a 400 with `reason`.
+server::ApiError unreadable_request_error(GenerationRoute route, std::string_view body, std::string reason);
+
+// Errors the router itself answers, in pdserve's shape (server::ApiError).
+// An instance could not be reached or failed mid-request: 504 timeout_error when `timed_out`,
+// else 502 service_unavailable with code "upstream_error".
+server::ApiError upstream_error(std::string message, bool timed_out);
+// No instance can serve the request now: 503 service_unavailable, code "no_instance_available".
+server::ApiError no_instance_available(std::string message);
+
 }  // namespace pd::router

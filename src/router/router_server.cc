@@ -98,17 +98,17 @@ std::string dump_response_json(const nlohmann::json& value) {
   return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-std::string error_json(std::string_view message, std::string_view type, int status) {
-  nlohmann::json body = {{"error", {{"message", message}, {"type", type}, {"param", nullptr}, {"code", status}}}};
-  return dump_response_json(body);
+// Every error the router answers has pdserve's shape, type and code (server::ApiError).
+std::string error_json(const server::ApiError& error) {
+  return dump_response_json(error.to_json());
 }
 
 std::string content_type_or_json(const LegResult& result) {
   return result.content_type.empty() ? std::string("application/json") : result.content_type;
 }
 
-int status_for_transport(const Status& status) {
-  return status.code() == ErrorCode::kDeadlineExceeded ? 504 : 502;
+server::ApiError transport_error(const Status& status, std::string message) {
+  return upstream_error(std::move(message), status.code() == ErrorCode::kDeadlineExceeded);
 }
 
 // Lingering close after answering a request early (a body over the limit, a connection over
@@ -278,8 +278,9 @@ struct RouterServer::Impl {
   // Client responses.
   // Callers pass named values: g++ 12 mishandles some temporaries inside co_await expressions.
   awaitable<void> respond(Exchange& ex, int status, std::string content_type, std::string body);
-  awaitable<void> respond_error(Exchange& ex, int status, std::string message, std::string type = "server_error") {
-    std::string body = error_json(message, type, status);
+  awaitable<void> respond_error(Exchange& ex, const server::ApiError& error) {
+    const int status = error.http_status;
+    std::string body = error_json(error);
     co_await respond(ex, status, "application/json", std::move(body));
   }
   awaitable<void> relay_stream(Exchange& ex, Leg& leg, LegResult& head, std::string first_bytes, TimePoint deadline);
@@ -370,10 +371,11 @@ awaitable<void> RouterServer::Impl::refuse(tcp::socket socket, [[maybe_unused]] 
   response.set(http::field::retry_after, "1");
   response.keep_alive(false);
   // Answered before the request is read (its route does not matter: /health is refused too).
-  response.body() = error_json(
+  server::ApiError error = server::too_many_connections(config_.max_connections);
+  error.message =
       fmt::format("the router is serving its limit of {} client connections (--max-connections); retry shortly",
-                  config_.max_connections),
-      "server_error", 503);
+                  config_.max_connections);
+  response.body() = error_json(error);
   response.prepare_payload();
   beast::error_code ec;
   stream.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
@@ -421,12 +423,10 @@ awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_in
         exchange->route = "invalid";
         const bool too_large = ec == http::error::body_limit;
         const int status = too_large ? 413 : 400;
-        std::string message = fmt::format("malformed HTTP request: {}", ec.message());
-        if (too_large) {
-          message = fmt::format("request body is larger than the limit of {} bytes (--max-body-bytes)",
-                                config_.max_body_bytes);
-        }
-        co_await respond_error(*exchange, status, std::move(message), "invalid_request_error");
+        const server::ApiError error =
+            too_large ? server::body_too_large(config_.max_body_bytes)
+                      : server::bad_request(fmt::format("malformed HTTP request: {}", ec.message()));
+        co_await respond_error(*exchange, error);
         cached_counter("pd_router_requests_total", "Requests by route and status",
                        {{"route", "invalid"}, {"status", std::to_string(status)}})
             .inc();
@@ -579,9 +579,10 @@ awaitable<void> RouterServer::Impl::answer_from_consumer(Exchange& ex, Leg& leg,
   if (!result.transport.ok()) {
     count_leg_failure("decode", failure_reason(result));
     leg.cancel();
-    co_await respond_error(
-        ex, status_for_transport(result.transport),
+    const server::ApiError error = transport_error(
+        result.transport,
         fmt::format("decode instance {} failed: {}", leg.backend().info().instance_id, result.transport.message()));
+    co_await respond_error(ex, error);
     co_return;
   }
   if (result.http_status == 200 && !head_bytes.empty()) {
@@ -707,9 +708,11 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
           count_leg_failure("prefill", "bad_kv_transfer_params");
           consumer_leg->cancel();
           release();
-          co_await respond_error(*ex, 502,
-                                 fmt::format("producer {} returned unusable kv_transfer_params: {}",
-                                             producer->info().instance_id, consumer_body.status().message()));
+          const server::ApiError error =
+              upstream_error(fmt::format("producer {} returned unusable kv_transfer_params: {}",
+                                         producer->info().instance_id, consumer_body.status().message()),
+                             false);
+          co_await respond_error(*ex, error);
           co_return FlowOutcome::kAnswered;
         }
         std::string head_bytes;
@@ -782,7 +785,9 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
       consumer_leg = ex->new_leg(consumer);
       if (Status connected = co_await consumer_leg->connect(config_.connect_timeout_ms); !connected.ok()) {
         count_leg_failure("decode", "connect");
-        co_await respond_error(*ex, 502, fmt::format("decode instance unreachable: {}", connected.message()));
+        const server::ApiError error =
+            transport_error(connected, fmt::format("decode instance unreachable: {}", connected.message()));
+        co_await respond_error(*ex, error);
         co_return FlowOutcome::kAnswered;
       }
     }
@@ -802,16 +807,17 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
 awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> ex, const std::string& target,
                                                       const std::string& body) {
   Result<ClientRequest> parsed = parse_client_request(body);
+  const GenerationRoute route =
+      target == "/v1/chat/completions" ? GenerationRoute::kChat : GenerationRoute::kCompletions;
   if (!parsed.ok()) {
-    co_await respond_error(*ex, 400, parsed.status().message(), "invalid_request_error");
+    const server::ApiError error = unreadable_request_error(route, body, parsed.status().message());
+    co_await respond_error(*ex, error);
     co_return;
   }
   const ClientRequest& request = *parsed;
   // The engine's validation, once, before any leg: a request the consumer would refuse must not reach a
   // producer (its leg asks for one token and would pass), where it would hold the prompt's KV for nothing.
   ValidatedRequest validated;
-  const GenerationRoute route =
-      target == "/v1/chat/completions" ? GenerationRoute::kChat : GenerationRoute::kCompletions;
   if (std::optional<server::ApiError> invalid = validate_generation_request(route, request.body, validated)) {
     cached_counter("pd_router_requests_invalid_total", "Client requests refused by the router's validation", {}).inc();
     co_await respond(*ex, invalid->http_status, "application/json", dump_response_json(invalid->to_json()));
@@ -843,13 +849,13 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     const FlowPlan plan = plan_flow(candidates, plan_request);
     if (plan.kind == FlowKind::kNone) {
       if (plan.model_unknown) {
-        co_await respond(
-            *ex, 404, "application/json",
-            error_json(fmt::format("The model `{}` does not exist.", request.model), "NotFoundError", 404));
+        const server::ApiError error = server::model_not_found(request.model);
+        co_await respond_error(*ex, error);
       } else {
         std::string message = "no reachable instance";
         if (candidates.empty()) message = "no instances discovered";
-        co_await respond_error(*ex, 503, std::move(message));
+        const server::ApiError error = no_instance_available(std::move(message));
+        co_await respond_error(*ex, error);
       }
       co_return;
     }
@@ -877,7 +883,8 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     if (outcome == FlowOutcome::kAnswered) co_return;
     candidates[*plan.consumer].excluded = true;  // unreachable: try the next one
   }
-  co_await respond_error(*ex, 503, "no reachable instance");
+  const server::ApiError error = no_instance_available("no reachable instance");
+  co_await respond_error(*ex, error);
 }
 
 std::string RouterServer::Impl::health_json(const Snapshot& snapshot, bool& healthy) const {
@@ -921,8 +928,8 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
   if (!config_.api_key.empty() && target.rfind("/v1/", 0) == 0) {
     const auto authorization = request[http::field::authorization];
     if (authorization != "Bearer " + config_.api_key) {
-      co_await respond(*ex, 401, "application/json",
-                       error_json("invalid or missing API key", "AuthenticationError", 401));
+      const server::ApiError error = server::unauthorized();
+      co_await respond_error(*ex, error);
     }
   }
   if (ex->status == 0) {
@@ -937,13 +944,11 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
     } else if (target == "/metrics" && is_get) {
       co_await respond(*ex, 200, "text/plain; version=0.0.4", metrics::Registry::global().render_prometheus());
     } else if (is_generation || target == "/v1/models" || target == "/health" || target == "/metrics") {
-      co_await respond(
-          *ex, 405, "application/json",
-          error_json(fmt::format("method {} not allowed on {}", std::string(request.method_string()), target),
-                     "invalid_request_error", 405));
+      const server::ApiError error = server::method_not_allowed(std::string(request.method_string()), target);
+      co_await respond_error(*ex, error);
     } else {
-      co_await respond(*ex, 404, "application/json",
-                       error_json(fmt::format("no route {}", target), "invalid_request_error", 404));
+      const server::ApiError error = server::route_not_found(target);
+      co_await respond_error(*ex, error);
     }
   }
   ex->finished = true;

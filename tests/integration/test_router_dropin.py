@@ -1,0 +1,92 @@
+"""pdrouter as a drop-in front for OpenAI clients: every error it answers has pdserve's shape
+({"error": {"message", "type", "param", "code"}}), and the same bad request sent straight to pdserve
+and through the router gets the same status, type, code and param."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import start_pdserve
+from router_fixtures import TINY_MODEL, free_port, start_router
+
+KEY = "s3cret"
+BODY_LIMIT = 4096
+ENGINE_FLAGS = ["--model", TINY_MODEL, "--max-model-len", "256", "--api-key", KEY,
+                "--max-body-bytes", str(BODY_LIMIT)]
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def engine(module_procs):
+    return start_pdserve(module_procs, *ENGINE_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def router(module_procs, engine):
+    router = start_router(module_procs, "--collocated", engine.base_url, "--api-key", KEY, "--backend-api-key", KEY,
+                          "--max-body-bytes", str(BODY_LIMIT), registration=False)
+    router.wait_for_instances(1)
+    return router
+
+
+def error_of(status: int, body: bytes) -> tuple[int, str, str | None, str | None]:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["code"] is None or isinstance(error["code"], str), error
+    return status, error["type"], error["param"], error["code"]
+
+
+BAD_REQUESTS = {
+    "unknown_model": ("POST", "/v1/completions", {"model": "no-such-model", "prompt": "x", "max_tokens": 1}, AUTH),
+    "missing_key": ("POST", "/v1/completions", {"model": TINY_MODEL, "prompt": "x", "max_tokens": 1}, {}),
+    "wrong_key": ("POST", "/v1/chat/completions", {"model": TINY_MODEL, "messages": []},
+                  {"Authorization": "Bearer nope"}),
+    "not_json": ("POST", "/v1/completions", b"{not json", AUTH),
+    "not_an_object": ("POST", "/v1/chat/completions", b"[1, 2]", AUTH),
+    "stream_not_bool": ("POST", "/v1/completions", {"model": TINY_MODEL, "prompt": "x", "stream": "yes"}, AUTH),
+    "model_not_string": ("POST", "/v1/completions", {"model": 7, "prompt": "x"}, AUTH),
+    "bad_temperature": ("POST", "/v1/completions",
+                        {"model": TINY_MODEL, "prompt": "x", "max_tokens": 1, "temperature": -1}, AUTH),
+    "unsupported_field": ("POST", "/v1/completions",
+                          {"model": TINY_MODEL, "prompt": "x", "max_tokens": 1, "suffix": "y"}, AUTH),
+    "body_too_large": ("POST", "/v1/completions",
+                       {"model": TINY_MODEL, "prompt": "x" * (2 * BODY_LIMIT), "max_tokens": 1}, AUTH),
+    "unknown_route": ("GET", "/v1/nothing-here", None, AUTH),
+    "wrong_method": ("GET", "/v1/completions", None, AUTH),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_REQUESTS))
+def test_same_error_straight_and_through_router(name, engine, router):
+    method, path, body, headers = BAD_REQUESTS[name]
+    from conftest import http_request
+
+    direct = error_of(*http_request(engine.base_url, method, path, body, headers=headers)[:2])
+    routed = error_of(*http_request(router.base_url, method, path, body, headers=headers)[:2])
+    assert routed == direct, (name, direct, routed)
+    assert direct[0] >= 400
+
+
+def test_codes_name_the_failure(engine, router):
+    from conftest import http_request
+
+    cases = {
+        "unknown_model": (404, "invalid_request_error", "model", "model_not_found"),
+        "missing_key": (401, "authentication_error", None, "invalid_api_key"),
+        "stream_not_bool": (400, "invalid_request_error", "stream", "invalid_value"),
+        "body_too_large": (413, "invalid_request_error", None, "request_too_large"),
+        "wrong_method": (405, "invalid_request_error", None, "method_not_allowed"),
+    }
+    for name, expected in cases.items():
+        method, path, body, headers = BAD_REQUESTS[name]
+        assert error_of(*http_request(router.base_url, method, path, body, headers=headers)[:2]) == expected, name
+
+
+def test_no_instance_is_service_unavailable(procs):
+    dead = f"http://127.0.0.1:{free_port()}"
+    router = start_router(procs, "--collocated", dead, registration=False)
+    status, body, _ = router.post("/v1/completions", {"model": TINY_MODEL, "prompt": "x", "max_tokens": 1})
+    assert error_of(status, body) == (503, "service_unavailable", None, "no_instance_available")
