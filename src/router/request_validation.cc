@@ -25,11 +25,13 @@ std::optional<server::ApiError> validate_generation_request(GenerationRoute rout
     auto parsed = server::parse_completion_request(body, limits);
     if (auto* error = std::get_if<server::ApiError>(&parsed)) return std::move(*error);
     out.num_prompts = std::get<server::CompletionRequest>(parsed).prompts.size();
+    out.n = std::get<server::CompletionRequest>(parsed).fields.n;
     return std::nullopt;
   }
   auto parsed = server::parse_chat_request(body, limits);
   if (auto* error = std::get_if<server::ApiError>(&parsed)) return std::move(*error);
   out.num_prompts = 1;
+  out.n = std::get<server::ChatRequest>(parsed).fields.n;
   return std::nullopt;
 }
 

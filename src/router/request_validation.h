@@ -10,6 +10,7 @@
 // left to the engine; everything else is checked with pdserve's default limits.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string_view>
 
@@ -23,6 +24,7 @@ enum class GenerationRoute { kCompletions, kChat };
 
 struct ValidatedRequest {
   size_t num_prompts = 1;  // /v1/completions: prompts in a batched `prompt`; chat: 1
+  int32_t n = 1;           // choices per prompt
 };
 
 // The engine's verdict on a client body (without the client's kv_transfer_params): the

@@ -860,14 +860,16 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
       co_return;
     }
     FlowOutcome outcome;
-    // A batched prompt (several prompts in one completion) goes whole to the chosen consumer, which
-    // prefills it itself: a P/D transfer carries one prompt's KV, and pdserve refuses kv_transfer_params
-    // on a batch. The consumer answers it exactly as a collocated pdserve does (choice indices, usage).
+    // A batched prompt (several prompts in one completion) or several choices (n > 1) go whole to the
+    // chosen consumer, which prefills itself: a P/D transfer carries one sequence's KV, and pdserve
+    // refuses kv_transfer_params on a batch or with n > 1. The consumer answers it exactly as a
+    // collocated pdserve does (choice indices, usage).
     const bool batched = validated.num_prompts > 1;
-    if (plan.kind == FlowKind::kCollocated || batched) {
+    const bool several_choices = validated.n > 1;
+    if (plan.kind == FlowKind::kCollocated || batched || several_choices) {
       if (plan.fallback == FallbackReason::kNoProducer) count_fallback("no_producer");
       if (plan.fallback == FallbackReason::kNoConsumer) count_fallback("no_consumer");
-      if (plan.kind != FlowKind::kCollocated) count_fallback("batched_prompts");
+      if (plan.kind != FlowKind::kCollocated) count_fallback(batched ? "batched_prompts" : "several_choices");
       // Pass-through keeps the client's bytes unless something had to be removed.
       std::string leg_body;
       if (request.dropped_kv_transfer_params) {

@@ -1,15 +1,17 @@
 """pdrouter as a drop-in front for OpenAI clients: every error it answers has pdserve's shape
 ({"error": {"message", "type", "param", "code"}}), and the same bad request sent straight to pdserve
-and through the router gets the same status, type, code and param."""
+and through the router gets the same status, type, code and param; n > 1 through a P/D deployment
+answers every choice, as one pdserve does."""
 
 from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
-from conftest import start_pdserve
-from router_fixtures import TINY_MODEL, free_port, start_router
+from conftest import start_pdserve, wait_for
+from router_fixtures import TINY_MODEL, free_port, pdserve_flags, start_router
 
 KEY = "s3cret"
 BODY_LIMIT = 4096
@@ -90,3 +92,47 @@ def test_no_instance_is_service_unavailable(procs):
     router = start_router(procs, "--collocated", dead, registration=False)
     status, body, _ = router.post("/v1/completions", {"model": TINY_MODEL, "prompt": "x", "max_tokens": 1})
     assert error_of(status, body) == (503, "service_unavailable", None, "no_instance_available")
+
+
+@pytest.fixture(scope="module", params=["write", "read"])
+def pd_deployment(request, module_procs):
+    router = start_router(module_procs)
+    for role, kv_role in (("producer", "kv_producer"), ("consumer", "kv_consumer")):
+        start_pdserve(module_procs, "--kv-role", kv_role, *pdserve_flags(role, router=router, mode=request.param))
+    wait_for(lambda: {i["role"] for i in router.instances()} >= {"producer", "consumer"}, 20,
+             "producer and consumer registered")
+    return router
+
+
+@pytest.fixture(scope="module")
+def reference(module_procs):
+    return start_pdserve(module_procs, "--model", TINY_MODEL, "--max-model-len", "2048")
+
+
+def openai_client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_n_above_one_through_pd_answers_every_choice(pd_deployment, reference):
+    router = pd_deployment
+    before = router.metric("pd_router_fallbacks_total", {"reason": "several_choices"})
+    args = dict(model=TINY_MODEL, n=2, max_tokens=8, temperature=0.9, seed=11, extra_body={"ignore_eos": True})
+    expected = openai_client(reference.base_url).completions.create(prompt="Once upon a time", **args)
+    answer = openai_client(router.base_url).completions.create(prompt="Once upon a time", **args)
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert [c.text for c in answer.choices] == [c.text for c in expected.choices]
+    assert answer.usage.completion_tokens == 16
+
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    expected_chat = openai_client(reference.base_url).chat.completions.create(messages=messages, **args)
+    chat = openai_client(router.base_url).chat.completions.create(messages=messages, **args)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert [c.message.content for c in chat.choices] == [c.message.content for c in expected_chat.choices]
+
+    chunks = list(openai_client(router.base_url).completions.create(prompt="Once upon a time", stream=True, **args))
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in expected.choices]
+    assert router.metric("pd_router_fallbacks_total", {"reason": "several_choices"}) - before == 3
