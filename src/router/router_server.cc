@@ -286,7 +286,9 @@ struct RouterServer::Impl {
   awaitable<void> relay_stream(Exchange& ex, Leg& leg, LegResult& head, std::string first_bytes, TimePoint deadline);
 
   // Generation flows.
-  awaitable<void> handle_generation(std::shared_ptr<Exchange> ex, const std::string& target, const std::string& body);
+  // `generation` false: a /tokenize or /detokenize body, sent whole to one instance (no validation, no P/D).
+  awaitable<void> handle_generation(std::shared_ptr<Exchange> ex, const std::string& target, const std::string& body,
+                                    bool generation = true);
   awaitable<FlowOutcome> run_single(std::shared_ptr<Exchange> ex, std::shared_ptr<Leg> leg, const std::string& target,
                                     const std::string& body, bool stream);
   awaitable<FlowOutcome> run_pd(std::shared_ptr<Exchange> ex, const std::string& target, const ClientRequest& request,
@@ -805,12 +807,13 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
 }
 
 awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> ex, const std::string& target,
-                                                      const std::string& body) {
+                                                      const std::string& body, bool generation) {
   Result<ClientRequest> parsed = parse_client_request(body);
   const GenerationRoute route =
       target == "/v1/chat/completions" ? GenerationRoute::kChat : GenerationRoute::kCompletions;
   if (!parsed.ok()) {
-    const server::ApiError error = unreadable_request_error(route, body, parsed.status().message());
+    const server::ApiError error = generation ? unreadable_request_error(route, body, parsed.status().message())
+                                              : server::bad_request(parsed.status().message());
     co_await respond_error(*ex, error);
     co_return;
   }
@@ -818,7 +821,9 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
   // The engine's validation, once, before any leg: a request the consumer would refuse must not reach a
   // producer (its leg asks for one token and would pass), where it would hold the prompt's KV for nothing.
   ValidatedRequest validated;
-  if (std::optional<server::ApiError> invalid = validate_generation_request(route, request.body, validated)) {
+  std::optional<server::ApiError> invalid;
+  if (generation) invalid = validate_generation_request(route, request.body, validated);
+  if (invalid) {
     cached_counter("pd_router_requests_invalid_total", "Client requests refused by the router's validation", {}).inc();
     co_await respond(*ex, invalid->http_status, "application/json", dump_response_json(invalid->to_json()));
     co_return;
@@ -866,7 +871,10 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     // collocated pdserve does (choice indices, usage).
     const bool batched = validated.num_prompts > 1;
     const bool several_choices = validated.n > 1;
-    if (plan.kind == FlowKind::kCollocated || batched || several_choices) {
+    if (!generation) {
+      std::shared_ptr<Leg> leg = ex->new_leg(snapshot->backends[*plan.consumer]);
+      outcome = co_await run_single(ex, leg, target, request.body.dump(), false);
+    } else if (plan.kind == FlowKind::kCollocated || batched || several_choices) {
       if (plan.fallback == FallbackReason::kNoProducer) count_fallback("no_producer");
       if (plan.fallback == FallbackReason::kNoConsumer) count_fallback("no_consumer");
       if (plan.kind != FlowKind::kCollocated) count_fallback(batched ? "batched_prompts" : "several_choices");
@@ -925,9 +933,14 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
   const bool is_post = request.method() == http::verb::post;
   const bool is_get = request.method() == http::verb::get;
   const bool is_generation = target == "/v1/completions" || target == "/v1/chat/completions";
-  ex->route = is_generation || target == "/v1/models" || target == "/health" || target == "/metrics" ? target : "other";
+  const bool is_tokenize = target == "/tokenize" || target == "/detokenize";
+  ex->route = is_generation || is_tokenize || target == "/v1/models" || target == "/health" || target == "/ping" ||
+                      target == "/metrics"
+                  ? target
+                  : "other";
 
-  if (!config_.api_key.empty() && target.rfind("/v1/", 0) == 0) {
+  // The routes pdserve guards with --api-key: /v1/* and the tokenizer's.
+  if (!config_.api_key.empty() && (target.rfind("/v1/", 0) == 0 || is_tokenize)) {
     const auto authorization = request[http::field::authorization];
     if (authorization != "Bearer " + config_.api_key) {
       const server::ApiError error = server::unauthorized();
@@ -937,15 +950,18 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
   if (ex->status == 0) {
     if (is_generation && is_post) {
       co_await handle_generation(ex, target, request.body());
+    } else if (is_tokenize && is_post) {
+      co_await handle_generation(ex, target, request.body(), false);
     } else if (target == "/v1/models" && is_get) {
       co_await respond(*ex, 200, "application/json", models_json(*discovery_.snapshot()));
-    } else if (target == "/health" && is_get) {
+    } else if ((target == "/health" || target == "/ping") && is_get) {
       bool healthy = false;
       std::string body = health_json(*discovery_.snapshot(), healthy);
       co_await respond(*ex, healthy ? 200 : 503, "application/json", std::move(body));
     } else if (target == "/metrics" && is_get) {
       co_await respond(*ex, 200, "text/plain; version=0.0.4", metrics::Registry::global().render_prometheus());
-    } else if (is_generation || target == "/v1/models" || target == "/health" || target == "/metrics") {
+    } else if (is_generation || is_tokenize || target == "/v1/models" || target == "/health" || target == "/ping" ||
+               target == "/metrics") {
       const server::ApiError error = server::method_not_allowed(std::string(request.method_string()), target);
       co_await respond_error(*ex, error);
     } else {

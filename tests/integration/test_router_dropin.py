@@ -58,6 +58,8 @@ BAD_REQUESTS = {
                        {"model": TINY_MODEL, "prompt": "x" * (2 * BODY_LIMIT), "max_tokens": 1}, AUTH),
     "unknown_route": ("GET", "/v1/nothing-here", None, AUTH),
     "wrong_method": ("GET", "/v1/completions", None, AUTH),
+    "tokenize_without_key": ("POST", "/tokenize", {"model": TINY_MODEL, "prompt": "x"}, {}),
+    "tokenize_not_json": ("POST", "/tokenize", b"{oops", AUTH),
 }
 
 
@@ -136,3 +138,21 @@ def test_n_above_one_through_pd_answers_every_choice(pd_deployment, reference):
             texts[choice.index] += choice.text
     assert texts == [c.text for c in expected.choices]
     assert router.metric("pd_router_fallbacks_total", {"reason": "several_choices"}) - before == 3
+
+
+def test_tokenize_and_detokenize_are_forwarded(engine, router):
+    from conftest import http_request
+
+    for path, body in (("/tokenize", {"model": TINY_MODEL, "prompt": "The quick brown fox"}),
+                       ("/detokenize", {"model": TINY_MODEL, "tokens": [1, 2, 3, 4]})):
+        direct = http_request(engine.base_url, "POST", path, body, headers=AUTH)
+        routed = http_request(router.base_url, "POST", path, body, headers=AUTH)
+        assert direct[0] == routed[0] == 200, (path, direct, routed)
+        assert json.loads(routed[1]) == json.loads(direct[1])
+    assert router.metric("pd_router_requests_total", {"route": "/tokenize", "status": "200"}) >= 1
+
+
+def test_ping_answers_like_health(router):
+    assert router.get("/ping")[0] == router.get("/health")[0] == 200
+    status, body, _ = router.post("/ping", {})
+    assert error_of(status, body)[3] == "method_not_allowed"
