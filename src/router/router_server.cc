@@ -310,6 +310,9 @@ struct RouterServer::Impl {
 
   std::string health_json(const Snapshot& snapshot, bool& healthy) const;
   std::string models_json(const Snapshot& snapshot) const;
+  // /v1/models as the engines answer it (every field they report), one GET per served model; a model
+  // whose instance does not answer is listed with the router's own entry (models_json).
+  awaitable<std::string> forwarded_models_json(const Snapshot& snapshot);
 };
 
 awaitable<void> RouterServer::Impl::accept_loop() {
@@ -927,6 +930,38 @@ std::string RouterServer::Impl::models_json(const Snapshot& snapshot) const {
   return dump_response_json({{"object", "list"}, {"data", data}});
 }
 
+awaitable<std::string> RouterServer::Impl::forwarded_models_json(const Snapshot& snapshot) {
+  const std::string authorization = bearer_authorization(config_.backend_api_key);
+  const int64_t timeout_ms = std::max<int64_t>(1000, config_.connect_timeout_ms);
+  nlohmann::ordered_json data = nlohmann::ordered_json::array();
+  std::vector<std::string> listed;
+  auto is_listed = [&](const std::string& id) { return std::find(listed.begin(), listed.end(), id) != listed.end(); };
+  for (const auto& backend : snapshot.backends) {
+    const InstanceInfo& info = backend->info();
+    if (info.model.empty() || is_listed(info.model)) continue;
+    LegResult reply =
+        co_await http_get(backend->endpoint(), info.http.to_string(), "/v1/models", authorization, timeout_ms);
+    if (reply.transport.ok() && reply.http_status == 200) {
+      Result<nlohmann::ordered_json> answer = parse_json_bounded(reply.body);
+      if (answer.ok() && answer->is_object() && answer->contains("data") && (*answer)["data"].is_array()) {
+        for (auto& entry : (*answer)["data"]) {
+          if (!entry.is_object() || !entry.contains("id") || !entry["id"].is_string()) continue;
+          std::string id = entry["id"].get<std::string>();
+          if (is_listed(id)) continue;
+          listed.push_back(std::move(id));
+          data.push_back(std::move(entry));
+        }
+      }
+    }
+    if (!is_listed(info.model)) {
+      listed.push_back(info.model);
+      data.push_back({{"id", info.model}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "pdserve"}});
+    }
+  }
+  nlohmann::ordered_json body = {{"object", "list"}, {"data", std::move(data)}};
+  co_return body.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+}
+
 awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::request<http::string_body>& request) {
   std::string target(request.target());
   if (size_t query = target.find('?'); query != std::string::npos) target.resize(query);
@@ -953,7 +988,9 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
     } else if (is_tokenize && is_post) {
       co_await handle_generation(ex, target, request.body(), false);
     } else if (target == "/v1/models" && is_get) {
-      co_await respond(*ex, 200, "application/json", models_json(*discovery_.snapshot()));
+      std::shared_ptr<const Snapshot> snapshot = discovery_.snapshot();
+      std::string models = co_await forwarded_models_json(*snapshot);
+      co_await respond(*ex, 200, "application/json", std::move(models));
     } else if ((target == "/health" || target == "/ping") && is_get) {
       bool healthy = false;
       std::string body = health_json(*discovery_.snapshot(), healthy);

@@ -156,3 +156,14 @@ def test_ping_answers_like_health(router):
     assert router.get("/ping")[0] == router.get("/health")[0] == 200
     status, body, _ = router.post("/ping", {})
     assert error_of(status, body)[3] == "method_not_allowed"
+
+
+def test_models_are_what_the_engine_reports(engine, router):
+    from conftest import http_request
+
+    direct = json.loads(http_request(engine.base_url, "GET", "/v1/models", headers=AUTH)[1])
+    status, body, _ = http_request(router.base_url, "GET", "/v1/models", headers=AUTH)
+    assert status == 200
+    routed = json.loads(body)
+    assert routed["data"] == direct["data"]
+    assert routed["data"][0]["max_model_len"] == 256 and "root" in routed["data"][0]
