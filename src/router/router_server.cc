@@ -309,9 +309,8 @@ struct RouterServer::Impl {
                                        int64_t connect_timeout_ms, TimePoint deadline);
 
   std::string health_json(const Snapshot& snapshot, bool& healthy) const;
-  std::string models_json(const Snapshot& snapshot) const;
   // /v1/models as the engines answer it (every field they report), one GET per served model; a model
-  // whose instance does not answer is listed with the router's own entry (models_json).
+  // whose instance does not answer is listed with a minimal entry (id, object, created, owned_by).
   awaitable<std::string> forwarded_models_json(const Snapshot& snapshot);
 };
 
@@ -917,19 +916,6 @@ std::string RouterServer::Impl::health_json(const Snapshot& snapshot, bool& heal
   return dump_response_json({{"status", healthy ? "ok" : "no_instances"}, {"instances", instances}});
 }
 
-std::string RouterServer::Impl::models_json(const Snapshot& snapshot) const {
-  std::vector<std::string> models;
-  for (const auto& backend : snapshot.backends) {
-    const std::string& model = backend->info().model;
-    if (!model.empty() && std::find(models.begin(), models.end(), model) == models.end()) models.push_back(model);
-  }
-  nlohmann::json data = nlohmann::json::array();
-  for (const std::string& model : models) {
-    data.push_back({{"id", model}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "pdserve"}});
-  }
-  return dump_response_json({{"object", "list"}, {"data", data}});
-}
-
 awaitable<std::string> RouterServer::Impl::forwarded_models_json(const Snapshot& snapshot) {
   const std::string authorization = bearer_authorization(config_.backend_api_key);
   const int64_t timeout_ms = std::max<int64_t>(1000, config_.connect_timeout_ms);
@@ -991,6 +977,25 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
       std::shared_ptr<const Snapshot> snapshot = discovery_.snapshot();
       std::string models = co_await forwarded_models_json(*snapshot);
       co_await respond(*ex, 200, "application/json", std::move(models));
+    } else if (target == "/version" && is_get) {
+      // The engines' version, as the first instance that answers reports it.
+      std::shared_ptr<const Snapshot> snapshot = discovery_.snapshot();
+      std::optional<std::string> version;
+      for (const auto& backend : snapshot->backends) {
+        LegResult reply = co_await http_get(backend->endpoint(), backend->info().http.to_string(), "/version",
+                                            bearer_authorization(config_.backend_api_key),
+                                            std::max<int64_t>(1000, config_.connect_timeout_ms));
+        if (reply.transport.ok() && reply.http_status == 200) {
+          version = std::move(reply.body);
+          break;
+        }
+      }
+      if (version) {
+        co_await respond(*ex, 200, "application/json", std::move(*version));
+      } else {
+        const server::ApiError error = no_instance_available("no instance answered /version");
+        co_await respond_error(*ex, error);
+      }
     } else if ((target == "/health" || target == "/ping") && is_get) {
       bool healthy = false;
       std::string body = health_json(*discovery_.snapshot(), healthy);
@@ -998,7 +1003,7 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
     } else if (target == "/metrics" && is_get) {
       co_await respond(*ex, 200, "text/plain; version=0.0.4", metrics::Registry::global().render_prometheus());
     } else if (is_generation || is_tokenize || target == "/v1/models" || target == "/health" || target == "/ping" ||
-               target == "/metrics") {
+               target == "/version" || target == "/metrics") {
       const server::ApiError error = server::method_not_allowed(std::string(request.method_string()), target);
       co_await respond_error(*ex, error);
     } else {

@@ -167,3 +167,10 @@ def test_models_are_what_the_engine_reports(engine, router):
     routed = json.loads(body)
     assert routed["data"] == direct["data"]
     assert routed["data"][0]["max_model_len"] == 256 and "root" in routed["data"][0]
+
+
+def test_version_is_the_engines(engine, router):
+    direct = engine.get("/version")
+    routed = router.get("/version")
+    assert direct[0] == routed[0] == 200
+    assert json.loads(routed[1]) == json.loads(direct[1]) and json.loads(routed[1])["version"]
