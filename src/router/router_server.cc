@@ -57,6 +57,12 @@ void count_fallback(const char* reason) {
       .inc();
 }
 
+// The flow chosen for a generation request: read, write, collocated, or the reason it fell back.
+void count_decision(const char* flow) {
+  cached_counter("pd_router_decisions_total", "Generation requests by the flow chosen for them", {{"flow", flow}})
+      .inc();
+}
+
 void count_leg_failure(const char* leg, const char* reason) {
   cached_counter("pd_router_leg_failures_total", "Backend legs that failed, by leg and reason",
                  {{"leg", leg}, {"reason", reason}})
@@ -873,6 +879,15 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     // collocated pdserve does (choice indices, usage).
     const bool batched = validated.num_prompts > 1;
     const bool several_choices = validated.n > 1;
+    if (generation) {
+      const char* flow = plan.kind == FlowKind::kPdRead ? "read" : "write";
+      if (plan.fallback == FallbackReason::kNoProducer) flow = "no_producer";
+      if (plan.fallback == FallbackReason::kNoConsumer) flow = "no_consumer";
+      if (plan.kind == FlowKind::kCollocated && plan.fallback == FallbackReason::kNone) flow = "collocated";
+      if (plan.kind != FlowKind::kCollocated && several_choices) flow = "several_choices";
+      if (plan.kind != FlowKind::kCollocated && batched) flow = "batched_prompts";
+      count_decision(flow);
+    }
     if (!generation) {
       std::shared_ptr<Leg> leg = ex->new_leg(snapshot->backends[*plan.consumer]);
       outcome = co_await run_single(ex, leg, target, request.body.dump(), false);

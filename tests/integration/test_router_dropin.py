@@ -174,3 +174,15 @@ def test_version_is_the_engines(engine, router):
     routed = router.get("/version")
     assert direct[0] == routed[0] == 200
     assert json.loads(routed[1]) == json.loads(direct[1]) and json.loads(routed[1])["version"]
+
+
+def test_decisions_are_counted_by_flow(pd_deployment):
+    router = pd_deployment
+    flows = ("read", "write", "several_choices")
+    before = {flow: router.metric("pd_router_decisions_total", {"flow": flow}) for flow in flows}
+    client = openai_client(router.base_url)
+    client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2)
+    client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2, n=2, seed=1)
+    after = {flow: router.metric("pd_router_decisions_total", {"flow": flow}) for flow in flows}
+    assert after["read"] + after["write"] - before["read"] - before["write"] == 1
+    assert after["several_choices"] - before["several_choices"] == 1
