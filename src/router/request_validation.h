@@ -10,6 +10,7 @@
 // left to the engine; everything else is checked with pdserve's default limits.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string_view>
 
@@ -23,11 +24,24 @@ enum class GenerationRoute { kCompletions, kChat };
 
 struct ValidatedRequest {
   size_t num_prompts = 1;  // /v1/completions: prompts in a batched `prompt`; chat: 1
+  int32_t n = 1;           // choices per prompt
 };
 
 // The engine's verdict on a client body (without the client's kv_transfer_params): the
 // ApiError pdserve would answer (same message, type, param and code), or what the router needs.
 std::optional<server::ApiError> validate_generation_request(GenerationRoute route, const nlohmann::ordered_json& body,
                                                             ValidatedRequest& out);
+
+// The ApiError pdserve answers for a body the router could not read (`reason` is the router's
+// own message): not JSON or not an object as pdserve words it, a mistyped field named in `param`
+// by pdserve's parser, and otherwise a 400 with `reason`.
+server::ApiError unreadable_request_error(GenerationRoute route, std::string_view body, std::string reason);
+
+// Errors the router itself answers, in pdserve's shape (server::ApiError).
+// An instance could not be reached or failed mid-request: 504 timeout_error when `timed_out`,
+// else 502 service_unavailable with code "upstream_error".
+server::ApiError upstream_error(std::string message, bool timed_out);
+// No instance can serve the request now: 503 service_unavailable, code "no_instance_available".
+server::ApiError no_instance_available(std::string message);
 
 }  // namespace pd::router

@@ -57,6 +57,12 @@ void count_fallback(const char* reason) {
       .inc();
 }
 
+// The flow chosen for a generation request: read, write, collocated, or the reason it fell back.
+void count_decision(const char* flow) {
+  cached_counter("pd_router_decisions_total", "Generation requests by the flow chosen for them", {{"flow", flow}})
+      .inc();
+}
+
 void count_leg_failure(const char* leg, const char* reason) {
   cached_counter("pd_router_leg_failures_total", "Backend legs that failed, by leg and reason",
                  {{"leg", leg}, {"reason", reason}})
@@ -98,17 +104,17 @@ std::string dump_response_json(const nlohmann::json& value) {
   return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-std::string error_json(std::string_view message, std::string_view type, int status) {
-  nlohmann::json body = {{"error", {{"message", message}, {"type", type}, {"param", nullptr}, {"code", status}}}};
-  return dump_response_json(body);
+// Every error the router answers has pdserve's shape, type and code (server::ApiError).
+std::string error_json(const server::ApiError& error) {
+  return dump_response_json(error.to_json());
 }
 
 std::string content_type_or_json(const LegResult& result) {
   return result.content_type.empty() ? std::string("application/json") : result.content_type;
 }
 
-int status_for_transport(const Status& status) {
-  return status.code() == ErrorCode::kDeadlineExceeded ? 504 : 502;
+server::ApiError transport_error(const Status& status, std::string message) {
+  return upstream_error(std::move(message), status.code() == ErrorCode::kDeadlineExceeded);
 }
 
 // Lingering close after answering a request early (a body over the limit, a connection over
@@ -278,14 +284,17 @@ struct RouterServer::Impl {
   // Client responses.
   // Callers pass named values: g++ 12 mishandles some temporaries inside co_await expressions.
   awaitable<void> respond(Exchange& ex, int status, std::string content_type, std::string body);
-  awaitable<void> respond_error(Exchange& ex, int status, std::string message, std::string type = "server_error") {
-    std::string body = error_json(message, type, status);
+  awaitable<void> respond_error(Exchange& ex, const server::ApiError& error) {
+    const int status = error.http_status;
+    std::string body = error_json(error);
     co_await respond(ex, status, "application/json", std::move(body));
   }
   awaitable<void> relay_stream(Exchange& ex, Leg& leg, LegResult& head, std::string first_bytes, TimePoint deadline);
 
   // Generation flows.
-  awaitable<void> handle_generation(std::shared_ptr<Exchange> ex, const std::string& target, const std::string& body);
+  // `generation` false: a /tokenize or /detokenize body, sent whole to one instance (no validation, no P/D).
+  awaitable<void> handle_generation(std::shared_ptr<Exchange> ex, const std::string& target, const std::string& body,
+                                    bool generation = true);
   awaitable<FlowOutcome> run_single(std::shared_ptr<Exchange> ex, std::shared_ptr<Leg> leg, const std::string& target,
                                     const std::string& body, bool stream);
   awaitable<FlowOutcome> run_pd(std::shared_ptr<Exchange> ex, const std::string& target, const ClientRequest& request,
@@ -306,7 +315,9 @@ struct RouterServer::Impl {
                                        int64_t connect_timeout_ms, TimePoint deadline);
 
   std::string health_json(const Snapshot& snapshot, bool& healthy) const;
-  std::string models_json(const Snapshot& snapshot) const;
+  // /v1/models as the engines answer it (every field they report), one GET per served model; a model
+  // whose instance does not answer is listed with a minimal entry (id, object, created, owned_by).
+  awaitable<std::string> forwarded_models_json(const Snapshot& snapshot);
 };
 
 awaitable<void> RouterServer::Impl::accept_loop() {
@@ -370,10 +381,11 @@ awaitable<void> RouterServer::Impl::refuse(tcp::socket socket, [[maybe_unused]] 
   response.set(http::field::retry_after, "1");
   response.keep_alive(false);
   // Answered before the request is read (its route does not matter: /health is refused too).
-  response.body() = error_json(
+  server::ApiError error = server::too_many_connections(config_.max_connections);
+  error.message =
       fmt::format("the router is serving its limit of {} client connections (--max-connections); retry shortly",
-                  config_.max_connections),
-      "server_error", 503);
+                  config_.max_connections);
+  response.body() = error_json(error);
   response.prepare_payload();
   beast::error_code ec;
   stream.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
@@ -421,12 +433,10 @@ awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_in
         exchange->route = "invalid";
         const bool too_large = ec == http::error::body_limit;
         const int status = too_large ? 413 : 400;
-        std::string message = fmt::format("malformed HTTP request: {}", ec.message());
-        if (too_large) {
-          message = fmt::format("request body is larger than the limit of {} bytes (--max-body-bytes)",
-                                config_.max_body_bytes);
-        }
-        co_await respond_error(*exchange, status, std::move(message), "invalid_request_error");
+        const server::ApiError error =
+            too_large ? server::body_too_large(config_.max_body_bytes)
+                      : server::bad_request(fmt::format("malformed HTTP request: {}", ec.message()));
+        co_await respond_error(*exchange, error);
         cached_counter("pd_router_requests_total", "Requests by route and status",
                        {{"route", "invalid"}, {"status", std::to_string(status)}})
             .inc();
@@ -579,9 +589,10 @@ awaitable<void> RouterServer::Impl::answer_from_consumer(Exchange& ex, Leg& leg,
   if (!result.transport.ok()) {
     count_leg_failure("decode", failure_reason(result));
     leg.cancel();
-    co_await respond_error(
-        ex, status_for_transport(result.transport),
+    const server::ApiError error = transport_error(
+        result.transport,
         fmt::format("decode instance {} failed: {}", leg.backend().info().instance_id, result.transport.message()));
+    co_await respond_error(ex, error);
     co_return;
   }
   if (result.http_status == 200 && !head_bytes.empty()) {
@@ -707,9 +718,11 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
           count_leg_failure("prefill", "bad_kv_transfer_params");
           consumer_leg->cancel();
           release();
-          co_await respond_error(*ex, 502,
-                                 fmt::format("producer {} returned unusable kv_transfer_params: {}",
-                                             producer->info().instance_id, consumer_body.status().message()));
+          const server::ApiError error =
+              upstream_error(fmt::format("producer {} returned unusable kv_transfer_params: {}",
+                                         producer->info().instance_id, consumer_body.status().message()),
+                             false);
+          co_await respond_error(*ex, error);
           co_return FlowOutcome::kAnswered;
         }
         std::string head_bytes;
@@ -782,7 +795,9 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
       consumer_leg = ex->new_leg(consumer);
       if (Status connected = co_await consumer_leg->connect(config_.connect_timeout_ms); !connected.ok()) {
         count_leg_failure("decode", "connect");
-        co_await respond_error(*ex, 502, fmt::format("decode instance unreachable: {}", connected.message()));
+        const server::ApiError error =
+            transport_error(connected, fmt::format("decode instance unreachable: {}", connected.message()));
+        co_await respond_error(*ex, error);
         co_return FlowOutcome::kAnswered;
       }
     }
@@ -800,19 +815,23 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
 }
 
 awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> ex, const std::string& target,
-                                                      const std::string& body) {
+                                                      const std::string& body, bool generation) {
   Result<ClientRequest> parsed = parse_client_request(body);
+  const GenerationRoute route =
+      target == "/v1/chat/completions" ? GenerationRoute::kChat : GenerationRoute::kCompletions;
   if (!parsed.ok()) {
-    co_await respond_error(*ex, 400, parsed.status().message(), "invalid_request_error");
+    const server::ApiError error = generation ? unreadable_request_error(route, body, parsed.status().message())
+                                              : server::bad_request(parsed.status().message());
+    co_await respond_error(*ex, error);
     co_return;
   }
   const ClientRequest& request = *parsed;
   // The engine's validation, once, before any leg: a request the consumer would refuse must not reach a
   // producer (its leg asks for one token and would pass), where it would hold the prompt's KV for nothing.
   ValidatedRequest validated;
-  const GenerationRoute route =
-      target == "/v1/chat/completions" ? GenerationRoute::kChat : GenerationRoute::kCompletions;
-  if (std::optional<server::ApiError> invalid = validate_generation_request(route, request.body, validated)) {
+  std::optional<server::ApiError> invalid;
+  if (generation) invalid = validate_generation_request(route, request.body, validated);
+  if (invalid) {
     cached_counter("pd_router_requests_invalid_total", "Client requests refused by the router's validation", {}).inc();
     co_await respond(*ex, invalid->http_status, "application/json", dump_response_json(invalid->to_json()));
     co_return;
@@ -843,25 +862,39 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     const FlowPlan plan = plan_flow(candidates, plan_request);
     if (plan.kind == FlowKind::kNone) {
       if (plan.model_unknown) {
-        co_await respond(
-            *ex, 404, "application/json",
-            error_json(fmt::format("The model `{}` does not exist.", request.model), "NotFoundError", 404));
+        const server::ApiError error = server::model_not_found(request.model);
+        co_await respond_error(*ex, error);
       } else {
         std::string message = "no reachable instance";
         if (candidates.empty()) message = "no instances discovered";
-        co_await respond_error(*ex, 503, std::move(message));
+        const server::ApiError error = no_instance_available(std::move(message));
+        co_await respond_error(*ex, error);
       }
       co_return;
     }
     FlowOutcome outcome;
-    // A batched prompt (several prompts in one completion) goes whole to the chosen consumer, which
-    // prefills it itself: a P/D transfer carries one prompt's KV, and pdserve refuses kv_transfer_params
-    // on a batch. The consumer answers it exactly as a collocated pdserve does (choice indices, usage).
+    // A batched prompt (several prompts in one completion) or several choices (n > 1) go whole to the
+    // chosen consumer, which prefills itself: a P/D transfer carries one sequence's KV, and pdserve
+    // refuses kv_transfer_params on a batch or with n > 1. The consumer answers it exactly as a
+    // collocated pdserve does (choice indices, usage).
     const bool batched = validated.num_prompts > 1;
-    if (plan.kind == FlowKind::kCollocated || batched) {
+    const bool several_choices = validated.n > 1;
+    if (generation) {
+      const char* flow = plan.kind == FlowKind::kPdRead ? "read" : "write";
+      if (plan.fallback == FallbackReason::kNoProducer) flow = "no_producer";
+      if (plan.fallback == FallbackReason::kNoConsumer) flow = "no_consumer";
+      if (plan.kind == FlowKind::kCollocated && plan.fallback == FallbackReason::kNone) flow = "collocated";
+      if (plan.kind != FlowKind::kCollocated && several_choices) flow = "several_choices";
+      if (plan.kind != FlowKind::kCollocated && batched) flow = "batched_prompts";
+      count_decision(flow);
+    }
+    if (!generation) {
+      std::shared_ptr<Leg> leg = ex->new_leg(snapshot->backends[*plan.consumer]);
+      outcome = co_await run_single(ex, leg, target, request.body.dump(), false);
+    } else if (plan.kind == FlowKind::kCollocated || batched || several_choices) {
       if (plan.fallback == FallbackReason::kNoProducer) count_fallback("no_producer");
       if (plan.fallback == FallbackReason::kNoConsumer) count_fallback("no_consumer");
-      if (plan.kind != FlowKind::kCollocated) count_fallback("batched_prompts");
+      if (plan.kind != FlowKind::kCollocated) count_fallback(batched ? "batched_prompts" : "several_choices");
       // Pass-through keeps the client's bytes unless something had to be removed.
       std::string leg_body;
       if (request.dropped_kv_transfer_params) {
@@ -877,7 +910,8 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     if (outcome == FlowOutcome::kAnswered) co_return;
     candidates[*plan.consumer].excluded = true;  // unreachable: try the next one
   }
-  co_await respond_error(*ex, 503, "no reachable instance");
+  const server::ApiError error = no_instance_available("no reachable instance");
+  co_await respond_error(*ex, error);
 }
 
 std::string RouterServer::Impl::health_json(const Snapshot& snapshot, bool& healthy) const {
@@ -897,17 +931,36 @@ std::string RouterServer::Impl::health_json(const Snapshot& snapshot, bool& heal
   return dump_response_json({{"status", healthy ? "ok" : "no_instances"}, {"instances", instances}});
 }
 
-std::string RouterServer::Impl::models_json(const Snapshot& snapshot) const {
-  std::vector<std::string> models;
+awaitable<std::string> RouterServer::Impl::forwarded_models_json(const Snapshot& snapshot) {
+  const std::string authorization = bearer_authorization(config_.backend_api_key);
+  const int64_t timeout_ms = std::max<int64_t>(1000, config_.connect_timeout_ms);
+  nlohmann::ordered_json data = nlohmann::ordered_json::array();
+  std::vector<std::string> listed;
+  auto is_listed = [&](const std::string& id) { return std::find(listed.begin(), listed.end(), id) != listed.end(); };
   for (const auto& backend : snapshot.backends) {
-    const std::string& model = backend->info().model;
-    if (!model.empty() && std::find(models.begin(), models.end(), model) == models.end()) models.push_back(model);
+    const InstanceInfo& info = backend->info();
+    if (info.model.empty() || is_listed(info.model)) continue;
+    LegResult reply =
+        co_await http_get(backend->endpoint(), info.http.to_string(), "/v1/models", authorization, timeout_ms);
+    if (reply.transport.ok() && reply.http_status == 200) {
+      Result<nlohmann::ordered_json> answer = parse_json_bounded(reply.body);
+      if (answer.ok() && answer->is_object() && answer->contains("data") && (*answer)["data"].is_array()) {
+        for (auto& entry : (*answer)["data"]) {
+          if (!entry.is_object() || !entry.contains("id") || !entry["id"].is_string()) continue;
+          std::string id = entry["id"].get<std::string>();
+          if (is_listed(id)) continue;
+          listed.push_back(std::move(id));
+          data.push_back(std::move(entry));
+        }
+      }
+    }
+    if (!is_listed(info.model)) {
+      listed.push_back(info.model);
+      data.push_back({{"id", info.model}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "pdserve"}});
+    }
   }
-  nlohmann::json data = nlohmann::json::array();
-  for (const std::string& model : models) {
-    data.push_back({{"id", model}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "pdserve"}});
-  }
-  return dump_response_json({{"object", "list"}, {"data", data}});
+  nlohmann::ordered_json body = {{"object", "list"}, {"data", std::move(data)}};
+  co_return body.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::request<http::string_body>& request) {
@@ -916,34 +969,61 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
   const bool is_post = request.method() == http::verb::post;
   const bool is_get = request.method() == http::verb::get;
   const bool is_generation = target == "/v1/completions" || target == "/v1/chat/completions";
-  ex->route = is_generation || target == "/v1/models" || target == "/health" || target == "/metrics" ? target : "other";
+  const bool is_tokenize = target == "/tokenize" || target == "/detokenize";
+  ex->route = is_generation || is_tokenize || target == "/v1/models" || target == "/health" || target == "/ping" ||
+                      target == "/metrics"
+                  ? target
+                  : "other";
 
-  if (!config_.api_key.empty() && target.rfind("/v1/", 0) == 0) {
+  // The routes pdserve guards with --api-key: /v1/* and the tokenizer's.
+  if (!config_.api_key.empty() && (target.rfind("/v1/", 0) == 0 || is_tokenize)) {
     const auto authorization = request[http::field::authorization];
     if (authorization != "Bearer " + config_.api_key) {
-      co_await respond(*ex, 401, "application/json",
-                       error_json("invalid or missing API key", "AuthenticationError", 401));
+      const server::ApiError error = server::unauthorized();
+      co_await respond_error(*ex, error);
     }
   }
   if (ex->status == 0) {
     if (is_generation && is_post) {
       co_await handle_generation(ex, target, request.body());
+    } else if (is_tokenize && is_post) {
+      co_await handle_generation(ex, target, request.body(), false);
     } else if (target == "/v1/models" && is_get) {
-      co_await respond(*ex, 200, "application/json", models_json(*discovery_.snapshot()));
-    } else if (target == "/health" && is_get) {
+      std::shared_ptr<const Snapshot> snapshot = discovery_.snapshot();
+      std::string models = co_await forwarded_models_json(*snapshot);
+      co_await respond(*ex, 200, "application/json", std::move(models));
+    } else if (target == "/version" && is_get) {
+      // The engines' version, as the first instance that answers reports it.
+      std::shared_ptr<const Snapshot> snapshot = discovery_.snapshot();
+      std::optional<std::string> version;
+      for (const auto& backend : snapshot->backends) {
+        LegResult reply = co_await http_get(backend->endpoint(), backend->info().http.to_string(), "/version",
+                                            bearer_authorization(config_.backend_api_key),
+                                            std::max<int64_t>(1000, config_.connect_timeout_ms));
+        if (reply.transport.ok() && reply.http_status == 200) {
+          version = std::move(reply.body);
+          break;
+        }
+      }
+      if (version) {
+        co_await respond(*ex, 200, "application/json", std::move(*version));
+      } else {
+        const server::ApiError error = no_instance_available("no instance answered /version");
+        co_await respond_error(*ex, error);
+      }
+    } else if ((target == "/health" || target == "/ping") && is_get) {
       bool healthy = false;
       std::string body = health_json(*discovery_.snapshot(), healthy);
       co_await respond(*ex, healthy ? 200 : 503, "application/json", std::move(body));
     } else if (target == "/metrics" && is_get) {
       co_await respond(*ex, 200, "text/plain; version=0.0.4", metrics::Registry::global().render_prometheus());
-    } else if (is_generation || target == "/v1/models" || target == "/health" || target == "/metrics") {
-      co_await respond(
-          *ex, 405, "application/json",
-          error_json(fmt::format("method {} not allowed on {}", std::string(request.method_string()), target),
-                     "invalid_request_error", 405));
+    } else if (is_generation || is_tokenize || target == "/v1/models" || target == "/health" || target == "/ping" ||
+               target == "/version" || target == "/metrics") {
+      const server::ApiError error = server::method_not_allowed(std::string(request.method_string()), target);
+      co_await respond_error(*ex, error);
     } else {
-      co_await respond(*ex, 404, "application/json",
-                       error_json(fmt::format("no route {}", target), "invalid_request_error", 404));
+      const server::ApiError error = server::route_not_found(target);
+      co_await respond_error(*ex, error);
     }
   }
   ex->finished = true;

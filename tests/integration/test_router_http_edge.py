@@ -35,9 +35,11 @@ def raw_exchange(router, request: bytes, timeout_s: float = 30.0) -> bytes:
             received += data
 
 
-def assert_openai_error(body: bytes, status: int) -> dict:
+def assert_openai_error(body: bytes, code: str) -> dict:
+    """pdserve's error shape: OpenAI's nested object with a string code."""
     error = json.loads(body)["error"]
-    assert error["code"] == status and error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["code"] == code and error["message"], error
     return error
 
 
@@ -45,7 +47,7 @@ def test_body_over_the_default_limit_of_8_mib_is_413(procs):
     router = start_router(procs)  # no instance: a body within the limit gets the router's 503
     status, body, _ = router.post("/v1/completions", json_body_of_size(8 * MIB + 1), timeout_s=60)
     assert status == 413
-    assert "8388608" in assert_openai_error(body, 413)["message"]
+    assert "8388608" in assert_openai_error(body, "request_too_large")["message"]
     status, body, _ = router.post("/v1/completions", json_body_of_size(8 * MIB), timeout_s=60)
     assert status == 503, body[:200]
     assert router.metric("pd_router_requests_total", {"route": "invalid", "status": "413"}) == 1
@@ -55,7 +57,7 @@ def test_max_body_bytes_flag_sets_the_limit(procs):
     router = start_router(procs, "--max-body-bytes", "4096")
     status, body, _ = router.post("/v1/completions", json_body_of_size(4097))
     assert status == 413
-    assert_openai_error(body, 413)
+    assert_openai_error(body, "request_too_large")
     assert router.post("/v1/completions", json_body_of_size(4096))[0] == 503
 
 
@@ -76,7 +78,7 @@ def test_deeply_nested_body_is_400_and_the_router_survives(procs):
         body = (b'{"prompt":"a","kv_transfer_params":{},"x":' + b"[" * levels + b"]" * levels + b"}")
         status, answer, _ = router.post("/v1/completions", body, timeout_s=60)
         assert status == 400
-        assert "deeper than 64" in assert_openai_error(answer, 400)["message"]
+        assert "deeper than 64" in assert_openai_error(answer, "invalid_value")["message"]
         assert router.get("/health")[0] == 200, "the router is still up"
     finally:
         heartbeat.stop()
@@ -87,7 +89,7 @@ def test_non_utf8_request_path_is_a_404(procs):
     answer = raw_exchange(router, b"GET /v1/\xff\xfe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 404"), answer[:200]
-    assert_openai_error(body, 404)
+    assert_openai_error(body, "not_found")
     assert router.get("/health")[0] == 503, "the router is still up"
 
 
@@ -120,10 +122,10 @@ def test_connections_beyond_max_connections_get_503_until_one_closes(procs):
     idle = [open_keep_alive_connection(router, "/v1/models") for _ in range(4)]
     status, body, headers = router.post("/v1/completions", {"model": "m", "prompt": "a"})
     assert status == 503 and headers.get("Retry-After") == "1"
-    assert "--max-connections" in assert_openai_error(body, 503)["message"]
+    assert "--max-connections" in assert_openai_error(body, "too_many_connections")["message"]
     status, body, headers = router.get("/health")
     assert status == 503 and headers.get("Retry-After") == "1"
-    assert "--max-connections" in assert_openai_error(body, 503)["message"]
+    assert "--max-connections" in assert_openai_error(body, "too_many_connections")["message"]
 
     idle[0].request("GET", "/v1/models")
     response = idle[0].getresponse()
