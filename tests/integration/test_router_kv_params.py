@@ -124,7 +124,7 @@ TOOL_CALLING_REQUEST = {
                        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]},
                                       "days": {"type": "integer"}},
                        "required": ["city"]}}}],
-    "tool_choice": "auto",
+    "tool_choice": "none",  # tools still rendered; "auto" needs a tool-call format the tiny template lacks
     "max_tokens": 5,
     "stream": False,
     "temperature": 0,
