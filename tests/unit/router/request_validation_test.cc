@@ -45,7 +45,7 @@ TEST(RequestValidation, ChecksSamplingFieldsOfBothRoutes) {
   EXPECT_TRUE(check(GenerationRoute::kCompletions, R"({"prompt":"x","temperature":-1})"));
   EXPECT_TRUE(check(GenerationRoute::kCompletions, R"({"prompt":"x","top_p":0})"));
   EXPECT_TRUE(check(GenerationRoute::kCompletions, R"({"prompt":"x","max_tokens":4,"min_tokens":5})"));
-  EXPECT_TRUE(check(GenerationRoute::kCompletions, R"({"prompt":"x","n":2})"));
+  EXPECT_TRUE(check(GenerationRoute::kCompletions, R"({"prompt":"x","n":0})"));
   EXPECT_TRUE(check(GenerationRoute::kCompletions, R"({"prompt":""})"));
   EXPECT_TRUE(check(GenerationRoute::kCompletions, R"({"max_tokens":4})"));
   EXPECT_TRUE(check(GenerationRoute::kChat, R"({"messages":[]})"));
