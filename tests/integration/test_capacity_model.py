@@ -17,7 +17,7 @@ WORKLOAD = cm.Workload()
 
 
 def test_matches_the_measured_tpot_at_two_req_per_s():
-    # Measured TPOT p50 at 2 req/s on 2xH200 (goodput.md, session 4), windows followed by higher rates.
+    # Measured TPOT p50 at 2 req/s on 2xH200 (goodput.md, 2026-11-30 22:50–23:18 UTC), windows followed by higher rates.
     measured = {("c", 256): 28.5, ("c", 512): 30.8, ("c", 2048): 32.7, ("pd", 1): 32.0}
     for (kind, arg), tpot in measured.items():
         point = (cm.collocated(COSTS, WORKLOAD, 2, arg, 2.0) if kind == "c"

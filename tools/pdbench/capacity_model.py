@@ -25,10 +25,10 @@ import sys
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
     """Measured on one GPU (defaults: Qwen3-32B shape, bf16, one H200; docs/perf/engine.md and
-    goodput.md, session 4)."""
+    goodput.md, 2026-11-30 22:50–23:18 UTC)."""
 
     # A decode step's fixed part (weights) as served: the mode of the decode-only gaps at 1 req/s
-    # (18-22 ms, goodput.md session 4) rather than engine_bench's execute() at b1 (17.4 ms): the
+    # (18-22 ms, goodput.md, 2026-11-30 22:50–23:18 UTC) rather than engine_bench's execute() at b1 (17.4 ms): the
     # server adds scheduling, per-row sampling and streaming to every step.
     decode_base_ms: float = 19.5
     decode_ms_per_ctx_token: float = 10.1 / (64 * 2048)  # (b64 27.5 ms - b1) / (64 x 2,048) KV tokens read
