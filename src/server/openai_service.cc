@@ -14,6 +14,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "contract/transfer_params.h"
 #include "server/tool_calls.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -202,10 +203,7 @@ Parsed<std::string> parse_release_body(const ojson& body) {
   auto it = body.find("transfer_id");
   if (it == body.end() || !it->is_string()) return bad_request("transfer_id (a string) is required", "transfer_id");
   const std::string& id = it->get_ref<const std::string&>();
-  const bool hex = id.size() == 32 && std::all_of(id.begin(), id.end(), [](char c) {
-                     return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
-                   });
-  if (!hex) return bad_request("transfer_id must be 32 hex digits", "transfer_id");
+  if (!contract::is_transfer_id(id)) return bad_request("transfer_id must be 32 hex digits", "transfer_id");
   return id;
 }
 
