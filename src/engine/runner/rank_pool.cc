@@ -24,13 +24,23 @@ void RankPool::run(const std::function<void(int32_t)>& fn) {
     std::lock_guard<std::mutex> lock(mu_);
     job_ = &fn;
     pending_ = num_ranks_ - 1;
+    error_ = nullptr;
     ++generation_;
   }
   start_cv_.notify_all();
-  fn(0);
+  std::exception_ptr own;
+  try {
+    fn(0);
+  } catch (...) {
+    own = std::current_exception();
+  }
   std::unique_lock<std::mutex> lock(mu_);
   done_cv_.wait(lock, [this] { return pending_ == 0; });
   job_ = nullptr;
+  std::exception_ptr error = own ? own : error_;
+  error_ = nullptr;
+  lock.unlock();
+  if (error) std::rethrow_exception(error);
 }
 
 void RankPool::worker(int32_t rank) {
@@ -44,9 +54,15 @@ void RankPool::worker(int32_t rank) {
       seen = generation_;
       job = job_;
     }
-    (*job)(rank);
+    std::exception_ptr error;
+    try {
+      (*job)(rank);
+    } catch (...) {
+      error = std::current_exception();
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (error && !error_) error_ = error;
       --pending_;
     }
     done_cv_.notify_one();

@@ -2,11 +2,14 @@
 // num_ranks - 1 threads plus the calling thread (rank 0). run(fn) executes
 // fn(rank) on every rank and returns when all have finished (fork-join); no
 // thread is created per step. The functions run compute only (no I/O, no
-// waits of their own), so every run() finishes.
+// waits of their own), so every run() finishes. An exception thrown on any
+// rank is rethrown by run() after every rank has finished (the first one
+// caught), so fn is never used after run() returns.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -37,6 +40,7 @@ class RankPool {
   uint64_t generation_ = 0;                            // guarded by mu_; bumped per run()
   int32_t pending_ = 0;                                // guarded by mu_; workers still running this generation
   bool stop_ = false;                                  // guarded by mu_
+  std::exception_ptr error_;                           // guarded by mu_; the first rank's exception this run
   std::vector<std::thread> threads_;
 };
 

@@ -4,6 +4,8 @@
 // and MoE (qwen3_moe) golden models, through chunked prefill, a prefix-cache
 // hit batched with a decode step, and greedy decode. Plus the refusals.
 #include <gtest/gtest.h>
+#include <atomic>
+#include <stdexcept>
 
 #include <nlohmann/json.hpp>
 
@@ -301,6 +303,25 @@ TEST(RankPool, RunsEveryRankOncePerRunAndJoins) {
   int32_t calls = 0;
   single.run([&](int32_t rank) { calls += rank == 0 ? 1 : 100; });
   EXPECT_EQ(calls, 1);
+}
+
+// A rank that throws does not leave run() early or kill its thread: run()
+// rethrows after every rank finished, and the pool serves the next run.
+TEST(RankPool, RethrowsARanksExceptionAfterEveryRankFinished) {
+  RankPool pool(3);
+  for (int32_t thrower = 0; thrower < 3; ++thrower) {
+    std::atomic<int32_t> finished{0};
+    EXPECT_THROW(pool.run([&](int32_t rank) {
+      if (rank == thrower) throw std::runtime_error("rank failed");
+      std::this_thread::yield();
+      finished.fetch_add(1);
+    }),
+                 std::runtime_error);
+    EXPECT_EQ(finished.load(), 2) << "thrower " << thrower;
+  }
+  std::atomic<int32_t> runs{0};
+  pool.run([&](int32_t) { runs.fetch_add(1); });
+  EXPECT_EQ(runs.load(), 3);
 }
 
 }  // namespace
