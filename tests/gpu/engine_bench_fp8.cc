@@ -460,6 +460,7 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
       rows->push_back(
           {s.name + " decode b" + std::to_string(bsz) + " ctx" + std::to_string(ctx) + (fp8_kv ? " fp8 KV" : ""),
            floor_ms, median_of(times), note});
+      print_row(rows->back());
       PD_CUDA_CHECK(cudaGraphExecDestroy(exec));
       PD_CUDA_CHECK(cudaEventDestroy(e0));
       PD_CUDA_CHECK(cudaEventDestroy(e1));

@@ -41,8 +41,12 @@ struct Row {
 };
 std::vector<Row> g_rows;
 
+bool g_progress = false;  // --progress: each check's row on stderr as it is recorded (a crash names the last)
+
 void record(std::string name, std::string shape, const ErrorStats& e, std::string note = "") {
   const bool pass = e.num_nan == 0 && e.rel_l2 <= kTolerance;
+  if (g_progress)
+    std::fprintf(stderr, "%s %s: rel_l2 %.2e %s\n", name.c_str(), shape.c_str(), e.rel_l2, pass ? "PASS" : "FAIL");
   g_rows.push_back({std::move(name), std::move(shape), e, pass, std::move(note)});
 }
 
@@ -1797,9 +1801,15 @@ int main(int argc, char** argv) {
   bool decode_attention_only = false;
   for (int i = 1; i < argc; ++i) decode_attention_only |= std::string(argv[i]) == "--decode-attention-only";
   // --fp8-moe-only: the FP8 and MoE checks alone.
-  bool fp8_moe_only = false;
-  for (int i = 1; i < argc; ++i) fp8_moe_only |= std::string(argv[i]) == "--fp8-moe-only";
-  if (fp8_moe_only) {
+  bool fp8_moe_only = false, fp8_kv_only = false;
+  for (int i = 1; i < argc; ++i) {
+    fp8_moe_only |= std::string(argv[i]) == "--fp8-moe-only";
+    fp8_kv_only |= std::string(argv[i]) == "--fp8-kv-only";  // the FP8 KV write / attention checks alone
+    g_progress |= std::string(argv[i]) == "--progress";
+  }
+  if (fp8_kv_only) {
+    check_fp8_kv();
+  } else if (fp8_moe_only) {
     check_fp8_moe();
   } else {
     if (!decode_attention_only) {

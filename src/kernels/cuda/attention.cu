@@ -1281,8 +1281,8 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   const int64_t codes_per_block = static_cast<int64_t>(kKvBlockSize) * a.num_kv_heads * kHeadDim;
   const int64_t block_bytes = 2 * codes_per_block + 2LL * kKvBlockSize * a.num_kv_heads * sizeof(float);
   const auto* cache = reinterpret_cast<const uint8_t*>(a.kv_cache);
-  const bool evict_first = a.decode_kv_evict_first;
-  const uint64_t kv_policy = evict_first ? l2_evict_first_policy() : 0;
+  // No L2 evict-first hint here (decode_kv_evict_first is ignored): with it this kernel raised an
+  // illegal instruction at the hinted cp.async on an H200 (compute-sanitizer, 2026-12-01 23:56 UTC).
   // Issues the copies of this warp's t-th block into ring stage `stage` (warp-uniform t):
   // copy i = c * 32 + lane is chunk i % kChunks of row (i / kChunks) % 16 of K (i < 16 kChunks) or V.
   auto copy_block = [&](int t, int stage) {
@@ -1299,12 +1299,7 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
       const bool valid = key0 + row < part_end;
       const uint8_t* src =
           base + kv * codes_per_block + (static_cast<int64_t>(row) * a.num_kv_heads + kv_head) * kHeadDim + chunk * 16;
-      void* d = dst + kv * kCodes + row * kHeadDim + chunk * 16;
-      if (evict_first) {
-        cp_async_16_hint(d, src, valid, kv_policy);
-      } else {
-        cp_async_16(d, src, valid);
-      }
+      cp_async_16(dst + kv * kCodes + row * kHeadDim + chunk * 16, src, valid);
     }
     // Scales ([2][16][kv heads] fp32 after the codes): lane = (K or V, row).
     const int kv = lane / kKvBlockSize;
