@@ -83,7 +83,7 @@ void* CudaModelRunner::alloc(size_t bytes) {
 }
 
 size_t CudaModelRunner::kv_bytes_per_token() const {
-  return static_cast<size_t>(config_.num_layers) * 2 * config_.num_kv_heads * config_.head_dim * sizeof(bf16);
+  return static_cast<size_t>(config_.num_layers) * spec_.bytes_per_block() / static_cast<size_t>(spec_.block_size);
 }
 
 Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeights* host_weights,
@@ -97,8 +97,11 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
   if (config_.head_dim != 64 && config_.head_dim != 128) {
     return unimplemented("cuda runner: head_dim {} has no kernels (supported: 64, 128)", config_.head_dim);
   }
-  if (config_.num_heads / config_.num_kv_heads > 8) {
-    return unimplemented("cuda runner: GQA group {} > 8", config_.num_heads / config_.num_kv_heads);
+  const int32_t gqa_group = config_.num_heads / config_.num_kv_heads;
+  if (gqa_group > 16 ||
+      (gqa_group > 8 && (config_.head_dim != 128 || options_.decode_kernel != kc::DecodeKernel::kTensorCore))) {
+    return unimplemented(
+        "cuda runner: GQA group {} (max 8; up to 16 at head_dim 128 with the tensor-core decode kernel)", gqa_group);
   }
   if (options_.max_num_seqs <= 0 || options_.max_num_batched_tokens < options_.max_num_seqs ||
       options_.max_model_len <= 0) {
@@ -538,7 +541,8 @@ Status CudaModelRunner::allocate_kv_pool() {
   spec_.num_kv_heads = config_.num_kv_heads;
   spec_.head_dim = config_.head_dim;
   spec_.block_size = options_.block_size;
-  spec_.dtype = KvDtype::kBFloat16;
+  spec_.dtype = options_.kv_fp8 ? KvDtype::kFp8E4m3 : KvDtype::kBFloat16;
+  if (options_.kv_fp8) PD_RETURN_IF_ERROR(create_fp8_kv_prefill());
   const size_t per_block_all_layers = spec_.bytes_per_block() * static_cast<size_t>(config_.num_layers);
   int64_t blocks = options_.num_kv_blocks;
   if (blocks <= 0) {
@@ -572,6 +576,7 @@ void* CudaModelRunner::kv_layer_base(int32_t layer) {
 }
 
 Status CudaModelRunner::fill_kv_random(uint64_t seed) {
+  if (options_.kv_fp8) return fill_fp8_kv_random(seed);
   const size_t n = spec_.bytes_per_layer() * static_cast<size_t>(config_.num_layers) / sizeof(bf16);
   PD_RETURN_IF_ERROR(kc::fill_uniform(static_cast<bf16*>(kv_pool_), n, seed, 1.0f, stream_));
   return kc::cuda_status(cudaStreamSynchronize(stream_), "fill_kv_random sync");
@@ -717,12 +722,19 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
     rope.num_kv_heads = hkv;
     rope.head_dim = d;
     rope.block_size = options_.block_size;
+    rope.kv_fp8 = options_.kv_fp8;
     PD_RETURN_IF_ERROR(kc::rope_kv_write(rope, stream_));
     if (hooks != nullptr) hooks->wait_for_layer_load(l);
     dec.kv_cache = kv;
     pre.kv_cache = kv;
-    if (shape.num_decode > 0) PD_RETURN_IF_ERROR(kc::decode_attention(dec, decode_ws_, decode_ws_bytes_, stream_));
-    if (shape.num_prefill > 0) PD_RETURN_IF_ERROR(kc::prefill_attention(pre, stream_));
+    if (shape.num_decode > 0) {
+      PD_RETURN_IF_ERROR(options_.kv_fp8 ? kc::decode_attention_fp8(dec, decode_ws_, decode_ws_bytes_, stream_)
+                                         : kc::decode_attention(dec, decode_ws_, decode_ws_bytes_, stream_));
+    }
+    if (shape.num_prefill > 0) {
+      PD_RETURN_IF_ERROR(options_.kv_fp8 ? fp8_kv_prefill_->run_layer(pre, kv, stream_)
+                                         : kc::prefill_attention(pre, stream_));
+    }
     if (hooks != nullptr) {
       // The connector reads this layer's KV from another stream: the writes must be complete.
       PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "layer sync before save_layer"));
@@ -930,6 +942,10 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
                                        "sampling params copy"));
   }
 
+  if (options_.kv_fp8 && shape.num_prefill > 0) {
+    PD_RETURN_IF_ERROR(fp8_kv_prefill_->prepare(
+        ctx + num_decode, tables + static_cast<size_t>(num_decode) * max_blocks_per_seq_, shape.num_prefill, stream_));
+  }
   if (use_graph) {
     PD_RETURN_IF_ERROR(run_decode_graph(bucket, shape));
   } else {
