@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "engine/decode_graph_buckets.h"
 #include "engine/kv_memory_budget.h"
 #include "engine/sampler.h"
 #include "kernels/cpu/cpu_kernels.h"
@@ -15,7 +16,6 @@ namespace {
 namespace kc = pd::kernels::cuda;
 using bf16 = __nv_bfloat16;
 
-constexpr int32_t kGraphBuckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
 constexpr float kDummyStdDev = 0.02f;
 int32_t ceil_div(int32_t a, int32_t b) {
   return (a + b - 1) / b;
@@ -142,13 +142,9 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
 
 Status CudaModelRunner::prepare_decode_buckets() {
   const auto start = std::chrono::steady_clock::now();
-  // Each kGraphBuckets entry capped at max_num_seqs; execute() serves a batch with the first one >= it.
-  decode_buckets_.clear();
-  for (int32_t b : kGraphBuckets) {
-    const int32_t bucket = std::min(b, options_.max_num_seqs);
-    if (decode_buckets_.empty() || decode_buckets_.back() != bucket) decode_buckets_.push_back(bucket);
-    if (b >= options_.max_num_seqs) break;
-  }
+  // Padding below 3 % of a step at every batch size (decode_graph_buckets.h); execute() serves a
+  // batch with the first bucket >= it.
+  decode_buckets_ = decode_graph_buckets(options_.max_num_seqs);
   int32_t* sample_rows = h_ints_ + off_sample_rows_;
   for (int32_t bucket : decode_buckets_) {
     // Padding rows only (as execute() pads a graph): no context read, no KV written.
@@ -862,7 +858,7 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
   shape.num_decode = num_decode;
   shape.num_prefill = num_seqs - num_decode;
   const bool use_graph = options_.enable_cuda_graphs && input.layer_hooks == nullptr && shape.num_prefill == 0 &&
-                         num_decode <= std::min(options_.max_num_seqs, kGraphBuckets[std::size(kGraphBuckets) - 1]);
+                         num_decode <= decode_buckets_.back();
   // decode_buckets_ ascend: the first one >= num_seqs serves it (they cover every use_graph batch).
   const int32_t bucket =
       use_graph ? *std::lower_bound(decode_buckets_.begin(), decode_buckets_.end(), num_seqs) : num_seqs;
