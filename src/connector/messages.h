@@ -84,7 +84,7 @@ struct ControlMessage {
   uint64_t boot_nonce = 0;  // sender
   int32_t tp_rank = 0;
   // meta, meta_ok
-  std::vector<uint8_t> engine_desc;               // xfer::encode(EngineDesc)
+  std::vector<uint8_t> engine_desc;  // xfer::encode(EngineDesc)
   // xfer::encode(MemDesc): rank r's region of layer l at r * num_layers + l.
   std::vector<std::vector<uint8_t>> layer_descs;
   KvFingerprint fingerprint;

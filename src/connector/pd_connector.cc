@@ -183,8 +183,8 @@ Status PdConnector::init() {
     for (int32_t layer = 0; layer < spec_.num_layers; ++layer) {
       void* base = runner_->kv_rank_layer_base(rank, layer);
       if (base == nullptr) return failed_precondition("runner has no KV region for rank {} layer {}", rank, layer);
-      PD_ASSIGN_OR_RETURN(xfer::MemDesc desc, xfer_->register_memory(base, rank_spec.bytes_per_layer(), kind,
-                                                                     runner_->kv_device_index()));
+      PD_ASSIGN_OR_RETURN(xfer::MemDesc desc,
+                          xfer_->register_memory(base, rank_spec.bytes_per_layer(), kind, runner_->kv_device_index()));
       local_regions_.push_back(std::move(desc));
     }
   }
@@ -754,17 +754,17 @@ void PdConnector::send(OutgoingMessage out) {
 Status PdConnector::post_batch(PeerInfo& peer, bool is_write, const std::string& transfer_id, int32_t layer,
                                int32_t piece, std::vector<xfer::Op> ops) {
   if (layer < 0 || layer >= spec_.num_layers || piece < 0 || static_cast<size_t>(piece) >= peer.pieces.size()) {
-    return internal_error("layer {} piece {} outside the {} layers and {} plan pieces", layer, piece,
-                          spec_.num_layers, peer.pieces.size());
+    return internal_error("layer {} piece {} outside the {} layers and {} plan pieces", layer, piece, spec_.num_layers,
+                          peer.pieces.size());
   }
   // WRITE: the producer (we) posts from its rank; READ: the consumer (we) pulls into its rank.
   const PlanPiece& p = peer.pieces[static_cast<size_t>(piece)];
   const int32_t local_rank = is_write ? p.producer_rank : p.consumer_rank;
   const int32_t remote_rank = is_write ? p.consumer_rank : p.producer_rank;
-  const auto local_index = static_cast<size_t>(local_rank) * static_cast<size_t>(spec_.num_layers) +
-                           static_cast<size_t>(layer);
-  const auto remote_index = static_cast<size_t>(remote_rank) * static_cast<size_t>(spec_.num_layers) +
-                            static_cast<size_t>(layer);
+  const auto local_index =
+      static_cast<size_t>(local_rank) * static_cast<size_t>(spec_.num_layers) + static_cast<size_t>(layer);
+  const auto remote_index =
+      static_cast<size_t>(remote_rank) * static_cast<size_t>(spec_.num_layers) + static_cast<size_t>(layer);
   if (local_index >= local_regions_.size() || remote_index >= peer.regions.size()) {
     return internal_error("plan piece {} names rank {} here / {} at the peer, outside the registered regions", piece,
                           local_rank, remote_rank);

@@ -107,9 +107,8 @@ void ProducerTransfers::on_blocks(const PeerRef& from, const ControlMessage& msg
       return;
     }
     early_block_ids_ += msg.block_ids.size();
-    early_blocks_[msg.transfer_id] =
-        EarlyBlocks{from,         msg, peer_num_blocks, now_ms + timeouts_.defer_timeout_ms, msg.block_ids.size(),
-                    pieces_per_layer};
+    early_blocks_[msg.transfer_id] = EarlyBlocks{
+        from, msg, peer_num_blocks, now_ms + timeouts_.defer_timeout_ms, msg.block_ids.size(), pieces_per_layer};
     return;
   }
   Transfer& t = it->second;

@@ -24,7 +24,7 @@ ControlMessage meta() {
   m.transfer_id.clear();
   m.engine_desc = {1, 2, 3};
   m.layer_descs = {{4, 5}, {6}};
-  m.fingerprint = KvFingerprint{2, 4, 64, "float32", 16, 1};
+  m.fingerprint = KvFingerprint{2, 4, 64, "float32", 16, 1, {}};
   m.num_blocks = 512;
   return m;
 }
@@ -250,7 +250,7 @@ TEST(ControlMessages, RandomMutationsNeverCrashTheDecoder) {
 }
 
 TEST(KvFingerprint, MismatchNamesEveryDifferingField) {
-  KvFingerprint local{32, 8, 128, "bfloat16", 16, 1};
+  KvFingerprint local{32, 8, 128, "bfloat16", 16, 1, {}};
   KvFingerprint remote = local;
   EXPECT_TRUE(check_layout_compatible(local, remote).ok());
   remote.head_dim = 64;
@@ -264,7 +264,7 @@ TEST(KvFingerprint, MismatchNamesEveryDifferingField) {
 }
 
 TEST(KvFingerprint, DifferentTpSizesAreCompatibleAndTheModelShapeMustStillMatch) {
-  const KvFingerprint tp1{2, 2, 32, "float32", 16, 1};
+  const KvFingerprint tp1{2, 2, 32, "float32", 16, 1, {}};
   const KvFingerprint tp4{2, 2, 32, "float32", 16, 4, {{0, 1}, {0, 1}, {1, 1}, {1, 1}}};
   EXPECT_TRUE(check_layout_compatible(tp1, tp4).ok());
   EXPECT_TRUE(check_layout_compatible(tp4, tp1).ok());

@@ -170,8 +170,7 @@ TEST(TransferPlan, SplitMergeAndReplicaChoice) {
   // feeds exactly one consumer rank, each head taken from one replica per consumer rank.
   auto replicas = plan_transfer(2, runner_head_map(2, 4), runner_head_map(2, 4));
   ASSERT_TRUE(replicas.ok());
-  EXPECT_EQ(replicas->pieces(),
-            (std::vector<PlanPiece>{{0, 0, 0, 1}, {1, 1, 0, 1}, {2, 2, 1, 1}, {3, 3, 1, 1}}));
+  EXPECT_EQ(replicas->pieces(), (std::vector<PlanPiece>{{0, 0, 0, 1}, {1, 1, 0, 1}, {2, 2, 1, 1}, {3, 3, 1, 1}}));
   // Producer TP 4 -> consumer TP 2: one replica of each head, never both.
   auto pick = plan_transfer(2, runner_head_map(2, 4), runner_head_map(2, 2));
   ASSERT_TRUE(pick.ok());
