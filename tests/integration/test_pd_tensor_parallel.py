@@ -3,11 +3,14 @@ producer/consumer TP pairs (1,2), (2,1), (2,4), (4,2) and (4,4), in WRITE and RE
 use on either side. builtin:tiny has 2 KV heads, so TP 2 splits them (one per rank) and TP 4 replicates each on two
 ranks: the pairs cover split, merge and replica choice (src/connector/transfer_plan.h). One rank's transfer failing
 (xfer's fault injection fails one batch: one layer of one pair of ranks) fails the whole load: the consumer
-recomputes, the output is still right, nothing stays held.
+recomputes, the output is still right, nothing stays held. The fp8 KV cache (codes and scales per head: four
+strided sections per block) on the tiny Qwen3-MoE checkpoint, TP 2 -> TP 1 and back.
 
 Instances are kv_both, so each serves as producer or consumer per request; they are shared by the module."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -82,3 +85,27 @@ def test_one_ranks_failed_transfer_recomputes_and_holds_nothing(procs, instances
     assert pd_generate(producer, consumer, PROMPTS[1], MAX_TOKENS, read_mode) == expected[1]
     assert consumer.metric("pd_connector_load_errors_total") == errors_before + 1
     assert_no_blocks_in_use(producer, consumer)
+
+
+MOE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "golden", "qwen3_moe")
+FP8_FLAGS = ["--model", MOE_DIR, "--served-model-name", "builtin:tiny", "--max-model-len", "256", "--num-kv-blocks",
+             "64", "--kv-cache-dtype", "fp8"]
+
+
+def test_fp8_kv_moves_between_tp_sizes_in_both_modes(procs):
+    def start(tp):
+        return start_instance(procs, "kv_both", flags=[*FP8_FLAGS, "--tensor-parallel-size", str(tp)])
+    one, two = start(1), start(2)
+    prompts = [[3 + (11 * i) % 500 for i in range(n)] for n in (9, 33)]
+    expected = []
+    for prompt in prompts:
+        status, body = completion(one.url, prompt, MAX_TOKENS)
+        assert status == 200, body
+        expected.append(token_ids(body))
+    for producer, consumer in ((two, one), (one, two)):
+        for read_mode in (False, True):
+            got = [pd_generate(producer, consumer, p, MAX_TOKENS, read_mode) for p in prompts]
+            assert got == expected, (producer.url, consumer.url, read_mode)
+    assert one.metric("pd_connector_load_errors_total") == 0
+    assert two.metric("pd_connector_load_errors_total") == 0
+    assert_no_blocks_in_use(one, two)
