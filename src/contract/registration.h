@@ -31,6 +31,8 @@ namespace pd::contract {
 inline constexpr uint32_t kRegistrationVersion = 1;
 // Instances send their record this often, from a thread model work cannot starve.
 inline constexpr int64_t kRegistrationIntervalMs = 3'000;
+// Instances with load reports send a frame with their load and cache events this often.
+inline constexpr int64_t kLoadReportIntervalMs = 200;
 // The router forgets an instance that sent nothing for this long (pdrouter --instance-ttl-ms).
 inline constexpr int64_t kInstanceTtlMs = 5'000;
 
