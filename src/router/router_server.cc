@@ -830,12 +830,17 @@ awaitable<std::optional<std::vector<int32_t>>> RouterServer::Impl::prompt_token_
   PromptTokensPlan tokens_plan = plan_prompt_tokens(chat, request.body);
   std::optional<std::vector<int32_t>> ids = std::move(tokens_plan.token_ids);
   if (!ids && tokens_plan.tokenize_body) {
-    // Any instance of the model tokenizes the same way; the least busy one is asked.
+    // Any instance of the model tokenizes the same way; the least busy one that decodes is asked (one of
+    // them serves the request whatever the decision), else the least busy one.
     std::shared_ptr<Backend> tokenizer;
+    auto preferred = [](const Backend& b) { return b.info().role != InstanceRole::kProducer; };
     for (const auto& backend : snapshot.backends) {
       const std::string& model = backend->info().model;
       if (!request.model.empty() && !model.empty() && model != request.model) continue;
-      if (!tokenizer || backend->outstanding() < tokenizer->outstanding()) tokenizer = backend;
+      if (!tokenizer || (preferred(*backend) && !preferred(*tokenizer)) ||
+          (preferred(*backend) == preferred(*tokenizer) && backend->outstanding() < tokenizer->outstanding())) {
+        tokenizer = backend;
+      }
     }
     if (tokenizer) {
       std::shared_ptr<Leg> leg = ex->new_leg(tokenizer);
