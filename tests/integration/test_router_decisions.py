@@ -151,3 +151,19 @@ def test_two_kv_both_instances_split_long_prompts_and_keep_short_ones_local(modu
     direct = alone.completions.create(model=TINY_MODEL, prompt=long_prompt("pair"), max_tokens=4, temperature=0)
     assert direct.choices[0].text == reference.choices[0].text
     assert json.loads(router.get("/health")[1])["status"] == "ok"
+
+
+def test_a_restarted_router_gets_each_cache_whole_by_asking_for_it(module_procs):
+    """A new router sees an instance's event stream mid-way (a gap): it asks for a snapshot and gets one."""
+    port = free_port()
+    first = start_router(module_procs, *AUTO, "--registration-port", str(port))
+    engine = start_pdserve(module_procs, "--kv-role", "kv_consumer", *pdserve_flags("consumer", router=first))
+    direct = openai.OpenAI(base_url=engine.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    direct.completions.create(model=TINY_MODEL, prompt=long_prompt("restart"), max_tokens=1)
+    wait_for(lambda: (instance(first, "consumer").get("kv_cached_blocks") or 0) > 0, 10, "the first router's view")
+    cached = instance(first, "consumer")["kv_cached_blocks"]
+    first.process.stop()
+    second = start_router(module_procs, *AUTO, "--registration-port", str(port))
+    wait_for(lambda: second.instances() and instance(second, "consumer").get("kv_cached_blocks") == cached, 15,
+             "the second router's view after its resync request")
+    assert second.metric("pd_router_kv_resyncs_total") >= 1
