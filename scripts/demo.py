@@ -63,7 +63,7 @@ def main() -> int:
     try:
         print(f"[demo] starting pdrouter ({args.mode.upper()} mode)")
         router = Process("router", [f"{bin_dir}/pdrouter", "--port", "0", "--registration-port", "0",
-                                    "--mode", args.mode], log_dir, args.verbose)
+                                    "--mode", args.mode, "--pd-policy", "always"], log_dir, args.verbose)
         processes.append(router)
         rhost, rport = router.wait_for(LISTEN_RE, 30).groups()
         reg_port = int(router.wait_for(REGISTRATION_RE, 30).group(2))

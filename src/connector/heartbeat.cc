@@ -3,6 +3,8 @@
 #include "common/log.h"
 #include "common/metrics.h"
 
+#include <algorithm>
+
 namespace pd::connector {
 
 Result<contract::RegistrationRecord> to_contract_record(const RegistrationRecord& text) {
@@ -31,18 +33,41 @@ Result<contract::RegistrationRecord> to_contract_record(const RegistrationRecord
   return record;
 }
 
-Result<std::unique_ptr<RegistrationHeartbeat>> RegistrationHeartbeat::start(RegistrationRecord record,
-                                                                            std::string router_address,
-                                                                            int64_t interval_ms,
-                                                                            std::optional<auth::CurveKeys> curve) {
+void LoadFeed::post(const engine::EngineLoad& load, std::vector<engine::KvCacheEvent> events) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  load_ = load;
+  if (events_.empty()) {
+    events_ = std::move(events);
+  } else {
+    events_.insert(events_.end(), events.begin(), events.end());
+  }
+}
+
+LoadFeed::Taken LoadFeed::take() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Taken taken;
+  taken.load = load_;
+  taken.events.swap(events_);
+  return taken;
+}
+
+Result<std::unique_ptr<RegistrationHeartbeat>> RegistrationHeartbeat::start(
+    RegistrationRecord record, std::string router_address, int64_t interval_ms, std::optional<auth::CurveKeys> curve,
+    std::shared_ptr<LoadFeed> feed, int64_t load_interval_ms) {
   PD_ASSIGN_OR_RETURN(contract::RegistrationRecord contract_record, to_contract_record(record));
   std::unique_ptr<RegistrationHeartbeat> hb(new RegistrationHeartbeat());
   hb->frame_ = contract::encode_registration(contract_record);
+  hb->record_ = contract_record;
   hb->interval_ms_ = interval_ms;
+  hb->feed_ = std::move(feed);
+  hb->load_interval_ms_ = std::max<int64_t>(1, load_interval_ms);
   try {
     hb->socket_ = zmq::socket_t(hb->context_, zmq::socket_type::dealer);
     hb->socket_.set(zmq::sockopt::linger, 0);
-    hb->socket_.set(zmq::sockopt::sndhwm, 2);  // stale registrations are worthless; keep at most two
+    // Stale registrations are worthless; keep at most two. Cache events are worth a little more
+    // queue (a snapshot spans several frames); a frame lost to a full queue is a gap the router repairs.
+    hb->socket_.set(zmq::sockopt::sndhwm, hb->feed_ ? 64 : 2);
+    hb->socket_.set(zmq::sockopt::rcvhwm, 16);
     hb->socket_.set(zmq::sockopt::reconnect_ivl, 200);
     hb->socket_.set(zmq::sockopt::reconnect_ivl_max, 2'000);
     if (curve) PD_RETURN_IF_ERROR(auth::make_curve_client(hb->socket_, *curve));
@@ -64,23 +89,91 @@ RegistrationHeartbeat::~RegistrationHeartbeat() {
   socket_.close();
 }
 
-void RegistrationHeartbeat::run() {
-  auto& sent_counter = metrics::Registry::global().counter("pd_connector_registrations_sent_total",
-                                                           "Registration heartbeats sent to the router");
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (!stop_) {
-    try {
-      if (socket_.send(zmq::buffer(frame_), zmq::send_flags::dontwait)) {
-        num_sent_.fetch_add(1);
-        sent_counter.inc();
-      } else {
-        num_dropped_.fetch_add(1);
-      }
-    } catch (const zmq::error_t& e) {
-      num_dropped_.fetch_add(1);
-      PD_LOG_WARN("registration: send failed: {}", e.what());
+bool RegistrationHeartbeat::send_frame(const std::vector<uint8_t>& frame) {
+  static auto& sent_counter = metrics::Registry::global().counter("pd_connector_registrations_sent_total",
+                                                                  "Registration heartbeats sent to the router");
+  try {
+    if (socket_.send(zmq::buffer(frame), zmq::send_flags::dontwait)) {
+      num_sent_.fetch_add(1);
+      sent_counter.inc();
+      return true;
     }
-    cv_.wait_for(lock, std::chrono::milliseconds(interval_ms_), [this] { return stop_; });
+  } catch (const zmq::error_t& e) {
+    PD_LOG_WARN("registration: send failed: {}", e.what());
+  }
+  num_dropped_.fetch_add(1);
+  return false;
+}
+
+bool RegistrationHeartbeat::receive_resync() {
+  bool asked = false;
+  // At most a bounded number of messages per call: the router sends few.
+  for (int i = 0; i < 64; ++i) {
+    zmq::message_t message;
+    try {
+      if (!socket_.recv(message, zmq::recv_flags::dontwait)) break;
+    } catch (const zmq::error_t&) {
+      break;
+    }
+    if (contract::is_kv_resync(message.data(), message.size())) {
+      asked = true;
+    } else {
+      PD_LOG_WARN("registration: ignored a {}-byte message from the router that is not a resync", message.size());
+    }
+  }
+  return asked;
+}
+
+bool RegistrationHeartbeat::send_load_frame(bool registration_due) {
+  LoadFeed::Taken taken = feed_->take();
+  publisher_.apply(taken.events);
+  if (taken.load) last_load_ = taken.load;
+  if (receive_resync()) {
+    num_resyncs_.fetch_add(1);
+    publisher_.request_reset();
+  }
+  contract::Heartbeat heartbeat;
+  heartbeat.record = record_;
+  const uint32_t block_size = last_load_ ? static_cast<uint32_t>(std::max(1, last_load_->block_size)) : 16u;
+  heartbeat.kv = publisher_.next_batch(block_size);
+  if (last_load_) {
+    const engine::EngineLoad& l = *last_load_;
+    auto clamp = [](int64_t value, uint64_t max_value) {
+      return static_cast<uint64_t>(std::clamp<int64_t>(value, 0, static_cast<int64_t>(max_value)));
+    };
+    contract::LoadReport report;
+    report.num_running = static_cast<uint32_t>(clamp(l.num_running, contract::kMaxReportedRequests));
+    report.num_waiting = static_cast<uint32_t>(clamp(l.num_waiting, contract::kMaxReportedRequests));
+    report.num_kv_blocks_total = static_cast<uint32_t>(clamp(l.num_kv_blocks_total, contract::kMaxReportedBlocks));
+    report.num_kv_blocks_free = static_cast<uint32_t>(clamp(l.num_kv_blocks_free, report.num_kv_blocks_total));
+    report.num_queued_prefill_tokens = clamp(l.num_queued_prefill_tokens, contract::kMaxReportedQueuedTokens);
+    heartbeat.load = report;
+  }
+  if (heartbeat.kv->has_events() || heartbeat.load != last_sent_load_ || registration_due) {
+    send_frame(contract::encode_heartbeat(heartbeat));
+    last_sent_load_ = heartbeat.load;
+  }
+  return publisher_.has_pending();
+}
+
+void RegistrationHeartbeat::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto next_registration = std::chrono::steady_clock::now();
+  while (!stop_) {
+    const auto now = std::chrono::steady_clock::now();
+    const bool registration_due = now >= next_registration;
+    if (registration_due) next_registration = now + std::chrono::milliseconds(interval_ms_);
+    bool more = false;
+    if (feed_) {
+      lock.unlock();
+      more = send_load_frame(registration_due);
+      lock.lock();
+    } else if (registration_due) {
+      send_frame(frame_);
+    }
+    if (more) continue;  // the rest of a snapshot or of a large batch, at once
+    const int64_t wait_ms = feed_ ? load_interval_ms_ : interval_ms_;
+    cv_.wait_for(lock, std::chrono::milliseconds(wait_ms), [this] { return stop_; });
   }
 }
 

@@ -230,6 +230,7 @@ Status PdConnector::init() {
   // it cannot parse, e.g. an IPv6 kv_ip without brackets, would be refused by the router).
   if (auto checked = to_contract_record(record_); !checked.ok()) return checked.status();
   curve_ = curve;
+  if (config_.registers_with_router()) load_feed_ = std::make_shared<LoadFeed>();
   completion_thread_ = std::thread([this] { completion_loop(); });
   PD_LOG_INFO("connector: {} {} mode, instance {} nonce {}, control {}", record_.role, record_.mode,
               record_.instance_id, record_.boot_nonce, record_.control);
@@ -278,8 +279,12 @@ Status PdConnector::start_registration(const std::string& http_address) {
   if (!config_.registers_with_router() || heartbeat_) return Status::Ok();
   PD_ASSIGN_OR_RETURN(
       heartbeat_, RegistrationHeartbeat::start(record, fmt::format("{}:{}", config_.proxy_ip, config_.proxy_ping_port),
-                                               options_.registration_interval_ms, curve_));
+                                               options_.registration_interval_ms, curve_, load_feed_));
   return Status::Ok();
+}
+
+void PdConnector::report_load(const engine::EngineLoad& load, std::vector<engine::KvCacheEvent> events) {
+  if (load_feed_) load_feed_->post(load, std::move(events));
 }
 
 nlohmann::json PdConnector::info_json() const {

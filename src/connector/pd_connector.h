@@ -96,6 +96,9 @@ class PdConnector final : public engine::KvConnector {
   void first_token_sampled(const engine::Request& request, int32_t token_id) override;
   engine::FinishDecision request_finished(const engine::Request& request, std::span<const int32_t> block_ids) override;
   engine::RemoteKvTimeoutAction on_remote_kv_timeout(const engine::Request& request) override;
+  // With a router to register with: load and prefix-cache events go with the heartbeat.
+  bool wants_load_reports() const override { return load_feed_ != nullptr; }
+  void report_load(const engine::EngineLoad& load, std::vector<engine::KvCacheEvent> events) override;
 
  private:
   class StepHooks;
@@ -207,6 +210,9 @@ class PdConnector final : public engine::KvConnector {
   std::vector<uint8_t> engine_desc_bytes_;
   std::unique_ptr<ControlPlane> control_;
   std::unique_ptr<RegistrationHeartbeat> heartbeat_;
+  // Set in init when registering with a router, never changed after: the engine thread
+  // posts to it, the heartbeat thread takes from it (it locks inside).
+  std::shared_ptr<LoadFeed> load_feed_;
   std::optional<auth::CurveKeys> curve_;
 
   // Shared between threads.

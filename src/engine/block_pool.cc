@@ -1,30 +1,8 @@
 #include "engine/block_pool.h"
 
-// XXH3_state_t on the stack needs the static-linking definitions.
-#define XXH_STATIC_LINKING_ONLY
-#include <xxhash.h>
-
 #include <unordered_map>
 
 namespace pd::engine {
-
-namespace {
-// Parent of the first block: a fixed, non-zero value so an empty chain is not 0.
-constexpr BlockHash kRootParentHash = 0x7064736572766531ull;  // "pdserve1"
-}  // namespace
-
-BlockHash hash_block_tokens(std::optional<BlockHash> parent, std::span<const int32_t> token_ids,
-                            std::span<const uint64_t> extra_keys) {
-  XXH3_state_t state;
-  XXH3_64bits_reset(&state);
-  const BlockHash parent_hash = parent.value_or(kRootParentHash);
-  XXH3_64bits_update(&state, &parent_hash, sizeof(parent_hash));
-  const uint64_t num_tokens = token_ids.size();
-  XXH3_64bits_update(&state, &num_tokens, sizeof(num_tokens));
-  XXH3_64bits_update(&state, token_ids.data(), token_ids.size_bytes());
-  XXH3_64bits_update(&state, extra_keys.data(), extra_keys.size_bytes());
-  return XXH3_64bits_digest(&state);
-}
 
 BlockPool::BlockPool(int32_t num_blocks, bool enable_caching)
     : enable_caching_(enable_caching), blocks_(static_cast<size_t>(num_blocks > 0 ? num_blocks : 0)) {
@@ -78,6 +56,7 @@ Result<std::vector<int32_t>> BlockPool::allocate(int32_t n) {
       cached_.erase(b.hash);
       b.has_hash = false;
       ++num_evictions_;
+      if (record_events_) events_.push_back(KvCacheEvent{b.hash, false});
     }
     b.ref_count = 1;
     ids.push_back(id);
@@ -130,6 +109,7 @@ bool BlockPool::cache_block(int32_t block_id, BlockHash hash) {
   if (!cached_.emplace(hash, block_id).second) return false;
   b.has_hash = true;
   b.hash = hash;
+  if (record_events_) events_.push_back(KvCacheEvent{hash, true});
   return true;
 }
 

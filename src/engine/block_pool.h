@@ -14,18 +14,26 @@
 #include <optional>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
+#include "contract/block_hash.h"
 #include "engine/engine_request.h"
 
 namespace pd::engine {
 
-// Hash of one full block: chained over the parent block's hash, so equal
-// hashes mean equal whole prefixes. extra_keys distinguish KV that differs
-// for the same tokens (e.g. a cache salt or adapter id). xxh3-64.
-BlockHash hash_block_tokens(std::optional<BlockHash> parent, std::span<const int32_t> token_ids,
-                            std::span<const uint64_t> extra_keys = {});
+// Hash of one full block (the contract's, which the router computes too):
+// chained over the parent block's hash, so equal hashes mean equal whole
+// prefixes. extra_keys distinguish KV that differs for the same tokens.
+using contract::hash_block_tokens;
+
+// One change of the prefix cache: a hash became findable (stored) or stopped
+// being findable (evicted when its free block was reallocated).
+struct KvCacheEvent {
+  BlockHash hash = 0;
+  bool stored = false;
+};
 
 class BlockPool {
  public:
@@ -65,6 +73,11 @@ class BlockPool {
   // prefix in one step: the first one wins, the other block stays private).
   bool cache_block(int32_t block_id, BlockHash hash);
 
+  // With recording on, every hash stored (cache_block) and evicted (allocate)
+  // is appended, in order, until take_events(). Off by default.
+  void set_record_events(bool on) { record_events_ = on; }
+  std::vector<KvCacheEvent> take_events() { return std::exchange(events_, {}); }
+
   int32_t ref_count(int32_t block_id) const { return blocks_.at(static_cast<size_t>(block_id)).ref_count; }
   std::optional<BlockHash> block_hash(int32_t block_id) const;
   // Free list from head (next evicted) to tail, for tests and debugging.
@@ -92,6 +105,8 @@ class BlockPool {
   int32_t num_free_ = 0;
   int64_t num_evictions_ = 0;
   std::unordered_map<BlockHash, int32_t> cached_;
+  bool record_events_ = false;
+  std::vector<KvCacheEvent> events_;
 };
 
 }  // namespace pd::engine

@@ -261,6 +261,7 @@ class EngineImpl final : public Engine {
       connector_->bind_first_token_sink(
           [this](const std::string& request_id, int32_t token_id) { early_.stream(request_id, token_id); });
     }
+    reports_load_ = connector_ != nullptr && connector_->wants_load_reports();
     thread_ = std::thread([this] { run(); });
   }
 
@@ -711,6 +712,16 @@ class EngineImpl final : public Engine {
       std::lock_guard lock(mutex_);
       num_scheduler_waiting_ = static_cast<size_t>(s.num_waiting);
     }
+    if (reports_load_) {
+      EngineLoad load;
+      load.num_running = s.num_running;
+      load.num_waiting = s.num_waiting;
+      load.num_kv_blocks_free = s.num_blocks_free;
+      load.num_kv_blocks_total = s.num_blocks_total;
+      load.num_queued_prefill_tokens = scheduler_.num_queued_prefill_tokens();
+      load.block_size = kv_spec_.block_size;
+      connector_->report_load(load, scheduler_.take_cache_events());
+    }
     std::lock_guard lock(stats_mutex_);
     stats_ = s;
   }
@@ -738,6 +749,7 @@ class EngineImpl final : public Engine {
   int64_t published_hit_tokens_ = 0;
   int64_t published_recomputed_tokens_ = 0;
   int64_t published_deferred_ = 0;
+  bool reports_load_ = false;  // set before the thread starts
   EngineMetrics metrics_;
   VllmMetrics vllm_;
 
@@ -809,6 +821,7 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config, std::unique_
   sc.eos_token_ids = config.eos_token_ids;
   sc.remote_output_reserve = config.remote_output_reserve;
   sc.kv_watermark = config.kv_watermark;
+  sc.record_cache_events = connector != nullptr && connector->wants_load_reports() && config.enable_prefix_caching;
   return std::unique_ptr<Engine>(std::make_unique<EngineImpl>(
       std::move(config), std::move(runner), std::move(tokenizer), std::move(connector), std::move(sc)));
 }

@@ -46,6 +46,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
+#include "engine/block_pool.h"
 #include "engine/engine_request.h"
 #include "engine/model_runner.h"
 #include "engine/step_plan.h"
@@ -118,6 +119,16 @@ struct ConnectorEvents {
 // it (KvConnector::bind_first_token_sink). Thread-safe and non-blocking.
 using FirstTokenSink = std::function<void(const std::string& request_id, int32_t token_id)>;
 
+// The engine's load as its thread sees it after an iteration (report_load).
+struct EngineLoad {
+  int32_t num_running = 0;
+  int32_t num_waiting = 0;  // waiting for a step or for remote KV
+  int32_t num_kv_blocks_free = 0;
+  int32_t num_kv_blocks_total = 0;
+  int64_t num_queued_prefill_tokens = 0;  // Scheduler::num_queued_prefill_tokens
+  int32_t block_size = 16;                // tokens per hashed block
+};
+
 enum class RemoteKvTimeoutAction : uint8_t {
   kRecomputeLocally,  // forget the external tokens, compute them here
   kFail,              // finish the request with kFinishedError
@@ -185,6 +196,14 @@ class KvConnector {
 
   // A request finished (any reason; request.state() is the finished state).
   virtual FinishDecision request_finished(const Request& request, std::span<const int32_t> block_ids) = 0;
+
+  // Asked once, before the engine thread starts. true: the block pool records
+  // prefix-cache events and report_load is called after every engine iteration.
+  virtual bool wants_load_reports() const { return false; }
+
+  // The engine's load and the prefix-cache events since the previous call, in
+  // the order they happened. Must not block: hand them to another thread.
+  virtual void report_load(const EngineLoad& load, std::vector<KvCacheEvent> events) {}
 
   // A kWaitingForRemoteKv request passed its deadline.
   virtual RemoteKvTimeoutAction on_remote_kv_timeout(const Request& request) = 0;

@@ -26,7 +26,19 @@ void check_pool(const Status& status, const char* what) {
 }  // namespace
 
 Scheduler::Scheduler(SchedulerConfig config, KvConnector* connector)
-    : config_(std::move(config)), connector_(connector), pool_(config_.num_blocks, config_.enable_prefix_caching) {}
+    : config_(std::move(config)), connector_(connector), pool_(config_.num_blocks, config_.enable_prefix_caching) {
+  pool_.set_record_events(config_.record_cache_events);
+}
+
+int64_t Scheduler::num_queued_prefill_tokens() const {
+  int64_t total = 0;
+  for (const auto& [id, request] : requests_) {
+    // KV that a producer computes is not prefill work of this instance.
+    if (request->state() == RequestState::kWaitingForRemoteKv) continue;
+    total += std::max<int64_t>(0, request->num_prompt_tokens() - request->num_computed_tokens);
+  }
+  return total;
+}
 
 Status Scheduler::add_request(std::unique_ptr<Request> request) {
   if (request->state() != RequestState::kWaiting) {

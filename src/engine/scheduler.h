@@ -45,6 +45,9 @@ struct SchedulerConfig {
   // request is admitted like any other, on its prompt's blocks alone).
   double remote_output_reserve = 1.0;
   double kv_watermark = 0.01;
+  // The block pool records prefix-cache events (BlockPool::set_record_events)
+  // for take_cache_events(); on when a connector reports them to a router.
+  bool record_cache_events = false;
   // Suppressed while a request has fewer than min_tokens outputs.
   std::vector<int32_t> eos_token_ids;
 };
@@ -95,6 +98,12 @@ class Scheduler {
   int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size() + remote_waiting_.size()); }
   int32_t num_remote_waiting() const { return static_cast<int32_t>(remote_waiting_.size()); }
   int32_t num_holds() const;
+  // Prompt tokens of live requests not computed yet (waiting, or running an
+  // unfinished prefill; not those waiting for a producer's KV): the prefill
+  // work queued here.
+  int64_t num_queued_prefill_tokens() const;
+  // The prefix-cache events since the last call (empty unless record_cache_events).
+  std::vector<KvCacheEvent> take_cache_events() { return pool_.take_events(); }
   bool has_unfinished() const { return !running_.empty() || !waiting_.empty() || !remote_waiting_.empty(); }
   // Earliest remote-KV deadline, if any request waits for remote KV.
   std::optional<int64_t> next_remote_kv_deadline_ns() const;

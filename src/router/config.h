@@ -23,8 +23,11 @@ struct RouterConfig {
   std::vector<std::string> decode_urls;
   std::vector<std::string> collocated_urls;
 
-  PolicyKind producer_policy = PolicyKind::kLeastOutstanding;
-  PolicyKind consumer_policy = PolicyKind::kLeastOutstanding;
+  PolicyKind producer_policy = PolicyKind::kScored;
+  PolicyKind consumer_policy = PolicyKind::kScored;
+  PdPolicy pd_policy = PdPolicy::kAuto;     // --pd-policy
+  DecisionThresholds thresholds;            // --pd-min-prefill-tokens, --pd-max-producer-queue-tokens, ...
+  int64_t tokenize_timeout_ms = 1000;       // --tokenize-timeout-ms
   std::optional<TransferMode> forced_mode;  // nullopt: each consumer's registered mode
 
   int num_io_threads = 2;

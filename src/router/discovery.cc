@@ -12,6 +12,12 @@ namespace pd::router {
 
 namespace {
 
+metrics::Counter& resync_counter() {
+  static metrics::Counter& counter = metrics::Registry::global().counter(
+      "pd_router_kv_resyncs_total", "Snapshots of a prefix cache asked of an instance after a gap in its KV events");
+  return counter;
+}
+
 metrics::Counter& malformed_counter() {
   static metrics::Counter& counter = metrics::Registry::global().counter(
       "pd_router_registrations_malformed_total", "Registration messages dropped because they failed validation");
@@ -126,7 +132,7 @@ Status Discovery::start() {
       }
       zmq_->socket.set(zmq::sockopt::linger, 0);
       // A peer sending more than this is disconnected by libzmq before we see it.
-      zmq_->socket.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kMaxRegistrationBytes));
+      zmq_->socket.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(contract::kMaxHeartbeatBytes));
       zmq_->socket.set(zmq::sockopt::rcvhwm, 10000);
       const std::string port = config_.registration_port == 0 ? "*" : std::to_string(config_.registration_port);
       zmq_->socket.bind(fmt::format("tcp://{}:{}", config_.registration_host, port));
@@ -158,7 +164,12 @@ void Discovery::stop() {
 void Discovery::registration_loop() {
   zmq::socket_t& socket = zmq_->socket;
   std::vector<zmq::message_t> frames;
+  // Registration thread only. A view larger than every block a pool may report is a broken peer.
+  CacheViews views(std::chrono::milliseconds(config_.instance_ttl_ms), std::chrono::milliseconds(kResyncIntervalMs),
+                   contract::kMaxReportedBlocks);
+  const std::vector<uint8_t> resync = contract::encode_kv_resync();
   while (!stopping_.load()) {
+    if (views.expire(SteadyClock::now())) cache_index_.store(views.publish(), std::memory_order_release);
     zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
     try {
       zmq::poll(&item, 1, std::chrono::milliseconds(100));
@@ -188,15 +199,29 @@ void Discovery::registration_loop() {
         break;
       }
       const bool shape_ok = frames.size() == 2 || (frames.size() == 3 && frames[1].size() == 0);
-      Result<InstanceInfo> info =
-          shape_ok ? parse_registration(frames.back().data(), frames.back().size())
-                   : Result<InstanceInfo>(invalid_argument("registration has {} frames", frames.size()));
-      if (!info.ok()) {
+      Result<contract::Heartbeat> heartbeat =
+          shape_ok ? contract::decode_heartbeat(frames.back().data(), frames.back().size())
+                   : Result<contract::Heartbeat>(invalid_argument("registration has {} frames", frames.size()));
+      if (!heartbeat.ok()) {
         malformed_counter().inc();
-        PD_LOG_WARN("pdrouter: dropped malformed registration: {}", info.status().message());
+        PD_LOG_WARN("pdrouter: dropped malformed registration: {}", heartbeat.status().message());
         continue;
       }
-      net::post(control_, [this, record = std::move(info).value()]() mutable { admit(std::move(record), false); });
+      const CacheViews::Applied applied = views.apply(*heartbeat, SteadyClock::now());
+      if (applied.send_resync) {
+        // The reply goes back along the message's own envelope (identity, and the empty frame if any).
+        try {
+          socket.send(zmq::buffer(frames[0].data(), frames[0].size()),
+                      zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+          if (frames.size() == 3) socket.send(zmq::message_t(), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+          socket.send(zmq::buffer(resync), zmq::send_flags::dontwait);
+          resync_counter().inc();
+        } catch (const zmq::error_t& error) {
+          if (error.num() == ETERM) return;
+        }
+      }
+      if (applied.changed) cache_index_.store(views.publish(), std::memory_order_release);
+      net::post(control_, [this, record = std::move(heartbeat->record)]() mutable { admit(std::move(record), false); });
     }
   }
 }

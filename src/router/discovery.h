@@ -9,9 +9,12 @@
 //    thread, at most kMaxPendingResolves at once, each within
 //    --resolve-timeout-ms, and the instance is admitted when its address is known.
 //  - registration thread: owns the ZMQ ROUTER socket; validates each message
-//    (parse_registration) and posts valid ones to the control thread. A
+//    (contract::decode_heartbeat) and posts valid records to the control thread. A
 //    malformed message is counted and dropped; the loop never exits on bad input.
-// Request threads only load the published snapshot (an atomic shared_ptr).
+//    It also owns the CacheViews (load reports and prefix caches): applies each
+//    heartbeat's load and KV events, answers a gap with a resync request on the
+//    same socket, and publishes an immutable CacheIndex after every change.
+// Request threads only load the published snapshot and cache index (atomic shared_ptrs).
 #pragma once
 
 #include <atomic>
@@ -24,6 +27,7 @@
 #include "common/status.h"
 #include "router/asio.h"
 #include "router/backend.h"
+#include "router/cache_view.h"
 #include "router/config.h"
 #include "router/instance_registry.h"
 
@@ -43,6 +47,8 @@ class Discovery {
   void clear_idle_connections();
 
   std::shared_ptr<const Snapshot> snapshot() const { return snapshot_.load(std::memory_order_acquire); }
+  // Load reports and prefix caches of registered instances (empty without registration).
+  std::shared_ptr<const CacheIndex> cache_index() const { return cache_index_.load(std::memory_order_acquire); }
   // The bound registration port, or -1 when registration is disabled.
   int registration_port() const { return registration_port_; }
 
@@ -55,6 +61,8 @@ class Discovery {
 
   // Host-name lookups in flight at once; a registration beyond them is dropped (and logged).
   static constexpr size_t kMaxPendingResolves = 64;
+  // The least time between two snapshot requests to one instance (a gap lasts until its reset arrives).
+  static constexpr int64_t kResyncIntervalMs = 1000;
 
   void registration_loop();
   void admit(InstanceInfo info, bool from_probe);
@@ -84,6 +92,7 @@ class Discovery {
   std::map<std::string, InstanceInfo> resolving_;  // instance_id -> its latest record, while its host is looked up
 
   std::atomic<std::shared_ptr<const Snapshot>> snapshot_;
+  std::atomic<std::shared_ptr<const CacheIndex>> cache_index_{std::make_shared<const CacheIndex>()};
 
   struct ZmqState;
   std::unique_ptr<ZmqState> zmq_;

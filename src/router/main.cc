@@ -30,8 +30,9 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   pd::router::RouterConfig config;
-  std::string producer_policy = "least_outstanding";
-  std::string consumer_policy = "least_outstanding";
+  std::string producer_policy = "scored";
+  std::string consumer_policy = "scored";
+  std::string pd_policy = "auto";
   std::string mode = "auto";
   std::string log_level = "info";
   int port = 8000;
@@ -51,10 +52,28 @@ int main(int argc, char** argv) {
   app.add_option("--prefill", config.prefill_urls, "static producer URLs (http://host:port)");
   app.add_option("--decode", config.decode_urls, "static consumer URLs (http://host:port)");
   app.add_option("--collocated", config.collocated_urls, "static collocated URLs (http://host:port)");
-  app.add_option("--prefill-policy", producer_policy, "round_robin|least_outstanding|power_of_two")
+  app.add_option("--prefill-policy", producer_policy, "round_robin|least_outstanding|power_of_two|scored")
       ->capture_default_str();
-  app.add_option("--decode-policy", consumer_policy, "round_robin|least_outstanding|power_of_two")
+  app.add_option("--decode-policy", consumer_policy, "round_robin|least_outstanding|power_of_two|scored")
       ->capture_default_str();
+  app.add_option("--pd-policy", pd_policy, "always|never|auto: where each prompt is prefilled (README.md)")
+      ->capture_default_str();
+  app.add_option("--pd-min-prefill-tokens", config.thresholds.min_remote_prefill_tokens,
+                 "auto: remote prefill only for at least this many uncached prompt tokens")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--pd-max-producer-queue-tokens", config.thresholds.max_producer_queue_tokens,
+                 "auto: remote prefill only while the producer's queued prefill tokens are at most this")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--outstanding-request-tokens", config.thresholds.outstanding_request_tokens,
+                 "scored policy: prompt tokens of work one outstanding request counts as")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  app.add_option("--tokenize-timeout-ms", config.tokenize_timeout_ms,
+                 "the longest wait for an engine's /tokenize of a text prompt (per-request decisions)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{600000}));
   app.add_option("--mode", mode, "auto (each consumer's registered mode)|read|write")->capture_default_str();
   app.add_option("--io-threads", config.num_io_threads, "HTTP io threads")
       ->capture_default_str()
@@ -109,6 +128,12 @@ int main(int argc, char** argv) {
   }
   config.producer_policy = *parsed_producer;
   config.consumer_policy = *parsed_consumer;
+  auto parsed_pd_policy = pd::router::parse_pd_policy(pd_policy);
+  if (!parsed_pd_policy.ok()) {
+    std::fprintf(stderr, "pdrouter: --pd-policy: %s\n", parsed_pd_policy.status().to_string().c_str());
+    return 2;
+  }
+  config.pd_policy = *parsed_pd_policy;
   if (mode != "auto") {
     auto parsed_mode = pd::router::parse_mode(mode);
     if (!parsed_mode.ok()) {

@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <random>
 #include <unordered_map>
 
@@ -11,6 +12,7 @@
 #include "common/log_throttle.h"
 #include "common/metrics.h"
 #include "router/policy.h"
+#include "router/prompt_tokens.h"
 #include "router/request_rewrite.h"
 #include "router/request_validation.h"
 #include "router/sse.h"
@@ -57,9 +59,11 @@ void count_fallback(const char* reason) {
       .inc();
 }
 
-// The flow chosen for a generation request: read, write, collocated, or the reason it fell back.
-void count_decision(const char* flow) {
-  cached_counter("pd_router_decisions_total", "Generation requests by the flow chosen for them", {{"flow", flow}})
+// The flow chosen for a generation request (read, write, local, collocated, or the reason it fell back)
+// and why (DecisionReason: the policy, or auto's reason).
+void count_decision(const char* flow, DecisionReason reason) {
+  cached_counter("pd_router_decisions_total", "Generation requests by the flow chosen for them and why",
+                 {{"flow", flow}, {"reason", decision_reason_name(reason)}})
       .inc();
 }
 
@@ -293,6 +297,11 @@ struct RouterServer::Impl {
 
   // Generation flows.
   // `generation` false: a /tokenize or /detokenize body, sent whole to one instance (no validation, no P/D).
+  // The prompt's token ids as the engine sees them (prompt_tokens.h): from the body, or from an
+  // engine's /tokenize within --tokenize-timeout-ms; nullopt when neither works.
+  awaitable<std::optional<std::vector<int32_t>>> prompt_token_ids(std::shared_ptr<Exchange> ex, bool chat,
+                                                                  const ClientRequest& request,
+                                                                  const Snapshot& snapshot);
   awaitable<void> handle_generation(std::shared_ptr<Exchange> ex, const std::string& target, const std::string& body,
                                     bool generation = true);
   awaitable<FlowOutcome> run_single(std::shared_ptr<Exchange> ex, std::shared_ptr<Leg> leg, const std::string& target,
@@ -814,6 +823,49 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
   co_return FlowOutcome::kAnswered;
 }
 
+awaitable<std::optional<std::vector<int32_t>>> RouterServer::Impl::prompt_token_ids(std::shared_ptr<Exchange> ex,
+                                                                                    bool chat,
+                                                                                    const ClientRequest& request,
+                                                                                    const Snapshot& snapshot) {
+  PromptTokensPlan tokens_plan = plan_prompt_tokens(chat, request.body);
+  std::optional<std::vector<int32_t>> ids = std::move(tokens_plan.token_ids);
+  if (!ids && tokens_plan.tokenize_body) {
+    // Any instance of the model tokenizes the same way; the least busy one that decodes is asked (one of
+    // them serves the request whatever the decision), else the least busy one.
+    std::shared_ptr<Backend> tokenizer;
+    auto preferred = [](const Backend& b) { return b.info().role != InstanceRole::kProducer; };
+    for (const auto& backend : snapshot.backends) {
+      const std::string& model = backend->info().model;
+      if (!request.model.empty() && !model.empty() && model != request.model) continue;
+      if (!tokenizer || (preferred(*backend) && !preferred(*tokenizer)) ||
+          (preferred(*backend) == preferred(*tokenizer) && backend->outstanding() < tokenizer->outstanding())) {
+        tokenizer = backend;
+      }
+    }
+    if (tokenizer) {
+      std::shared_ptr<Leg> leg = ex->new_leg(tokenizer);
+      const TimePoint deadline = SteadyClock::now() + std::chrono::milliseconds(config_.tokenize_timeout_ms);
+      LegResult result = co_await run_full_leg(ex.get(), *leg, "/tokenize", *tokens_plan.tokenize_body, deadline);
+      Result<std::vector<int32_t>> parsed =
+          result.ok()
+              ? parse_tokenize_answer(result.body)
+              : Result<std::vector<int32_t>>(unavailable("status {}: {}", result.http_status,
+                                                         result.transport.ok() ? "" : result.transport.message()));
+      if (parsed.ok()) {
+        ids = std::move(parsed).value();
+      } else if (!ex->client_gone) {
+        cached_counter("pd_router_tokenize_failures_total",
+                       "Prompts whose token ids the router could not get for its decision", {})
+            .inc();
+        PD_LOG_WARN("pdrouter: /tokenize on {} failed ({}); deciding without the prompt's tokens",
+                    tokenizer->info().instance_id, parsed.status().message());
+      }
+    }
+  }
+  if (ids) truncate_prompt(*ids, tokens_plan.keep_last);
+  co_return ids;
+}
+
 awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> ex, const std::string& target,
                                                       const std::string& body, bool generation) {
   Result<ClientRequest> parsed = parse_client_request(body);
@@ -847,8 +899,28 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
   for (const auto& backend : snapshot->backends) {
     candidates.push_back(
         Candidate{backend->info().role, backend->info().mode, backend->info().model, backend->outstanding()});
+    candidates.back().has_connector = backend->info().control.has_value();
   }
   watch_client(ex);
+  // Per-request decisions: the prompt's tokens, then each instance's load and cached prefix of them.
+  std::optional<std::vector<int32_t>> prompt_ids;
+  const std::shared_ptr<const CacheIndex> cache_index = discovery_.cache_index();
+  PlanRequest decision_inputs;
+  decision_inputs.pd_policy = config_.pd_policy;
+  decision_inputs.consumer_policy = config_.consumer_policy;
+  decision_inputs.producer_policy = config_.producer_policy;
+  const bool any_cache_known = std::any_of(cache_index->begin(), cache_index->end(),
+                                           [](const auto& entry) { return entry.second->hashes != nullptr; });
+  if (generation && validated.num_prompts == 1 && validated.n == 1 &&
+      prompt_tokens_matter(candidates, decision_inputs, any_cache_known)) {
+    prompt_ids = co_await prompt_token_ids(ex, route == GenerationRoute::kChat, request, *snapshot);
+    if (ex->client_gone) co_return;
+  }
+  {
+    std::vector<const InstanceInfo*> infos;
+    for (const auto& backend : snapshot->backends) infos.push_back(&backend->info());
+    annotate_candidates(candidates, infos, *cache_index, prompt_ids ? &*prompt_ids : nullptr);
+  }
   for (size_t attempt = 0; attempt <= candidates.size(); ++attempt) {
     for (size_t i = 0; i < candidates.size(); ++i) candidates[i].outstanding = snapshot->backends[i]->outstanding();
     PlanRequest plan_request;
@@ -859,6 +931,9 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     plan_request.consumer_ticket = consumer_ticket_.fetch_add(1, std::memory_order_relaxed);
     plan_request.random = thread_random();
     plan_request.forced_mode = config_.forced_mode;
+    plan_request.pd_policy = config_.pd_policy;
+    if (prompt_ids) plan_request.num_prompt_tokens = static_cast<int64_t>(prompt_ids->size());
+    plan_request.thresholds = config_.thresholds;
     const FlowPlan plan = plan_flow(candidates, plan_request);
     if (plan.kind == FlowKind::kNone) {
       if (plan.model_unknown) {
@@ -884,9 +959,10 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
       if (plan.fallback == FallbackReason::kNoProducer) flow = "no_producer";
       if (plan.fallback == FallbackReason::kNoConsumer) flow = "no_consumer";
       if (plan.kind == FlowKind::kCollocated && plan.fallback == FallbackReason::kNone) flow = "collocated";
+      if (plan.local_by_policy) flow = "local";
       if (plan.kind != FlowKind::kCollocated && several_choices) flow = "several_choices";
       if (plan.kind != FlowKind::kCollocated && batched) flow = "batched_prompts";
-      count_decision(flow);
+      count_decision(flow, plan.reason);
     }
     if (!generation) {
       std::shared_ptr<Leg> leg = ex->new_leg(snapshot->backends[*plan.consumer]);
@@ -915,6 +991,7 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
 }
 
 std::string RouterServer::Impl::health_json(const Snapshot& snapshot, bool& healthy) const {
+  const std::shared_ptr<const CacheIndex> cache_index = discovery_.cache_index();
   nlohmann::json instances = nlohmann::json::array();
   for (const auto& backend : snapshot.backends) {
     const InstanceInfo& info = backend->info();
@@ -926,6 +1003,20 @@ std::string RouterServer::Impl::health_json(const Snapshot& snapshot, bool& heal
                          {"boot_nonce", info.boot_nonce},
                          {"model", info.model},
                          {"outstanding", backend->outstanding()}});
+    // What its heartbeats report (README.md "Per-request decisions"), when they do.
+    auto cached = cache_index->find(info.instance_id);
+    if (cached != cache_index->end() && cached->second->boot_nonce == info.boot_nonce) {
+      const InstanceCacheState& state = *cached->second;
+      if (state.load) {
+        instances.back()["load"] = {{"running", state.load->num_running},
+                                    {"waiting", state.load->num_waiting},
+                                    {"kv_blocks_free", state.load->num_kv_blocks_free},
+                                    {"kv_blocks_total", state.load->num_kv_blocks_total},
+                                    {"queued_prefill_tokens", state.load->num_queued_prefill_tokens}};
+      }
+      instances.back()["kv_cached_blocks"] =
+          state.hashes ? nlohmann::json(state.hashes->size()) : nlohmann::json(nullptr);
+    }
   }
   healthy = !snapshot.backends.empty();
   return dump_response_json({{"status", healthy ? "ok" : "no_instances"}, {"instances", instances}});

@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "router/instance_info.h"
+#include "router/prompt_tokens.h"
 #include "router/request_rewrite.h"
 #include "router/sse.h"
 
@@ -106,6 +107,17 @@ void check_legs(const std::string& client_body, const std::string& producer_text
   }
 }
 
+// A heartbeat a peer sends: refused, or decoded into what encodes back to the same heartbeat.
+void check_heartbeat(const std::string& frame) {
+  auto decoded = pd::contract::decode_heartbeat(frame.data(), frame.size());
+  if (!decoded.ok()) return;
+  const std::vector<uint8_t> again = pd::contract::encode_heartbeat(*decoded);
+  auto round = pd::contract::decode_heartbeat(again.data(), again.size());
+  if (!round.ok() || round->record != decoded->record || round->load != decoded->load || round->kv != decoded->kv) {
+    fail("a decoded heartbeat does not survive its own encoding");
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -117,6 +129,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   check_host_port(host_port);
   check_legs(client_body, producer_text);
   check_sse(stream);
+  check_heartbeat(stream);
+  (void)pd::router::parse_tokenize_answer(producer_text);
   for (const std::string* text : {&host_port, &client_body}) {
     (void)pd::router::parse_role(*text);
     (void)pd::router::parse_mode(*text);

@@ -179,10 +179,10 @@ def test_version_is_the_engines(engine, router):
 def test_decisions_are_counted_by_flow(pd_deployment):
     router = pd_deployment
     flows = ("read", "write", "several_choices")
-    before = {flow: router.metric("pd_router_decisions_total", {"flow": flow}) for flow in flows}
+    before = {flow: router.metric("pd_router_decisions_total", {"flow": flow, "reason": "always"}) for flow in flows}
     client = openai_client(router.base_url)
     client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2)
     client.completions.create(model=TINY_MODEL, prompt="x", max_tokens=2, n=2, seed=1)
-    after = {flow: router.metric("pd_router_decisions_total", {"flow": flow}) for flow in flows}
+    after = {flow: router.metric("pd_router_decisions_total", {"flow": flow, "reason": "always"}) for flow in flows}
     assert after["read"] + after["write"] - before["read"] - before["write"] == 1
     assert after["several_choices"] - before["several_choices"] == 1

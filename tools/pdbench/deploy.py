@@ -170,7 +170,8 @@ def main() -> int:
         router = Process("router", [
             str(bin_dir / "pdrouter"), "--port", "0", "--registration-port", "0", "--io-threads", "4",
             "--prefill-policy", args.router_policy, "--decode-policy", args.router_policy,
-            "--mode", {"pd-write": "write", "pd-read": "read"}.get(args.config, "auto")], log_dir, args.echo)
+            "--mode", {"pd-write": "write", "pd-read": "read"}.get(args.config, "auto"),
+            "--pd-policy", "always"], log_dir, args.echo)
         processes.append(router)
         rhost, rport = router.wait_for(LISTEN_RE, 30).groups()
         reg_port = int(router.wait_for(REGISTRATION_RE, 30).group(2))

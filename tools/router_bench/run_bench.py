@@ -170,7 +170,8 @@ def main() -> int:
 
         _, r_match = procs.start([args.pdrouter, "--port", "0", "--io-threads", str(args.router_io_threads),
                                   "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
-                                  "--log-level", "warn"], r"pdrouter listening on http://127.0.0.1:(\d+)")
+                                  "--pd-policy", "always", "--log-level", "warn"],
+                                 r"pdrouter listening on http://127.0.0.1:(\d+)")
         router_port = int(r_match.group(1))
         deadline = time.monotonic() + 20
         while len(json.loads(wait_http_ok(f"http://127.0.0.1:{router_port}/health", None))["instances"]) < 2:

@@ -249,5 +249,165 @@ TEST(Registration, AProducersLocationIsWhatAConsumerLegNames) {
   EXPECT_EQ(location, (ProducerLocation{"p0", "127.0.0.1:9100", 0xfedcba9876543210ull}));
 }
 
+Heartbeat loaded_heartbeat() {
+  Heartbeat heartbeat;
+  heartbeat.record = producer_record();
+  heartbeat.load = LoadReport{3, 7, 100, 512, 12345};
+  KvEventBatch kv;
+  kv.seq = 42;
+  kv.reset = true;
+  kv.block_size = 16;
+  kv.stored = {1, 0xfedcba9876543210ull, UINT64_MAX};
+  kv.removed = {0x0102030405060708ull};
+  heartbeat.kv = kv;
+  return heartbeat;
+}
+
+// A heartbeat map written field by field, with `load` and `kv` maps built by `write_extra`.
+template <typename WriteExtra>
+std::string pack_heartbeat(uint32_t num_extra, WriteExtra write_extra) {
+  msgpack::sbuffer buffer;
+  msgpack::packer<msgpack::sbuffer> packer(buffer);
+  const Fields fields = valid_fields();
+  packer.pack_map(static_cast<uint32_t>(fields.size()) + num_extra);
+  for (const auto& [key, value] : fields) {
+    packer.pack(key);
+    std::visit([&](const auto& v) { packer.pack(v); }, value);
+  }
+  write_extra(packer);
+  return std::string(buffer.data(), buffer.size());
+}
+
+void pack_load(msgpack::packer<msgpack::sbuffer>& packer, uint64_t free_blocks, uint64_t total_blocks) {
+  packer.pack("load");
+  packer.pack_map(5);
+  packer.pack("running");
+  packer.pack(1);
+  packer.pack("waiting");
+  packer.pack(2);
+  packer.pack("kv_blocks_free");
+  packer.pack(free_blocks);
+  packer.pack("kv_blocks_total");
+  packer.pack(total_blocks);
+  packer.pack("queued_prefill_tokens");
+  packer.pack(3);
+}
+
+void pack_kv(msgpack::packer<msgpack::sbuffer>& packer, size_t stored_bytes, uint64_t block_size) {
+  packer.pack("kv");
+  packer.pack_map(5);
+  packer.pack("seq");
+  packer.pack(1);
+  packer.pack("reset");
+  packer.pack(false);
+  packer.pack("block_size");
+  packer.pack(block_size);
+  const std::string bytes(stored_bytes, '\x01');
+  packer.pack("stored");
+  packer.pack_bin(static_cast<uint32_t>(bytes.size()));
+  packer.pack_bin_body(bytes.data(), static_cast<uint32_t>(bytes.size()));
+  packer.pack("removed");
+  packer.pack_bin(0);
+}
+
+Result<Heartbeat> decode_packed(const std::string& bytes) {
+  return decode_heartbeat(bytes.data(), bytes.size());
+}
+
+TEST(Heartbeat, RoundTripsLoadAndKvEvents) {
+  const Heartbeat heartbeat = loaded_heartbeat();
+  const std::vector<uint8_t> frame = encode_heartbeat(heartbeat);
+  auto decoded = decode_heartbeat(frame.data(), frame.size());
+  ASSERT_TRUE(decoded.ok()) << decoded.status().to_string();
+  EXPECT_EQ(decoded->record, heartbeat.record);
+  EXPECT_EQ(decoded->load, heartbeat.load);
+  EXPECT_EQ(decoded->kv, heartbeat.kv);
+}
+
+TEST(Heartbeat, HashesAreEightBytesLittleEndianInOneBin) {
+  Heartbeat heartbeat;
+  heartbeat.record = producer_record();
+  heartbeat.kv =
+      KvEventBatch{.seq = 1, .reset = false, .block_size = 16, .stored = {0x0102030405060708ull}, .removed = {}};
+  const std::vector<uint8_t> frame = encode_heartbeat(heartbeat);
+  msgpack::object_handle handle = msgpack::unpack(reinterpret_cast<const char*>(frame.data()), frame.size());
+  const msgpack::object& root = handle.get();
+  ASSERT_EQ(root.via.map.size, 12u);
+  const msgpack::object& kv = root.via.map.ptr[11].val;
+  ASSERT_EQ(kv.type, msgpack::type::MAP);
+  const msgpack::object& stored = kv.via.map.ptr[3].val;
+  ASSERT_EQ(stored.type, msgpack::type::BIN);
+  ASSERT_EQ(stored.via.bin.size, 8u);
+  EXPECT_EQ(std::string(stored.via.bin.ptr, 8), std::string("\x08\x07\x06\x05\x04\x03\x02\x01", 8));
+}
+
+TEST(Heartbeat, ARegistrationDecoderIgnoresLoadAndKv) {
+  const std::vector<uint8_t> frame = encode_heartbeat(loaded_heartbeat());
+  auto decoded = decode_registration(frame.data(), frame.size());
+  ASSERT_TRUE(decoded.ok()) << decoded.status().to_string();
+  EXPECT_EQ(*decoded, producer_record());
+}
+
+TEST(Heartbeat, APlainRegistrationIsAHeartbeatWithoutLoadOrKv) {
+  const std::vector<uint8_t> frame = encode_registration(producer_record());
+  auto decoded = decode_heartbeat(frame.data(), frame.size());
+  ASSERT_TRUE(decoded.ok()) << decoded.status().to_string();
+  EXPECT_FALSE(decoded->load.has_value());
+  EXPECT_FALSE(decoded->kv.has_value());
+}
+
+TEST(Heartbeat, AcceptsTheLargestHashListsAndRefusesOneMore) {
+  auto at_limit = decode_packed(pack_heartbeat(1, [](auto& p) { pack_kv(p, 8 * kMaxKvEventHashes, 16); }));
+  ASSERT_TRUE(at_limit.ok()) << at_limit.status().to_string();
+  EXPECT_EQ(at_limit->kv->stored.size(), kMaxKvEventHashes);
+  auto over = decode_packed(pack_heartbeat(1, [](auto& p) { pack_kv(p, 8 * kMaxKvEventHashes + 8, 16); }));
+  EXPECT_FALSE(over.ok());  // by the unpacker's bin limit, before any allocation for it
+}
+
+TEST(Heartbeat, RefusesMalformedLoadAndKvNamingTheField) {
+  auto expect_refused = [](const std::string& bytes, const std::string& field) {
+    auto refused = decode_packed(bytes);
+    ASSERT_FALSE(refused.ok()) << field;
+    EXPECT_NE(refused.status().message().find(field), std::string::npos) << refused.status().message();
+  };
+  expect_refused(pack_heartbeat(1, [](auto& p) { pack_load(p, 11, 10); }), "load.kv_blocks_free");
+  expect_refused(pack_heartbeat(1, [](auto& p) { pack_load(p, 1, kMaxReportedBlocks + 1); }), "load.kv_blocks_total");
+  expect_refused(pack_heartbeat(1, [](auto& p) { pack_kv(p, 12, 16); }), "kv.stored");
+  expect_refused(pack_heartbeat(1, [](auto& p) { pack_kv(p, 8, 0); }), "kv.block_size");
+  expect_refused(pack_heartbeat(1, [](auto& p) { pack_kv(p, 8, kMaxKvBlockSize + 1); }), "kv.block_size");
+  expect_refused(pack_heartbeat(1,
+                                [](auto& p) {
+                                  p.pack("load");
+                                  p.pack(7);
+                                }),
+                 "'load' must be a map");
+  expect_refused(pack_heartbeat(1,
+                                [](auto& p) {
+                                  p.pack("kv");
+                                  p.pack_map(1);
+                                  p.pack("seq");
+                                  p.pack(1);
+                                }),
+                 "kv.reset");
+  expect_refused(pack_heartbeat(1,
+                                [](auto& p) {
+                                  p.pack("load");
+                                  p.pack_map(1);
+                                  p.pack("running");
+                                  p.pack(-1);
+                                }),
+                 "load.running");
+  const std::string huge(kMaxHeartbeatBytes + 1, '\x01');
+  EXPECT_FALSE(decode_heartbeat(huge.data(), huge.size()).ok());
+}
+
+TEST(Heartbeat, AResyncRequestIsRecognisedExactly) {
+  const std::vector<uint8_t> resync = encode_kv_resync();
+  EXPECT_TRUE(is_kv_resync(resync.data(), resync.size()));
+  const std::vector<uint8_t> registration = encode_registration(producer_record());
+  EXPECT_FALSE(is_kv_resync(registration.data(), registration.size()));
+  EXPECT_FALSE(is_kv_resync(resync.data(), resync.size() - 1));
+}
+
 }  // namespace
 }  // namespace pd::contract

@@ -164,5 +164,27 @@ TEST(BlockPool, FreeBlockCannotBeCached) {
   EXPECT_FALSE(pool.cache_block(5, 1234));
 }
 
+TEST(BlockPoolEvents, RecordsStoresAndEvictionsInOrderOnlyWhenAsked) {
+  BlockPool pool(2, /*enable_caching=*/true);
+  auto ids = pool.allocate(2);
+  ASSERT_TRUE(ids.ok());
+  ASSERT_TRUE(pool.cache_block((*ids)[0], 11));
+  EXPECT_TRUE(pool.take_events().empty());  // recording is off by default
+
+  pool.set_record_events(true);
+  ASSERT_TRUE(pool.cache_block((*ids)[1], 22));
+  EXPECT_FALSE(pool.cache_block((*ids)[1], 33));  // already hashed: no event
+  ASSERT_TRUE(pool.free_blocks(*ids).ok());       // freed blocks stay cached: no event
+  auto again = pool.allocate(1);                  // reuses the head, evicting 11
+  ASSERT_TRUE(again.ok());
+  const std::vector<KvCacheEvent> events = pool.take_events();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].hash, 22u);
+  EXPECT_TRUE(events[0].stored);
+  EXPECT_EQ(events[1].hash, 11u);
+  EXPECT_FALSE(events[1].stored);
+  EXPECT_TRUE(pool.take_events().empty());
+}
+
 }  // namespace
 }  // namespace pd::engine

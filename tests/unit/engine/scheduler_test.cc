@@ -288,5 +288,30 @@ TEST(Scheduler, RandomMixReturnsEveryBlockAndKeepsOutputsExact) {
   }
 }
 
+TEST(Scheduler, QueuedPrefillTokensAreThePromptTokensNotComputedYet) {
+  SchedulerHarness h(small_config(64, 32));
+  h.add("a", iota_tokens(80), 1);
+  h.add("b", iota_tokens(40, 1000), 1);
+  EXPECT_EQ(h.scheduler.num_queued_prefill_tokens(), 120);
+  h.step();  // 32 tokens of a's prompt
+  EXPECT_EQ(h.scheduler.num_queued_prefill_tokens(), 88);
+  h.run_until_idle();
+  EXPECT_EQ(h.scheduler.num_queued_prefill_tokens(), 0);
+}
+
+TEST(Scheduler, RecordsCacheEventsForTheConnectorWhenConfigured) {
+  SchedulerConfig config = small_config();
+  config.record_cache_events = true;
+  SchedulerHarness h(config);
+  h.add("a", iota_tokens(40), 1);
+  h.run_until_idle();
+  const std::vector<KvCacheEvent> events = h.scheduler.take_cache_events();
+  ASSERT_EQ(events.size(), 2u);  // two full prompt blocks
+  for (const KvCacheEvent& e : events) EXPECT_TRUE(e.stored);
+  std::vector<BlockHash> expected;
+  expected.push_back(hash_block_tokens(std::nullopt, std::span<const int32_t>(iota_tokens(40)).subspan(0, 16)));
+  EXPECT_EQ(events[0].hash, expected[0]);
+}
+
 }  // namespace
 }  // namespace pd::engine
