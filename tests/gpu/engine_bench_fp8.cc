@@ -2,11 +2,15 @@
 // 1 x 128 activations x 128 x 128 weights) next to the bf16 rate, and whole forward passes
 // of FP8 model shapes built from the kernels (kernel-level steps: every layer's kernels in
 // the order a runner issues them, with each layer's own weights and KV, the decode step
-// captured in one CUDA graph), against floors measured in the same process:
+// captured in one CUDA graph and launched with PDL as the runner launches decode), against
+// floors measured in the same process:
 // - decode: (dense weights + the DISTINCT experts the step routed to, counted per layer
 //   from the routing + KV read + lm_head) / device-to-device copy bandwidth;
 // - prefill: (2 x active linear params x tokens + causal attention + lm_head of the last
 //   rows) / the FP8 GEMM rate; the target ">= 60 % of the FP8 GEMM rate" is x floor <= 1.67.
+// MoE models: each decode batch also without PDL, and a per-stage breakdown of the expert path
+// (moe_stage_breakdown: route, align, gate_up and down at 1 / 2 / 4 column tiles per CTA, SwiGLU,
+// combine, each replayed over every layer's experts in one graph, against its expert-bytes floor).
 // FP8 KV: one more decode step at kv_fp8_batch with the KV cache in FP8 (write + attention
 // kernels of the FP8 layout) beside the bf16-KV step of the same batch.
 // Dummy weights (e4m3 uniform, 128 x 128 scales of one value per weight shape shared by the
