@@ -2,11 +2,15 @@
 // 1 x 128 activations x 128 x 128 weights) next to the bf16 rate, and whole forward passes
 // of FP8 model shapes built from the kernels (kernel-level steps: every layer's kernels in
 // the order a runner issues them, with each layer's own weights and KV, the decode step
-// captured in one CUDA graph), against floors measured in the same process:
+// captured in one CUDA graph and launched with PDL as the runner launches decode), against
+// floors measured in the same process:
 // - decode: (dense weights + the DISTINCT experts the step routed to, counted per layer
 //   from the routing + KV read + lm_head) / device-to-device copy bandwidth;
 // - prefill: (2 x active linear params x tokens + causal attention + lm_head of the last
 //   rows) / the FP8 GEMM rate; the target ">= 60 % of the FP8 GEMM rate" is x floor <= 1.67.
+// MoE models: each decode batch also without PDL, and a per-stage breakdown of the expert path
+// (moe_stage_breakdown: route, align, gate_up and down at 1 / 2 / 4 column tiles per CTA, SwiGLU,
+// combine, each replayed over every layer's experts in one graph, against its expert-bytes floor).
 // FP8 KV: one more decode step at kv_fp8_batch with the KV cache in FP8 (write + attention
 // kernels of the FP8 layout) beside the bf16-KV step of the same batch.
 // Dummy weights (e4m3 uniform, 128 x 128 scales of one value per weight shape shared by the
@@ -359,6 +363,121 @@ double median_of(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Median ms of one replay of the graph `issue` captures on st (2 warm-up replays, 7 timed).
+template <typename Fn>
+double graph_ms(cudaStream_t st, Fn&& issue) {
+  cudaGraph_t graph = nullptr;
+  PD_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  issue();
+  PD_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+  cudaGraphExec_t exec = nullptr;
+  PD_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  PD_CUDA_CHECK(cudaGraphDestroy(graph));
+  cudaEvent_t e0, e1;
+  PD_CUDA_CHECK(cudaEventCreate(&e0));
+  PD_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<double> times;
+  for (int r = 0; r < 9; ++r) {
+    PD_CUDA_CHECK(cudaEventRecord(e0, st));
+    PD_CUDA_CHECK(cudaGraphLaunch(exec, st));
+    PD_CUDA_CHECK(cudaEventRecord(e1, st));
+    PD_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    PD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 2) times.push_back(ms);
+  }
+  PD_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  PD_CUDA_CHECK(cudaEventDestroy(e0));
+  PD_CUDA_CHECK(cudaEventDestroy(e1));
+  return median_of(times);
+}
+
+// Where a decode step's MoE time goes: each stage of the expert path (the kernels MoeLayer
+// issues, called one by one on buffers of this function) replayed for every layer's own
+// expert weights in one graph, so a stage's time per layer includes its launch and its
+// dependency on the kernel before it (PDL as set by the caller). Routing: random router
+// logits (std 1), the same for every layer. Floor of a GEMM stage = the bytes of the distinct
+// routed experts' weights / copy bandwidth.
+void moe_stage_breakdown(const Model& m, int bsz, double copy_gbs, cudaStream_t st) {
+  const Fp8Shape& s = m.s;
+  const int h = s.hidden, inter = s.moe_inter, e = s.experts, k = s.top_k, rows = bsz * k;
+  DeviceBuffer<bf16> x(static_cast<size_t>(bsz) * h), gate_up(static_cast<size_t>(rows) * 2 * inter),
+      act(static_cast<size_t>(rows) * inter), down(static_cast<size_t>(rows) * h), out(static_cast<size_t>(bsz) * h);
+  PD_STATUS_CHECK(kc::fill_uniform(x.get(), x.count(), 21, 1.0f, nullptr));
+  DeviceBuffer<float> logits(static_cast<size_t>(bsz) * e), weights(static_cast<size_t>(rows));
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> hl(logits.count());
+  for (float& v : hl) v = nd(rng);
+  logits.upload(hl);
+  DeviceBuffer<int32_t> ids(static_cast<size_t>(rows)), offs(static_cast<size_t>(e) + 1),
+      padded(static_cast<size_t>(e) + 1), active(static_cast<size_t>(e)), num_active(1),
+      sorted(static_cast<size_t>(rows)), slot(static_cast<size_t>(rows));
+  kc::MoeRouting r;
+  r.expert_offsets = offs.get();
+  r.padded_offsets = padded.get();
+  r.active_experts = active.get();
+  r.num_active = num_active.get();
+  r.sorted_token = sorted.get();
+  r.slot_of_choice = slot.get();
+  PD_STATUS_CHECK(kc::moe_route(logits.get(), bsz, e, k, true, ids.get(), weights.get(), st));
+  PD_STATUS_CHECK(kc::moe_align(ids.get(), bsz, k, e, r, st));
+  PD_CUDA_CHECK(cudaStreamSynchronize(st));
+  const int n_active = num_active.download()[0];
+  auto gemm_args = [&](int l, bool is_gate_up, int tiles) {
+    const kc::MoeWeights w = m.moe(l);
+    kc::StreamGemmArgs a;
+    const int n = is_gate_up ? 2 * inter : h, kk = is_gate_up ? h : inter;
+    a.out = is_gate_up ? gate_up.get() : down.get();
+    a.ldo = n;
+    a.a = is_gate_up ? x.get() : act.get();
+    a.lda = kk;
+    a.tc_tiles = tiles;
+    a.a_rows = is_gate_up ? r.sorted_token : nullptr;
+    a.w = is_gate_up ? w.gate_up : w.down;
+    a.w_scale = is_gate_up ? w.gate_up_scale : w.down_scale;
+    a.w_scale_ld = kc::fp8_weight_scale_ld(kk);
+    a.w_group_stride = static_cast<int64_t>(n) * kk;
+    a.scale_group_stride = static_cast<int64_t>((n + kc::kFp8Block - 1) / kc::kFp8Block) * a.w_scale_ld;
+    a.group_offsets = r.expert_offsets;
+    a.active_groups = r.active_experts;
+    a.num_active = r.num_active;
+    a.max_groups = std::min(e, rows);
+    a.n = n;
+    a.k = kk;
+    return a;
+  };
+  const int L = s.layers;
+  auto per_layer_us = [&](auto&& one) {
+    return graph_ms(st,
+                    [&] {
+                      for (int l = 0; l < L; ++l) one(l);
+                    }) *
+           1e3 / L;
+  };
+  const double route = per_layer_us(
+      [&](int) { PD_STATUS_CHECK(kc::moe_route(logits.get(), bsz, e, k, true, ids.get(), weights.get(), st)); });
+  const double align = per_layer_us([&](int) { PD_STATUS_CHECK(kc::moe_align(ids.get(), bsz, k, e, r, st)); });
+  double gu[3], dn[3];  // 1, 2, 4 tiles per CTA
+  for (int t = 0; t < 3; ++t) {
+    gu[t] = per_layer_us([&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, true, 1 << t), bsz, st)); });
+    dn[t] = per_layer_us([&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, false, 1 << t), bsz, st)); });
+  }
+  const double silu =
+      per_layer_us([&](int) { PD_STATUS_CHECK(kc::silu_mul(act.get(), gate_up.get(), rows, inter, st)); });
+  const double comb = per_layer_us([&](int) {
+    PD_STATUS_CHECK(kc::moe_combine(out.get(), down.get(), r.slot_of_choice, weights.get(), bsz, k, h, false, st));
+  });
+  const double gu_floor = n_active * 2.0 * inter * h / (copy_gbs * 1e3);
+  const double dn_floor = n_active * 1.0 * inter * h / (copy_gbs * 1e3);
+  std::printf(
+      "moe stages b%d (%d distinct experts, us per layer; floor = expert bytes / copy): route %.2f, align %.2f, "
+      "gate_up 1/2/4 tiles %.2f/%.2f/%.2f (floor %.2f), silu %.2f, down 1/2/4 tiles %.2f/%.2f/%.2f (floor %.2f), "
+      "combine %.2f\n",
+      bsz, n_active, route, align, gu[0], gu[1], gu[2], gu_floor, silu, dn[0], dn[1], dn[2], dn_floor, comb);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 double measure_fp8_gemm_tflops(int m, int n, int k, std::string* note) {
@@ -417,27 +536,23 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
                         bsz, s.hq, s.d, ctx, engine::CudaModelRunner::decode_partition_tokens_for(bsz, s.hkv)));
       cudaStream_t st = nullptr;
       PD_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-      eng.forward(b, p, st);  // plans and tuning outside the capture
-      PD_CUDA_CHECK(cudaStreamSynchronize(st));
-      cudaGraph_t graph = nullptr;
-      PD_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      eng.forward(b, p, st);
-      PD_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
-      cudaGraphExec_t exec = nullptr;
-      PD_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      PD_CUDA_CHECK(cudaGraphDestroy(graph));
-      cudaEvent_t e0, e1;
-      PD_CUDA_CHECK(cudaEventCreate(&e0));
-      PD_CUDA_CHECK(cudaEventCreate(&e1));
-      std::vector<double> times;
-      for (int r = 0; r < 12; ++r) {
-        PD_CUDA_CHECK(cudaEventRecord(e0, st));
-        PD_CUDA_CHECK(cudaGraphLaunch(exec, st));
-        PD_CUDA_CHECK(cudaEventRecord(e1, st));
-        PD_CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        PD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 2) times.push_back(ms);
+      // The runner launches decode kernels with PDL (programmatic dependent launch): so does
+      // the measured step. MoE models: the step also without PDL, same process.
+      auto step_ms = [&](bool pdl) {
+        kc::set_programmatic_launch(pdl);
+        eng.forward(b, p, st);  // plans and tuning outside the capture
+        PD_CUDA_CHECK(cudaStreamSynchronize(st));
+        const double ms = graph_ms(st, [&] { eng.forward(b, p, st); });
+        kc::set_programmatic_launch(false);
+        return ms;
+      };
+      std::vector<double> times{step_ms(true)};
+      if (s.experts > 0 && !fp8_kv) {
+        std::printf("  b%d step ms: PDL %.3f, without PDL %.3f\n", bsz, times[0], step_ms(false));
+        kc::set_programmatic_launch(true);
+        moe_stage_breakdown(model, bsz, copy_gbs, st);
+        kc::set_programmatic_launch(false);
+        times[0] = step_ms(true);  // the routing the floor counts is this step's
       }
       // Distinct experts routed in the step, per layer (the last replay's routing).
       double distinct = 0.0;
@@ -461,9 +576,6 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
           {s.name + " decode b" + std::to_string(bsz) + " ctx" + std::to_string(ctx) + (fp8_kv ? " fp8 KV" : ""),
            floor_ms, median_of(times), note});
       print_row(rows->back());
-      PD_CUDA_CHECK(cudaGraphExecDestroy(exec));
-      PD_CUDA_CHECK(cudaEventDestroy(e0));
-      PD_CUDA_CHECK(cudaEventDestroy(e1));
       PD_CUDA_CHECK(cudaStreamDestroy(st));
     }
     std::printf("%s decode: FP8 GEMM paths chosen:", s.name.c_str());

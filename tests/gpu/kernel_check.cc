@@ -1140,7 +1140,9 @@ void check_moe_combine(int t_count, int top_k, int hidden, bool accumulate) {
 
 // Grouped streaming GEMM over the routing of random logits: sorted row r of expert e
 // = x[sorted_token[r]] . W_e^T, FP8 or bf16 experts.
-void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, int n, int k, bool cuda_cores = false) {
+// tiles: the tensor-core kernel's 16-column tiles per CTA (0: its own choice).
+void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, int n, int k, bool cuda_cores = false,
+                               int tiles = 0) {
   const int rows = t_count * top_k;
   const auto logits = random_logits(t_count, e_count);
   DeviceBuffer<float> d_logits(logits.size()), d_w(static_cast<size_t>(rows));
@@ -1198,6 +1200,7 @@ void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, in
   a.n = n;
   a.k = k;
   a.cuda_cores = cuda_cores;
+  a.tc_tiles = tiles;
   PD_STATUS_CHECK(kc::stream_gemm(a, t_count, nullptr));
   const HostRouting h = r.download();
   std::vector<float> ref(static_cast<size_t>(rows) * n);
@@ -1210,7 +1213,8 @@ void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, in
   }
   record(std::string("stream_gemm_grouped_") + (fp8 ? (cuda_cores ? "fp8_simt" : "fp8_tc") : "bf16"),
          std::to_string(t_count) + "x" + std::to_string(n) + "x" + std::to_string(k) + ", " + std::to_string(e_count) +
-             " exp top" + std::to_string(top_k),
+             " exp top" + std::to_string(top_k) +
+             (fp8 && !cuda_cores ? ", tiles " + std::to_string(kc::fp8_tc_grouped_tiles(a)) : ""),
          compare(to_float(d_out.download()), ref), std::to_string(h.num_active) + " active experts");
 }
 
@@ -1677,6 +1681,12 @@ void check_fp8_moe() {
   check_stream_gemm_grouped(true, 16, 64, 8, 512, 768, true);
   check_stream_gemm_grouped(true, 40, 4, 2, 256, 512);
   check_stream_gemm_grouped(true, 40, 4, 2, 256, 512, true);
+  // Each tile count of the tensor-core kernel, with n = 13 tiles of 16 (CTAs whose last tiles
+  // lie past n) and experts of more than 16 rows.
+  for (int tiles : {1, 2, 4}) {
+    check_stream_gemm_grouped(true, 40, 4, 2, 208, 768, false, tiles);
+    check_stream_gemm_grouped(true, 40, 8, 2, 208, 2048, false, tiles);
+  }
   for (bool fp8 : {true, false}) {
     for (auto path : {kc::MoePath::kStream, kc::MoePath::kPerExpert}) {
       check_moe_layer(fp8, path, 5, 16, 4, 256, 128);

@@ -9,6 +9,7 @@
 
 #include "kernels/cuda/fp8_args.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace pd::kernels::cuda::detail {
 namespace {
@@ -133,6 +134,8 @@ __device__ __forceinline__ void bf16x8_to_float_at(const uint4& v, float* f) {
 // block scale of a 16-element piece is constant (16 | 128), applied to its partial dot product.
 template <bool kFp8, int kMT>
 __global__ void __launch_bounds__(kStreamWarps * 32, 2) stream_gemm_kernel(StreamGemmArgs p) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
   int group = 0, row_begin = 0, row_end = p.m;
   if (p.group_offsets != nullptr) {
     const int y = blockIdx.y;
@@ -282,6 +285,8 @@ template <int kUnroll, bool kHighRows>
 __global__ void __launch_bounds__(kTcWarps * 32, 2)
     fp8_tc_stream_kernel(bf16* __restrict__ out, const bf16* __restrict__ a, const uint8_t* __restrict__ w,
                          const float* __restrict__ w_scale, int scale_ld, int m, int n, int k, bool accumulate) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int n0 = blockIdx.x * 16;
@@ -342,9 +347,16 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2)
   }
 }
 
-// The same CTA over a group of rows (StreamGemmArgs: dense, or an active MoE expert with its
-// rows gathered through a_rows), 16 rows per weight pass.
+// The same mma step over a group of rows (StreamGemmArgs: dense, or an active MoE expert with
+// its rows gathered through a_rows), 16 rows per weight pass. A CTA owns kTiles tiles of 16
+// output columns, each split over K by kTcWarps / kTiles warps: more tiles per CTA give each
+// warp more chunks and the CTA more columns, so fewer, longer CTAs share the fixed costs
+// (group lookup, the cross-warp sum, the barriers) — what limits short-K experts (down_proj).
+template <int kTiles>
 __global__ void __launch_bounds__(kTcWarps * 32, 2) fp8_tc_grouped_kernel(StreamGemmArgs p) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
+  constexpr int kWarpsPerTile = kTcWarps / kTiles;
   int group = 0, row_begin = 0, row_end = p.m;
   if (p.group_offsets != nullptr) {
     const int y = blockIdx.y;
@@ -356,17 +368,20 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2) fp8_tc_grouped_kernel(Stream
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  const int n0 = blockIdx.x * 16;
+  const int tile = warp / kWarpsPerTile, wt = warp % kWarpsPerTile;
   const int n = p.n, k = p.k;
-  const bool has_tile1 = n0 + 8 < n;
+  const int n0 = (blockIdx.x * kTiles + tile) * 16;
+  const bool tile_ok = n0 < n;  // warps of a tile past n load nothing but join the barriers
+  const int n0_safe = tile_ok ? n0 : 0;
+  const bool has_tile1 = n0_safe + 8 < n;
   const int num_chunks = k / kTcChunk;
-  const int per_warp = (num_chunks + kTcWarps - 1) / kTcWarps;
-  const int first = warp * per_warp, end = min(num_chunks, first + per_warp);
+  const int per_warp = (num_chunks + kWarpsPerTile - 1) / kWarpsPerTile;
+  const int first = wt * per_warp, end = tile_ok ? min(num_chunks, first + per_warp) : first;
   const uint8_t* wg = static_cast<const uint8_t*>(p.w) + static_cast<int64_t>(group) * p.w_group_stride;
-  const uint8_t* w0 = wg + static_cast<int64_t>(n0 + g) * k + t4 * 16;
-  const uint8_t* w1 = wg + static_cast<int64_t>(has_tile1 ? n0 + 8 + g : n0 + g) * k + t4 * 16;
+  const uint8_t* w0 = wg + static_cast<int64_t>(n0_safe + g) * k + t4 * 16;
+  const uint8_t* w1 = wg + static_cast<int64_t>(has_tile1 ? n0_safe + 8 + g : n0_safe + g) * k + t4 * 16;
   const float* srow = p.w_scale + static_cast<int64_t>(group) * p.scale_group_stride +
-                      static_cast<int64_t>(n0 / kFp8Block) * p.w_scale_ld;
+                      static_cast<int64_t>(n0_safe / kFp8Block) * p.w_scale_ld;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   __shared__ float partial[kTcWarps][2][4][32];
   for (int r0 = row_begin; r0 < row_end; r0 += 16) {
@@ -408,15 +423,21 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2) fp8_tc_grouped_kernel(Stream
       partial[warp][1][i][lane] = acc1[i];
     }
     __syncthreads();
-    const int tile = threadIdx.x >> 7, elem = (threadIdx.x >> 5) & 3, src = threadIdx.x & 31;
-    float sum = 0.0f;
+    // kTiles x 256 outputs (2 n8 tiles x 4 fragment elements x 32 lanes per 16-column tile),
+    // each the sum of its tile's warps.
 #pragma unroll
-    for (int wp = 0; wp < kTcWarps; ++wp) sum += partial[wp][tile][elem][src];
-    const int row = (src >> 2) + (elem >= 2 ? 8 : 0);
-    const int col = n0 + tile * 8 + (src & 3) * 2 + (elem & 1);
-    if (row < rows && col < n) {
-      bf16* o = p.out + static_cast<int64_t>(r0 + row) * p.ldo + col;
-      *o = __float2bfloat16(p.accumulate ? sum + __bfloat162float(*o) : sum);
+    for (int j = 0; j < kTiles; ++j) {
+      const int idx = j * kTcWarps * 32 + threadIdx.x;
+      const int out_tile = idx >> 8, half = (idx >> 7) & 1, elem = (idx >> 5) & 3, src = idx & 31;
+      float sum = 0.0f;
+#pragma unroll
+      for (int wp = 0; wp < kWarpsPerTile; ++wp) sum += partial[out_tile * kWarpsPerTile + wp][half][elem][src];
+      const int row = (src >> 2) + (elem >= 2 ? 8 : 0);
+      const int col = (blockIdx.x * kTiles + out_tile) * 16 + half * 8 + (src & 3) * 2 + (elem & 1);
+      if (row < rows && col < n) {
+        bf16* o = p.out + static_cast<int64_t>(r0 + row) * p.ldo + col;
+        *o = __float2bfloat16(p.accumulate ? sum + __bfloat162float(*o) : sum);
+      }
     }
   }
 }
@@ -425,16 +446,17 @@ template <bool kFp8>
 cudaError_t launch_stream_gemm_typed(const StreamGemmArgs& p, int32_t rows_hint, cudaStream_t stream) {
   const dim3 grid((p.n + kStreamColsPerCta - 1) / kStreamColsPerCta, p.group_offsets != nullptr ? p.max_groups : 1);
   const dim3 block(kStreamWarps * 32);
+  cudaError_t err = cudaSuccess;
   if (rows_hint <= 1) {
-    stream_gemm_kernel<kFp8, 1><<<grid, block, 0, stream>>>(p);
+    err = launch_dependent(stream_gemm_kernel<kFp8, 1>, grid, block, 0, stream, p);
   } else if (rows_hint <= 2) {
-    stream_gemm_kernel<kFp8, 2><<<grid, block, 0, stream>>>(p);
+    err = launch_dependent(stream_gemm_kernel<kFp8, 2>, grid, block, 0, stream, p);
   } else if (rows_hint <= 4) {
-    stream_gemm_kernel<kFp8, 4><<<grid, block, 0, stream>>>(p);
+    err = launch_dependent(stream_gemm_kernel<kFp8, 4>, grid, block, 0, stream, p);
   } else {
-    stream_gemm_kernel<kFp8, 8><<<grid, block, 0, stream>>>(p);
+    err = launch_dependent(stream_gemm_kernel<kFp8, 8>, grid, block, 0, stream, p);
   }
-  return cudaGetLastError();
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 // Dummy FP8 weights: e4m3 of a counter hash of (seed, index), uniform in [-scale, scale).
@@ -473,22 +495,23 @@ cudaError_t launch_fp8_tc_stream(bf16* out, const bf16* a, const uint8_t* w, con
                                  int32_t m, int32_t n, int32_t k, bool accumulate, cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
   const dim3 grid((n + 15) / 16);
-  if (m <= 8) {
-    fp8_tc_stream_kernel<4, false>
-        <<<grid, kTcWarps * 32, 0, stream>>>(out, a, w, w_scale, scale_ld, m, n, k, accumulate);
-  } else {
-    fp8_tc_stream_kernel<4, true>
-        <<<grid, kTcWarps * 32, 0, stream>>>(out, a, w, w_scale, scale_ld, m, n, k, accumulate);
-  }
-  return cudaGetLastError();
+  const cudaError_t err = m <= 8 ? launch_dependent(fp8_tc_stream_kernel<4, false>, grid, dim3(kTcWarps * 32), 0,
+                                                    stream, out, a, w, w_scale, scale_ld, m, n, k, accumulate)
+                                 : launch_dependent(fp8_tc_stream_kernel<4, true>, grid, dim3(kTcWarps * 32), 0, stream,
+                                                    out, a, w, w_scale, scale_ld, m, n, k, accumulate);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 cudaError_t launch_stream_gemm(const StreamGemmArgs& args, int32_t rows_hint, cudaStream_t stream) {
   if (args.n == 0 || (args.group_offsets == nullptr && args.m == 0) || args.max_groups == 0) return cudaSuccess;
   if (args.w_scale != nullptr && !args.cuda_cores && args.n % 16 == 0) {
-    const dim3 grid((args.n + 15) / 16, args.group_offsets != nullptr ? args.max_groups : 1);
-    fp8_tc_grouped_kernel<<<grid, kTcWarps * 32, 0, stream>>>(args);
-    return cudaGetLastError();
+    const int tiles = fp8_tc_grouped_tiles(args);
+    const dim3 grid((args.n + 16 * tiles - 1) / (16 * tiles), args.group_offsets != nullptr ? args.max_groups : 1);
+    const dim3 block(kTcWarps * 32);
+    const cudaError_t err = tiles == 4   ? launch_dependent(fp8_tc_grouped_kernel<4>, grid, block, 0, stream, args)
+                            : tiles == 2 ? launch_dependent(fp8_tc_grouped_kernel<2>, grid, block, 0, stream, args)
+                                         : launch_dependent(fp8_tc_grouped_kernel<1>, grid, block, 0, stream, args);
+    return err != cudaSuccess ? err : cudaGetLastError();
   }
   return args.w_scale != nullptr ? launch_stream_gemm_typed<true>(args, rows_hint, stream)
                                  : launch_stream_gemm_typed<false>(args, rows_hint, stream);

@@ -85,7 +85,18 @@ struct StreamGemmArgs {
   // block scale in registers, 16 rows per weight pass); set to run the CUDA-core kernel
   // instead (8 rows per pass), kept for comparison. bf16 weights always take the CUDA cores.
   bool cuda_cores = false;
+  // Tensor-core kernel: 16-column tiles per CTA (1, 2 or 4); 0 = fp8_tc_grouped_tiles' choice.
+  int32_t tc_tiles = 0;
 };
+
+// Tiles per CTA of the tensor-core streaming kernel: grouped (MoE) GEMMs with K <= 1,024 take 4
+// (two warps of 6-8 chunks of 64 per tile instead of eight of 1-2), K <= 2,048 take 2, the
+// rest and dense GEMMs 1.
+constexpr int32_t fp8_tc_grouped_tiles(const StreamGemmArgs& a) {
+  if (a.tc_tiles == 1 || a.tc_tiles == 2 || a.tc_tiles == 4) return a.tc_tiles;
+  if (a.group_offsets == nullptr) return 1;
+  return a.k <= 1024 ? 4 : a.k <= 2048 ? 2 : 1;
+}
 
 // MoE routing outputs (moe_align): the T * top_k (token, choice) pairs sorted by expert.
 struct MoeRouting {

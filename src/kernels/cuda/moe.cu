@@ -9,6 +9,7 @@
 
 #include "kernels/cuda/fp8_args.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace pd::kernels::cuda::detail {
 namespace {
@@ -20,11 +21,9 @@ constexpr int kMaxPerLane = kMoeMaxExperts / 32;
 // warp-wide argmax (ties to the lower expert id, as torch.topk on equal values is not
 // specified; the CPU reference uses the same rule); the weights are the softmax
 // probabilities, divided by their sum over the chosen experts when renormalize is set.
-__global__ void __launch_bounds__(kRouteWarps * 32)
-    moe_route_kernel(const float* __restrict__ logits, int32_t num_tokens, int32_t num_experts, int32_t top_k,
-                     bool renormalize, int32_t* __restrict__ topk_ids, float* __restrict__ topk_weights) {
-  const int t = blockIdx.x * kRouteWarps + threadIdx.x / 32;
-  if (t >= num_tokens) return;
+__device__ __forceinline__ void route_token(const float* __restrict__ logits, int t, int32_t num_experts, int32_t top_k,
+                                            bool renormalize, int32_t* __restrict__ topk_ids,
+                                            float* __restrict__ topk_weights) {
   const int lane = threadIdx.x % 32;
   const float* row = logits + static_cast<int64_t>(t) * num_experts;
   float v[kMaxPerLane];
@@ -87,6 +86,16 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   }
 }
 
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    moe_route_kernel(const float* __restrict__ logits, int32_t num_tokens, int32_t num_experts, int32_t top_k,
+                     bool renormalize, int32_t* __restrict__ topk_ids, float* __restrict__ topk_weights) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
+  const int t = blockIdx.x * kRouteWarps + threadIdx.x / 32;
+  if (t >= num_tokens) return;
+  route_token(logits, t, num_experts, top_k, renormalize, topk_ids, topk_weights);
+}
+
 constexpr int kAlignThreads = 1024;
 
 // One CTA: histogram of the expert ids, offsets (plain, and of the cuBLASLt rows per expert),
@@ -94,9 +103,8 @@ constexpr int kAlignThreads = 1024;
 // its expert's range through a shared-memory cursor. The order of rows within an expert
 // depends on the atomics' order; no result does (every GEMM row is computed on its own and
 // moe_combine sums in choice order through slot_of_choice).
-__global__ void __launch_bounds__(kAlignThreads)
-    moe_align_kernel(const int32_t* __restrict__ topk_ids, int32_t num_pairs, int32_t top_k, int32_t num_experts,
-                     MoeRouting r) {
+__device__ __forceinline__ void align_pairs(const int32_t* __restrict__ topk_ids, int32_t num_pairs, int32_t top_k,
+                                            int32_t num_experts, const MoeRouting& r) {
   __shared__ int32_t counts[kMoeMaxExperts];
   __shared__ int32_t offsets[kMoeMaxExperts + 1];
   __shared__ int32_t cursor[kMoeMaxExperts];
@@ -107,9 +115,32 @@ __global__ void __launch_bounds__(kAlignThreads)
     if (e >= 0 && e < num_experts) atomicAdd(&counts[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  // Offsets, padded offsets and the active list: warp 0, each lane a run of consecutive
+  // experts, exclusive prefix sums over the lanes by shuffles.
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const int per = (num_experts + 31) / 32, e0 = lane * per, e1 = min(num_experts, e0 + per);
     int acc = 0, padded = 0, active = 0;
-    for (int e = 0; e < num_experts; ++e) {
+    for (int e = e0; e < e1; ++e) {
+      acc += counts[e];
+      padded += fp8_cublas_rows(counts[e]);
+      active += counts[e] > 0 ? 1 : 0;
+    }
+    int acc_in = acc, padded_in = padded, active_in = active;  // inclusive scans
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, acc_in, o), p = __shfl_up_sync(0xffffffffu, padded_in, o),
+                c = __shfl_up_sync(0xffffffffu, active_in, o);
+      if (lane >= o) {
+        acc_in += a;
+        padded_in += p;
+        active_in += c;
+      }
+    }
+    acc = acc_in - acc;
+    padded = padded_in - padded;
+    active = active_in - active;
+    for (int e = e0; e < e1; ++e) {
       offsets[e] = acc;
       r.expert_offsets[e] = acc;
       r.padded_offsets[e] = padded;
@@ -117,11 +148,15 @@ __global__ void __launch_bounds__(kAlignThreads)
       acc += counts[e];
       padded += fp8_cublas_rows(counts[e]);
     }
-    offsets[num_experts] = acc;
-    r.expert_offsets[num_experts] = acc;
-    r.padded_offsets[num_experts] = padded;
-    *r.num_active = active;
-    for (int e = active; e < num_experts; ++e) r.active_experts[e] = -1;
+    const int total = __shfl_sync(0xffffffffu, acc_in, 31), total_padded = __shfl_sync(0xffffffffu, padded_in, 31),
+              total_active = __shfl_sync(0xffffffffu, active_in, 31);
+    if (lane == 0) {
+      offsets[num_experts] = total;
+      r.expert_offsets[num_experts] = total;
+      r.padded_offsets[num_experts] = total_padded;
+      *r.num_active = total_active;
+    }
+    for (int e = total_active + lane; e < num_experts; e += 32) r.active_experts[e] = -1;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < num_experts; e += kAlignThreads) cursor[e] = offsets[e];
@@ -147,11 +182,21 @@ __global__ void __launch_bounds__(kAlignThreads)
   }
 }
 
+__global__ void __launch_bounds__(kAlignThreads)
+    moe_align_kernel(const int32_t* __restrict__ topk_ids, int32_t num_pairs, int32_t top_k, int32_t num_experts,
+                     MoeRouting r) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
+  align_pairs(topk_ids, num_pairs, top_k, num_experts, r);
+}
+
 // out[t][:] (+)= sum_j weights[t * top_k + j] * y[slot_of_choice[t * top_k + j]][:], fp32 sum in
 // choice order, 8 columns per thread.
 __global__ void moe_combine_kernel(bf16* __restrict__ out, const bf16* __restrict__ y,
                                    const int32_t* __restrict__ slot_of_choice, const float* __restrict__ weights,
                                    int32_t top_k, int32_t hidden, bool accumulate) {
+  wait_for_prior_grids();  // pdl.cuh: before any global access
+  allow_dependents();
   const int t = blockIdx.y;
   const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (c >= hidden) return;
@@ -195,15 +240,17 @@ __global__ void moe_combine_kernel(bf16* __restrict__ out, const bf16* __restric
 cudaError_t launch_moe_route(const float* logits, int32_t num_tokens, int32_t num_experts, int32_t top_k,
                              bool renormalize, int32_t* topk_ids, float* topk_weights, cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
-  moe_route_kernel<<<(num_tokens + kRouteWarps - 1) / kRouteWarps, kRouteWarps * 32, 0, stream>>>(
-      logits, num_tokens, num_experts, top_k, renormalize, topk_ids, topk_weights);
-  return cudaGetLastError();
+  const cudaError_t err =
+      launch_dependent(moe_route_kernel, dim3((num_tokens + kRouteWarps - 1) / kRouteWarps), dim3(kRouteWarps * 32), 0,
+                       stream, logits, num_tokens, num_experts, top_k, renormalize, topk_ids, topk_weights);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 cudaError_t launch_moe_align(const int32_t* topk_ids, int32_t num_tokens, int32_t top_k, int32_t num_experts,
                              const MoeRouting& routing, cudaStream_t stream) {
-  moe_align_kernel<<<1, kAlignThreads, 0, stream>>>(topk_ids, num_tokens * top_k, top_k, num_experts, routing);
-  return cudaGetLastError();
+  const cudaError_t err = launch_dependent(moe_align_kernel, dim3(1), dim3(kAlignThreads), 0, stream, topk_ids,
+                                           num_tokens * top_k, top_k, num_experts, routing);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 cudaError_t launch_moe_combine(bf16* out, const bf16* y, const int32_t* slot_of_choice, const float* weights,
@@ -212,8 +259,9 @@ cudaError_t launch_moe_combine(bf16* out, const bf16* y, const int32_t* slot_of_
   if (num_tokens == 0) return cudaSuccess;
   const int threads = 128;
   const dim3 grid((hidden / 8 + threads - 1) / threads, num_tokens);
-  moe_combine_kernel<<<grid, threads, 0, stream>>>(out, y, slot_of_choice, weights, top_k, hidden, accumulate);
-  return cudaGetLastError();
+  const cudaError_t err = launch_dependent(moe_combine_kernel, grid, dim3(threads), 0, stream, out, y, slot_of_choice,
+                                           weights, top_k, hidden, accumulate);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 }  // namespace pd::kernels::cuda::detail
