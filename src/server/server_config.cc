@@ -86,11 +86,6 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
 Status validate_server_config(ServerConfig& config) {
   if (config.tensor_parallel_size < 1)
     return invalid_argument("--tensor-parallel-size must be >= 1, got {}", config.tensor_parallel_size);
-  if (config.tensor_parallel_size > 1 && config.device != "cpu")
-    return unimplemented(
-        "--tensor-parallel-size {} with --device {}: tensor parallelism runs on --device cpu only in this build (the "
-        "NCCL path is not built yet)",
-        config.tensor_parallel_size, config.device);
   if (config.port < 0 || config.port > 65535) return invalid_argument("--port must be 0..65535, got {}", config.port);
   if (config.max_model_len && *config.max_model_len < 2)
     return invalid_argument("--max-model-len must be at least 2, got {}", *config.max_model_len);
@@ -145,6 +140,12 @@ Status validate_server_config(ServerConfig& config) {
   if (!kv.kv_role.empty() && kv.kv_role != "kv_producer" && kv.kv_role != "kv_consumer" && kv.kv_role != "kv_both" &&
       kv.kv_role != "producer" && kv.kv_role != "consumer" && kv.kv_role != "both")
     return invalid_argument("--kv-role must be kv_producer, kv_consumer or kv_both, got '{}'", kv.kv_role);
+  // On cuda the ranks' KV shards live on several GPUs, which the connector does not register.
+  if (config.tensor_parallel_size > 1 && config.device == "cuda" && (!kv.config_json.empty() || !kv.kv_role.empty()))
+    return unimplemented(
+        "--tensor-parallel-size {} with --device cuda and --kv-transfer-config / --kv-role: P/D transfer of "
+        "tensor-parallel KV shards on GPUs is not supported; use --tensor-parallel-size 1 on cuda P/D instances",
+        config.tensor_parallel_size);
   // Each rank holds its own shard of every KV block; the connector moves one
   // region per layer, so P/D instances stay at one rank for now.
   if (config.tensor_parallel_size > 1 && (!kv.config_json.empty() || !kv.kv_role.empty()))

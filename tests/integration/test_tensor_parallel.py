@@ -76,7 +76,8 @@ def test_tensor_parallel_text_prompt_matches_one_rank(procs):
 @pytest.mark.parametrize("flags, needle", [
     (["--tensor-parallel-size", "2", "--kv-role", "kv_producer"], "P/D transfer of tensor-parallel KV shards"),
     (["--tensor-parallel-size", "8"], "must divide the number of attention heads (4)"),
-    (["--tensor-parallel-size", "2", "--device", "cuda"], "tensor parallelism runs on --device cpu only"),
+    (["--tensor-parallel-size", "2", "--device", "cuda", "--kv-role", "kv_consumer"],
+     "P/D transfer of tensor-parallel KV shards on GPUs is not supported"),
 ])
 def test_tensor_parallel_refusals_name_the_reason(flags, needle):
     result = run_to_exit(*flags)
