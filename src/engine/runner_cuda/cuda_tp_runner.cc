@@ -103,6 +103,10 @@ Result<StepOutput> CudaTpRunner::execute(const StepInput& input) {
   }
   if (ranks_.size() == 1) return ranks_[0]->execute(input);
   // Bad input fails here, before any rank starts a collective.
+  if (input.layer_hooks != nullptr) {
+    return failed_precondition("cuda runner: P/D layer hooks with tensor_parallel_size {} (sharded KV transfer)",
+                               ranks_.size());
+  }
   PD_RETURN_IF_ERROR(ranks_[0]->validate(input));
   StepOutput out;
   PD_RETURN_IF_ERROR(run_ranks([&](int32_t rank) -> Status {
