@@ -14,6 +14,7 @@ engine::ModelLoadOptions model_load_options(const ServerConfig& config) {
   options.num_kv_blocks = static_cast<int32_t>(config.num_kv_blocks);
   options.max_model_len = config.max_model_len.value_or(0);
   options.tensor_parallel_size = config.tensor_parallel_size;
+  options.enable_expert_parallel = config.enable_expert_parallel;
   options.cuda_device = config.cuda_device;
   options.gpu_memory_utilization = config.gpu_memory_utilization;
   options.max_num_seqs = config.max_num_seqs;

@@ -31,6 +31,8 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
   app.add_option("--tensor-parallel-size", config.tensor_parallel_size,
                  "tensor-parallel ranks (cpu: threads of this process)")
       ->capture_default_str();
+  app.add_flag("--enable-expert-parallel", config.enable_expert_parallel,
+               "MoE: shard whole experts over the tensor-parallel ranks (attention stays tensor-parallel)");
   app.add_option("--load-format", config.load_format, "auto|safetensors|dummy")->capture_default_str();
   app.add_option("--kv-cache-dtype", config.kv_cache_dtype,
                  "auto (cpu: float32, cuda: bfloat16) | fp8 (e4m3 with one fp32 scale per token and kv head)")
@@ -86,6 +88,11 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
 Status validate_server_config(ServerConfig& config) {
   if (config.tensor_parallel_size < 1)
     return invalid_argument("--tensor-parallel-size must be >= 1, got {}", config.tensor_parallel_size);
+  if (config.enable_expert_parallel && config.device != "cpu")
+    return unimplemented(
+        "--enable-expert-parallel with --device {}: expert parallelism runs on --device cpu only in "
+        "this build",
+        config.device);
   if (config.port < 0 || config.port > 65535) return invalid_argument("--port must be 0..65535, got {}", config.port);
   if (config.max_model_len && *config.max_model_len < 2)
     return invalid_argument("--max-model-len must be at least 2, got {}", *config.max_model_len);

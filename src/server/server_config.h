@@ -32,6 +32,7 @@ struct ServerConfig {
   int32_t block_size = 16;
   double gpu_memory_utilization = 0.9;
   int32_t tensor_parallel_size = 1;
+  bool enable_expert_parallel = false;  // MoE experts sharded whole over the tensor-parallel ranks
   std::string load_format = "auto";
   uint64_t seed = 0;
   std::vector<std::string> served_model_names;  // first is the name responses carry

@@ -1,7 +1,8 @@
 """pdserve --tensor-parallel-size N on the cpu device serves the same greedy completions as one rank, through the
 OpenAI API: builtin:tiny (4 heads, 2 KV heads: TP 4 replicates each KV head on two ranks) and the tiny Qwen3-MoE
-checkpoint; prompts past block boundaries and prompts sharing a prefix (prefix-cache hits). Start-up refusals: TP
-with P/D, TP that does not divide the heads."""
+checkpoint; prompts past block boundaries and prompts sharing a prefix (prefix-cache hits); the MoE checkpoint with
+--enable-expert-parallel (whole experts per rank). Start-up refusals: TP with P/D, TP that does not divide the heads,
+expert parallelism on a dense model or off the cpu device."""
 
 from __future__ import annotations
 
@@ -59,6 +60,22 @@ def test_tensor_parallel_serves_the_same_greedy_completions(procs, model_flags, 
         server.process.stop()
 
 
+def test_expert_parallel_serves_the_same_greedy_completions(procs):
+    """8 experts as 4 per rank at TP 2 and 2 per rank at TP 4: the TP 1 completions, a prefix hit included."""
+    ps = [p for i, p in enumerate(prompts(512)) if i in (1, 3, 5, 6)]
+    flags = ["--model", MOE_DIR, "--served-model-name", "builtin:tiny", "--max-model-len", "256",
+             "--num-kv-blocks", "64"]
+    one = start_pdserve(procs, *flags)
+    expected = greedy_outputs(one, ps)
+    one.process.stop()
+    for tp in (2, 4):
+        server = start_pdserve(procs, *flags, "--tensor-parallel-size", str(tp), "--enable-expert-parallel")
+        assert f"expert parallel ({8 // tp} experts per rank)" in server.process.text()
+        got = greedy_outputs(server, ps)
+        assert got == expected, f"tp {tp} with expert parallelism"
+        server.process.stop()
+
+
 def test_tensor_parallel_text_prompt_matches_one_rank(procs):
     """A text prompt through the tokenizer: the same completion text at TP 1 and TP 2."""
     texts = []
@@ -78,6 +95,8 @@ def test_tensor_parallel_text_prompt_matches_one_rank(procs):
     (["--tensor-parallel-size", "8"], "must divide the number of attention heads (4)"),
     (["--tensor-parallel-size", "2", "--device", "cuda", "--kv-role", "kv_consumer"],
      "P/D transfer of tensor-parallel KV shards on GPUs is not supported"),
+    (["--tensor-parallel-size", "2", "--enable-expert-parallel"], "enable_expert_parallel needs a MoE model"),
+    (["--enable-expert-parallel", "--device", "cuda"], "expert parallelism runs on --device cpu only"),
 ])
 def test_tensor_parallel_refusals_name_the_reason(flags, needle):
     result = run_to_exit(*flags)

@@ -12,7 +12,8 @@ namespace cpu = kernels::cpu;
 Result<std::unique_ptr<CpuModelRunner>> CpuModelRunner::create(model::ModelConfig config, model::ModelWeights weights,
                                                                int32_t block_size, int32_t num_kv_blocks,
                                                                int32_t max_model_len, KvDtype kv_dtype,
-                                                               int32_t tensor_parallel_size) {
+                                                               int32_t tensor_parallel_size,
+                                                               bool enable_expert_parallel) {
   PD_RETURN_IF_ERROR(config.validate());
   if (block_size <= 0 || block_size > 1024)
     return invalid_argument("block_size must be in [1, 1024], got {}", block_size);
@@ -21,7 +22,8 @@ Result<std::unique_ptr<CpuModelRunner>> CpuModelRunner::create(model::ModelConfi
   if (kv_dtype != KvDtype::kFloat32 && kv_dtype != KvDtype::kFp8E4m3)
     return invalid_argument("the CPU runner keeps its KV cache in float32 or fp8_e4m3, not {}",
                             kv_dtype_name(kv_dtype));
-  PD_ASSIGN_OR_RETURN(model::TpSplit split, model::plan_tensor_parallel(config, tensor_parallel_size));
+  PD_ASSIGN_OR_RETURN(model::TpSplit split,
+                      model::plan_tensor_parallel(config, tensor_parallel_size, enable_expert_parallel));
   std::unique_ptr<CpuModelRunner> r(new CpuModelRunner());
   r->split_ = split;
   const int32_t tp = split.tp_size;
@@ -137,7 +139,17 @@ Result<std::unique_ptr<CpuModelRunner>> CpuModelRunner::create(model::ModelConfi
         lp.o_proj = row(f.o_proj, hidden, c.q_size(), q0, q0 + q_rank, rank);
         lp.post_norm = f.post_norm;
         lp.router = f.router;
-        if (f.router != nullptr) {
+        if (f.router != nullptr && split.expert_parallel) {
+          // Whole experts [e0, e0 + experts_per_rank): nothing cut, so an FP8
+          // expert's 128x128 scale blocks and its input quantisation stay as at one rank.
+          const int64_t inter = c.moe.moe_intermediate_size;
+          const int32_t e0 = split.expert_begin(rank);
+          for (int32_t e = e0; e < e0 + split.experts_per_rank; ++e) {
+            const Expert& x = f.experts[static_cast<size_t>(e)];
+            lp.experts.push_back({column(x.gate_proj, hidden, 0, inter), column(x.up_proj, hidden, 0, inter),
+                                  column(x.down_proj, inter, 0, hidden)});
+          }
+        } else if (f.router != nullptr) {
           const int64_t i_rank = split.moe_intermediate_per_rank, i0 = rank * i_rank;
           for (const Expert& e : f.experts)
             lp.experts.push_back({column(e.gate_proj, hidden, i0, i0 + i_rank),
@@ -259,6 +271,59 @@ void CpuModelRunner::run_moe(Rank& rank, const LayerPtrs& w, const float* x, int
       for (int32_t j = 0; j < hidden; ++j) d[j] += o[j] * weight;
     }
   }
+}
+
+void CpuModelRunner::run_expert_parallel_moe(size_t layer, const float* x, int32_t t, float* delta) {
+  const model::MoeConfig& moe = config_.moe;
+  const int32_t hidden = config_.hidden_size;
+  const int32_t top_k = moe.num_experts_per_tok;
+  const int32_t num_ranks = split_.tp_size;
+  // The exchange, one slice of token rows per rank. Dispatch: rank r routes its
+  // rows (the router is replicated) into its rows of the shared routing table;
+  // their hidden states are rows of x, one buffer in shared memory, so the
+  // all-gather of hidden states moves nothing. After the join every rank sees
+  // every token's hidden state and routes.
+  std::vector<int32_t> expert_ids(static_cast<size_t>(t) * top_k);
+  std::vector<float> route_weights(expert_ids.size());
+  pool_->run([&](int32_t ri) {
+    const auto [row0, row1] = model::token_slice(ri, num_ranks, t);
+    if (row0 == row1) return;
+    Rank& rk = ranks_[static_cast<size_t>(ri)];
+    const int32_t m = row1 - row0;
+    rk.scratch.resize(static_cast<size_t>(m) * moe.num_experts);
+    cpu::matmul(x + static_cast<int64_t>(row0) * hidden, rk.layers[layer].router, nullptr, m, moe.num_experts, hidden,
+                rk.scratch.data());
+    const size_t at = static_cast<size_t>(row0) * top_k;
+    cpu::moe_route(rk.scratch.data(), m, moe.num_experts, top_k, moe.norm_topk_prob, expert_ids.data() + at,
+                   route_weights.data() + at);
+  });
+  // Each rank runs its experts over every gathered row routed to them (rows
+  // ascending per expert, as at one rank) into its partial [t][hidden].
+  pool_->run([&](int32_t ri) {
+    Rank& rk = ranks_[static_cast<size_t>(ri)];
+    const int32_t e0 = split_.expert_begin(ri);
+    rk.local_routed.assign(static_cast<size_t>(split_.experts_per_rank), {});
+    for (int32_t r = 0; r < t; ++r)
+      for (int32_t i = 0; i < top_k; ++i) {
+        const size_t at = static_cast<size_t>(r) * top_k + i;
+        const int32_t local = expert_ids[at] - e0;
+        if (local >= 0 && local < split_.experts_per_rank)
+          rk.local_routed[static_cast<size_t>(local)].push_back({r, route_weights[at]});
+      }
+    run_moe(rk, rk.layers[layer], x, t, rk.local_routed);
+  });
+  // Combine (reduce-scatter): rank r sums its token rows over every rank's
+  // partial in rank order, into its rows of delta; the slices tile delta, so
+  // the engine thread then reads the whole sum (the closing all-gather).
+  pool_->run([&](int32_t ri) {
+    const auto [row0, row1] = model::token_slice(ri, num_ranks, t);
+    if (row0 == row1) return;
+    const int64_t offset = static_cast<int64_t>(row0) * hidden;
+    std::vector<const float*> partials;
+    partials.reserve(ranks_.size());
+    for (const Rank& rk : ranks_) partials.push_back(rk.partial.data() + offset);
+    cpu::sum_rank_partials(partials, static_cast<int64_t>(row1 - row0) * hidden, delta + offset);
+  });
 }
 
 Status CpuModelRunner::validate(const StepInput& input) const {
@@ -397,7 +462,10 @@ Result<std::vector<float>> CpuModelRunner::forward(const StepInput& input, Logit
     all_reduce(rows_hidden, delta.data());
     const LayerPtrs& w0 = ranks_[0].layers[li];
     cpu::add_rms_norm(residual.data(), delta.data(), w0.post_norm, t, hidden, c.rms_norm_eps, x.data());
-    if (w0.router != nullptr) {
+    const bool expert_parallel_moe = w0.router != nullptr && split_.expert_parallel;
+    if (expert_parallel_moe) {
+      run_expert_parallel_moe(li, x.data(), t, delta.data());
+    } else if (w0.router != nullptr) {
       // The router is replicated: routed once here, the same for every rank.
       const model::MoeConfig& moe = c.moe;
       const int32_t top_k = moe.num_experts_per_tok;
@@ -431,7 +499,7 @@ Result<std::vector<float>> CpuModelRunner::forward(const StepInput& input, Logit
         run_linear(w.down_proj, rk.gate.data(), t, hidden, inter, rk.partial.data(), &rk.quant_scratch);
       });
     }
-    all_reduce(rows_hidden, delta.data());
+    if (!expert_parallel_moe) all_reduce(rows_hidden, delta.data());
     for (size_t i = 0; i < residual.size(); ++i) residual[i] += delta[i];
   }
 

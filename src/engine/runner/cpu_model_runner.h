@@ -26,10 +26,12 @@ class CpuModelRunner final : public ModelRunner {
   // weights are dequantised here, once (w = code * scale_inv of its block).
   // tensor_parallel_size: ranks of the step (model::plan_tensor_parallel's
   // checks; each rank keeps its slice of every split weight and of every KV block).
+  // enable_expert_parallel: each rank keeps num_experts / N whole experts instead.
   static Result<std::unique_ptr<CpuModelRunner>> create(model::ModelConfig config, model::ModelWeights weights,
                                                         int32_t block_size, int32_t num_kv_blocks,
                                                         int32_t max_model_len, KvDtype kv_dtype = KvDtype::kFloat32,
-                                                        int32_t tensor_parallel_size = 1);
+                                                        int32_t tensor_parallel_size = 1,
+                                                        bool enable_expert_parallel = false);
 
   const KvCacheSpec& kv_cache_spec() const override { return spec_; }
   int32_t vocab_size() const override { return config_.vocab_size; }
@@ -40,6 +42,7 @@ class CpuModelRunner final : public ModelRunner {
   void* kv_layer_base(int32_t layer) override;
   void* kv_layer_base(int32_t rank, int32_t layer);
   int32_t tensor_parallel_size() const { return split_.tp_size; }
+  const model::TpSplit& tp_split() const { return split_; }
   bool kv_on_device() const override { return false; }
 
   const model::ModelConfig& config() const { return config_; }
@@ -89,6 +92,8 @@ class CpuModelRunner final : public ModelRunner {
     std::vector<std::unique_ptr<uint8_t[]>> kv_fp8;
     std::vector<float> q, k, v, attn, gate, up, partial, scratch, quant_scratch;
     std::vector<float> xs, out;  // MoE rows of one expert
+    // Expert parallelism: (row, weight) per local expert of the current layer.
+    std::vector<std::vector<std::pair<int32_t, float>>> local_routed;
   };
 
   CpuModelRunner() = default;
@@ -99,6 +104,10 @@ class CpuModelRunner final : public ModelRunner {
   // rank.partial = this rank's share of the Qwen3-MoE sparse block of x (rows t).
   void run_moe(Rank& rank, const LayerPtrs& w, const float* x, int32_t t,
                const std::vector<std::vector<std::pair<int32_t, float>>>& routed);
+  // The MoE block with expert parallelism: dispatch (each rank routes its token
+  // slice; all-gather of the routed tokens), every rank's experts over the rows
+  // routed to them, combine (reduce-scatter in rank order into delta's slices).
+  void run_expert_parallel_moe(size_t layer, const float* x, int32_t t, float* delta);
   // delta = sum over the ranks' `partial`, in rank order.
   void all_reduce(int64_t count, float* delta);
 

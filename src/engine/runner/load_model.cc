@@ -4,6 +4,8 @@
 #include "engine/runner_cuda/load_cuda_runner.h"
 #endif
 
+#include <fmt/format.h>
+
 #include <cstdlib>
 #include <system_error>
 
@@ -59,6 +61,11 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
     return invalid_argument("device must be cpu or cuda, got '{}'", options.device);
   if (options.tensor_parallel_size < 1)
     return invalid_argument("tensor_parallel_size must be >= 1, got {}", options.tensor_parallel_size);
+  if (options.enable_expert_parallel && options.device != "cpu")
+    return unimplemented(
+        "enable_expert_parallel on device '{}': expert parallelism runs on the cpu device only in "
+        "this build",
+        options.device);
 #ifndef PDSERVE_HAVE_CUDA_RUNNER
   if (options.device == "cuda")
     return unimplemented("device 'cuda': this build has no CUDA runner (it was built without nvcc)");
@@ -105,7 +112,8 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
   if (max_model_len > config.max_position_embeddings)
     return invalid_argument("max_model_len {} exceeds the model's max_position_embeddings {}", max_model_len,
                             config.max_position_embeddings);
-  PD_ASSIGN_OR_RETURN(const model::TpSplit split, model::plan_tensor_parallel(config, options.tensor_parallel_size));
+  PD_ASSIGN_OR_RETURN(const model::TpSplit split, model::plan_tensor_parallel(config, options.tensor_parallel_size,
+                                                                              options.enable_expert_parallel));
 
 #ifdef PDSERVE_HAVE_CUDA_RUNNER
   if (options.device == "cuda") {
@@ -165,11 +173,14 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
   loaded.architecture = config.architecture;
   loaded.eos_token_ids = config.eos_token_ids;
   loaded.max_model_len = max_model_len;
-  PD_ASSIGN_OR_RETURN(auto runner, CpuModelRunner::create(std::move(config), std::move(weights), options.block_size,
-                                                          num_blocks, max_model_len, cpu_kv_dtype, split.tp_size));
-  PD_LOG_INFO("loaded {} ({}) on cpu: {} {} KV blocks of {} tokens, max_model_len {}, tensor_parallel_size {}",
+  PD_ASSIGN_OR_RETURN(auto runner,
+                      CpuModelRunner::create(std::move(config), std::move(weights), options.block_size, num_blocks,
+                                             max_model_len, cpu_kv_dtype, split.tp_size, split.expert_parallel));
+  PD_LOG_INFO("loaded {} ({}) on cpu: {} {} KV blocks of {} tokens, max_model_len {}, tensor_parallel_size {}{}",
               options.model, loaded.architecture, num_blocks, kv_dtype_name(cpu_kv_dtype), options.block_size,
-              max_model_len, split.tp_size);
+              max_model_len, split.tp_size,
+              split.expert_parallel ? fmt::format(", expert parallel ({} experts per rank)", split.experts_per_rank)
+                                    : std::string());
   loaded.runner = std::move(runner);
   return loaded;
 }

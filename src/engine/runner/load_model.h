@@ -27,6 +27,8 @@ struct ModelLoadOptions {
   int32_t max_model_len = 0;  // 0 = min(config max_position_embeddings, 4096)
   // Ranks of the tensor-parallel split (cpu only: threads of this process).
   int32_t tensor_parallel_size = 1;
+  // MoE experts sharded whole over the ranks (cpu only in this build).
+  bool enable_expert_parallel = false;
   // cuda only: fraction of device memory for weights + KV, and the largest
   // batch the runner must hold (sizes its pinned step buffers and graph buckets).
   double gpu_memory_utilization = 0.9;

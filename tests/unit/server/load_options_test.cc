@@ -45,6 +45,17 @@ TEST(ModelLoadOptions, EveryRunnerFlagReachesTheLoader) {
   EXPECT_EQ(o.tensor_parallel_size, 4);
 }
 
+TEST(ModelLoadOptions, ExpertParallelFlagReachesTheLoader) {
+  std::vector<const char*> args = {"pdserve", "--tensor-parallel-size", "2", "--enable-expert-parallel"};
+  auto outcome = parse_server_cli(static_cast<int>(args.size()), args.data());
+  ASSERT_TRUE(outcome.config) << outcome.message;
+  EXPECT_TRUE(model_load_options(*outcome.config).enable_expert_parallel);
+  args.pop_back();
+  outcome = parse_server_cli(static_cast<int>(args.size()), args.data());
+  ASSERT_TRUE(outcome.config) << outcome.message;
+  EXPECT_FALSE(model_load_options(*outcome.config).enable_expert_parallel);
+}
+
 TEST(ModelLoadOptions, NegativeCudaDeviceIsRefused) {
   std::vector<const char*> args = {"pdserve", "--cuda-device", "-1"};
   auto outcome = parse_server_cli(static_cast<int>(args.size()), args.data());

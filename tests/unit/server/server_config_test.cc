@@ -88,6 +88,20 @@ TEST(ServerConfigValidation, TensorParallelRunsOnCpuAndCudaWithoutPd) {
   EXPECT_EQ(validate_server_config(*zero.config).code(), ErrorCode::kInvalidArgument);
 }
 
+TEST(ServerConfigValidation, ExpertParallelRunsOnCpuOnly) {
+  auto cpu = parse({"--tensor-parallel-size", "2", "--enable-expert-parallel"});
+  ASSERT_TRUE(cpu.config);
+  EXPECT_TRUE(cpu.config->enable_expert_parallel);
+  EXPECT_TRUE(validate_server_config(*cpu.config).ok());
+
+  auto cuda = parse({"--enable-expert-parallel", "--device", "cuda"});
+  ASSERT_TRUE(cuda.config);
+  auto status = validate_server_config(*cuda.config);
+  EXPECT_EQ(status.code(), ErrorCode::kUnimplemented);
+  EXPECT_NE(status.message().find("--enable-expert-parallel with --device cuda"), std::string::npos)
+      << status.to_string();
+}
+
 TEST(ServerConfigValidation, KvTransferConfigMustBeAJsonObject) {
   auto bad = parse({"--kv-transfer-config", "{not json"});
   ASSERT_TRUE(bad.config);
