@@ -131,6 +131,12 @@ Status PdConnector::init() {
       &reg.counter("pd_connector_first_tokens_total", "Consumer: first output tokens handed over by the producer",
                    {{"result", "refused_sampling_key"}});
 
+  metrics_.first_tokens_streamed =
+      &reg.counter("pd_connector_first_tokens_streamed_total",
+                   "Consumer: handed-over first tokens streamed to the client as their done arrived");
+  metrics_.dones_on_completion =
+      &reg.counter("pd_connector_dones_on_completion_total",
+                   "Producer: WRITE dones sent as the last write completed, ahead of the engine thread");
   record_.instance_id = options_.instance_id.empty() ? default_instance_id(config_.role) : options_.instance_id;
   if (record_.instance_id.size() > kMaxInstanceIdBytes) {
     return invalid_argument("instance id longer than {} bytes", kMaxInstanceIdBytes);
@@ -191,7 +197,8 @@ Status PdConnector::init() {
   ccfg.handshake_timeout_ms = config_.handshake_timeout_ms;
   ccfg.curve = curve;
   ccfg.instance_label = record_.instance_id;
-  PD_ASSIGN_OR_RETURN(control_, ControlPlane::start(ccfg, [this](InboundMessage m) { push_inbox(std::move(m)); }));
+  PD_ASSIGN_OR_RETURN(control_,
+                      ControlPlane::start(ccfg, [this](InboundMessage m) { on_control_message(std::move(m)); }));
 
   record_.role = kv_role_short_name(config_.role);
   record_.http = options_.http_address;
@@ -301,6 +308,11 @@ void PdConnector::bind_engine_wakeup(std::function<void()> wakeup) {
   wakeup_ = std::move(wakeup);
 }
 
+void PdConnector::bind_first_token_sink(engine::FirstTokenSink sink) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  first_token_sink_ = std::move(sink);
+}
+
 void PdConnector::wake() {
   std::function<void()> wakeup;
   {
@@ -314,6 +326,39 @@ void PdConnector::push_inbox(InboxItem item) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     inbox_.push_back(std::move(item));
+  }
+  wake();
+}
+
+void PdConnector::on_control_message(InboundMessage in) {
+  // A `done` that completes a hand-over as expected: the state machine will take it
+  // with its token at the next poll (same transfer, same producer incarnation, same
+  // prompt length and sampling key, sent while WaitingDone), so the token goes to
+  // the client now instead of after the engine's step in flight. Checked and queued
+  // under one lock with the deadline: a poll that misses this message read its
+  // clock before it, so the engine cannot have expired the request (engine.cc).
+  std::optional<std::pair<std::string, int32_t>> stream;
+  engine::FirstTokenSink sink;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const ControlMessage& m = in.message;
+    if (m.type == MessageType::kDone && m.ok && m.first_token) {
+      auto it = hand_overs_expected_.find(m.transfer_id);
+      if (it != hand_overs_expected_.end()) {
+        const HandOverExpected& e = it->second;
+        if (in.from == e.from && m.instance_id == e.instance_id && m.boot_nonce == e.boot_nonce &&
+            m.num_tokens == e.num_prompt_tokens && m.sampling_key == e.sampling_key && now_ns() < e.deadline_ns) {
+          stream.emplace(e.request_id, *m.first_token);
+          sink = first_token_sink_;
+          hand_overs_expected_.erase(it);
+        }
+      }
+    }
+    inbox_.push_back(std::move(in));
+  }
+  if (stream && sink) {
+    metrics_.first_tokens_streamed->inc();
+    sink(stream->first, stream->second);
   }
   wake();
 }
@@ -342,6 +387,31 @@ void PdConnector::completion_loop() {
     xfer_->release(batch.id);
     batch.completion.ok = status.ok();
     batch.completion.message = status.ok() ? "" : status.message();
+    // The last write of a transfer whose done is settled: send it from here, not
+    // after the engine thread's step in flight.
+    std::optional<OutgoingMessage> early_done;
+    if (batch.completion.is_write) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = write_batches_.find(batch.completion.transfer_id);
+      if (it != write_batches_.end()) {
+        WriteBatches& w = it->second;
+        if (w.num_pending > 0) --w.num_pending;
+        if (!batch.completion.ok) {
+          w.failed = true;  // kept until the transfer ends, so a later offer is refused
+          w.done.reset();
+        } else if (w.num_pending == 0 && !w.failed) {
+          early_done = std::move(w.done);
+          write_batches_.erase(it);
+        }
+      }
+    }
+    if (early_done) {
+      std::string transfer_id = early_done->message.transfer_id;
+      send(std::move(*early_done));
+      metrics_.dones_on_completion->inc();
+      push_inbox(
+          EarlyDoneSent{std::move(transfer_id)});  // before the completion: the state machine sends no second done
+    }
     push_inbox(std::move(batch.completion));
   }
 }
@@ -364,6 +434,8 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
     run_actions();
     return match;
   }
+  const int64_t timeout_ms =
+      std::min(config_.recv_abort_timeout_ms, config_.handshake_timeout_ms + config_.transfer_timeout_ms);
   ConsumerTransfers::Params cp;
   cp.transfer_id = params.transfer_id;
   cp.read_mode = params.read_mode;
@@ -387,14 +459,24 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   run_actions();
   if (num_external == 0) return match;
   metrics_.started_consumer->inc();
-  consumer_requests_[request.request_id()] = ConsumerRequest{num_local_computed_tokens, now_ns()};
+  ConsumerRequest& cr = consumer_requests_[request.request_id()];
+  cr = ConsumerRequest{num_local_computed_tokens, now_ns(), std::nullopt};
+  if (want_first_token && !params.read_mode) {
+    // The engine sets its deadline after this call, from the same timeout: this one is not later.
+    cr.hand_over = HandOverExpected{request.request_id(),
+                                    dealer_peer_key(params.remote_control),
+                                    params.remote_instance_id,
+                                    params.remote_boot_nonce,
+                                    request.num_prompt_tokens(),
+                                    engine::first_token_sampling_key(request.sampling()),
+                                    cr.admitted_ns + timeout_ms * 1'000'000};
+  }
   match.num_external_tokens = num_external;
   match.includes_last_prompt_token = want_first_token;
   match.load_async = true;
   // Every consumer state is bounded by transfer_timeout (after the handshake's own bound):
   // a producer that stopped answering costs that, not recv_abort_timeout.
-  match.timeout_ms =
-      std::min(config_.recv_abort_timeout_ms, config_.handshake_timeout_ms + config_.transfer_timeout_ms);
+  match.timeout_ms = timeout_ms;
   return match;
 }
 
@@ -442,6 +524,7 @@ bool PdConnector::request_preempted(const engine::Request& request, std::span<co
   // that step also finishes it, so a preempted producer request holds nothing.
   const bool hold = consumer_->request_preempted(request.request_id(), now_ms());
   PD_LOG_DEBUG("connector: preempted {} hold {}", request.request_id(), hold);
+  forget_hand_over(request.request_id());
   consumer_requests_.erase(request.request_id());
   run_actions();
   return hold;
@@ -474,6 +557,7 @@ engine::FinishDecision PdConnector::request_finished(const engine::Request& requ
     run_actions();
     return decision;
   }
+  forget_hand_over(id);
   consumer_requests_.erase(id);
   decision.delay_free_blocks = consumer_->request_finished(id, now_ms());
   PD_LOG_DEBUG("connector: finished {} delay_free {}", id, decision.delay_free_blocks);
@@ -489,6 +573,7 @@ engine::RemoteKvTimeoutAction PdConnector::on_remote_kv_timeout(const engine::Re
               std::min(config_.recv_abort_timeout_ms, config_.handshake_timeout_ms + config_.transfer_timeout_ms),
               fail ? "failing it" : "recomputing");
   consumer_->on_remote_kv_timeout(request.request_id());
+  forget_hand_over(request.request_id());
   consumer_requests_.erase(request.request_id());
   if (transfer) metrics_.failed_consumer->inc();
   run_actions();
@@ -511,6 +596,9 @@ engine::ConnectorEvents PdConnector::poll() {
   for (auto& item : items) {
     if (auto* in = std::get_if<InboundMessage>(&item)) {
       handle_message(*in, now);
+    } else if (auto* early = std::get_if<EarlyDoneSent>(&item)) {
+      producer_->on_done_sent_early(early->transfer_id);
+      run_actions();
     } else if (auto* call = std::get_if<ReleaseCall>(&item)) {
       const bool released = config_.is_producer() && producer_->release(call->transfer_id);
       PD_LOG_INFO("connector: transfer {} released on request ({})", call->transfer_id,
@@ -533,6 +621,7 @@ engine::ConnectorEvents PdConnector::poll() {
   producer_->tick(now);
   consumer_->tick(now);
   run_actions();
+  drop_finished_write_batches();
   metrics_.blocks_held->set(static_cast<double>(producer_->num_blocks_held()));
   for (auto& [done, released] : release_answers) {
     if (done) done(released);
@@ -735,9 +824,48 @@ Status PdConnector::post_batch(PeerInfo& peer, bool is_write, const std::string&
   {
     std::lock_guard<std::mutex> lock(mutex_);
     pending_batches_.push_back(PendingBatch{*id, Completion{is_write, transfer_id, layer, false, bytes, {}}});
+    if (is_write) ++write_batches_[transfer_id].num_pending;
   }
   pending_cv_.notify_one();
   return Status::Ok();
+}
+
+void PdConnector::offer_early_done(OutgoingMessage done) {
+  const std::string transfer_id = done.message.transfer_id;
+  bool send_now = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = write_batches_.find(transfer_id);
+    if (it == write_batches_.end()) {
+      send_now = true;  // every posted write completed ok (a failed one keeps its entry); the inbox has them
+    } else if (!it->second.failed) {
+      it->second.done = std::move(done);  // the completion thread sends it with the last write
+    }
+  }
+  if (!send_now) return;
+  send(std::move(done));
+  metrics_.dones_on_completion->inc();
+  producer_->on_done_sent_early(transfer_id);
+}
+
+void PdConnector::expect_hand_over(const std::string& transfer_id) {
+  auto view = consumer_->view(transfer_id);
+  if (!view) return;
+  auto it = consumer_requests_.find(view->request_id);
+  if (it == consumer_requests_.end() || !it->second.hand_over) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  hand_overs_expected_[transfer_id] = *it->second.hand_over;
+}
+
+void PdConnector::forget_hand_over(const std::string& request_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::erase_if(hand_overs_expected_, [&](const auto& entry) { return entry.second.request_id == request_id; });
+}
+
+void PdConnector::drop_finished_write_batches() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::erase_if(write_batches_,
+                [&](const auto& entry) { return entry.second.num_pending == 0 && !producer_->has(entry.first); });
 }
 
 void PdConnector::run_actions() {
@@ -748,8 +876,9 @@ void PdConnector::run_actions() {
     const bool idle = pa.sends.empty() && pa.writes.empty() && pa.released_request_ids.empty() && ca.sends.empty() &&
                       ca.handshakes.empty() && ca.dropped_dealers.empty() && ca.reads.empty() &&
                       ca.finished_recving.empty() && ca.first_tokens.empty() && ca.num_first_tokens_refused == 0 &&
-                      ca.load_failures.empty() && pa.num_timeouts == 0 && ca.num_timeouts == 0 && pa.num_refused == 0 &&
-                      ca.num_refused == 0 && pa.num_completed == 0 && pa.num_failed == 0 && ca.num_completed == 0;
+                      pa.early_dones.empty() && ca.load_failures.empty() && pa.num_timeouts == 0 &&
+                      ca.num_timeouts == 0 && pa.num_refused == 0 && ca.num_refused == 0 && pa.num_completed == 0 &&
+                      pa.num_failed == 0 && ca.num_completed == 0;
     if (idle) return;
     note_refused(pa.num_refused + ca.num_refused);
     if (pa.num_timeouts + ca.num_timeouts > 0) metrics_.timeouts->inc(pa.num_timeouts + ca.num_timeouts);
@@ -758,7 +887,14 @@ void PdConnector::run_actions() {
     if (ca.num_completed > 0) metrics_.done_consumer->inc(ca.num_completed);
 
     for (auto& out : pa.sends) send(std::move(out));
-    for (auto& out : ca.sends) send(std::move(out));
+    for (auto& out : ca.sends) {
+      // `blocks` for the whole prompt: the transfer now waits for a done with the token.
+      const bool expects_token = out.message.type == MessageType::kBlocks && !out.message.block_ids.empty() &&
+                                 out.message.kv_tokens == out.message.num_tokens;
+      const std::string transfer_id = expects_token ? out.message.transfer_id : std::string();
+      send(std::move(out));
+      if (expects_token) expect_hand_over(transfer_id);
+    }
     for (const auto& control : ca.dropped_dealers) {
       consumer_side_peers_.erase(control);
       control_->drop_dealer(control);
@@ -787,9 +923,16 @@ void PdConnector::run_actions() {
       }
       if (!status.ok()) {
         PD_LOG_WARN("connector: cannot post write: {}", status.to_string());
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          write_batches_[w.transfer_id].failed = true;  // an early done must not go out for it
+        }
         producer_->on_write_done(w.transfer_id, w.layer, false);
       }
     }
+    // After the writes of this round are posted (and counted): a done settled in the same
+    // round as its last writes (destination ids that arrived after the forward) waits for them.
+    for (auto& done : pa.early_dones) offer_early_done(std::move(done));
     for (const auto& r : ca.reads) {
       auto view = consumer_->view(r.transfer_id);
       Status status = Status::Ok();
@@ -811,6 +954,7 @@ void PdConnector::run_actions() {
     }
     for (auto& id : pa.released_request_ids) events_.finished_sending.push_back(std::move(id));
     for (auto& id : ca.finished_recving) {
+      forget_hand_over(id);
       auto started = consumer_requests_.find(id);
       if (started != consumer_requests_.end()) {
         metrics_.transfer_seconds->observe(static_cast<double>(now_ns() - started->second.admitted_ns) * 1e-9);
@@ -823,6 +967,7 @@ void PdConnector::run_actions() {
       events_.first_tokens.push_back(engine::HandedOverToken{std::move(request_id), token});
     }
     for (auto& failure : ca.load_failures) {
+      forget_hand_over(failure.request_id);
       metrics_.load_errors->inc();
       metrics_.failed_consumer->inc();
       if (failure.invalid_params && push_failed_request(events_, failure.request_id, failure.reason, true)) {

@@ -82,6 +82,7 @@ class PdConnector final : public engine::KvConnector {
 
   // ---- engine::KvConnector (engine thread) ---------------------------------
   void bind_engine_wakeup(std::function<void()> wakeup) override;
+  void bind_first_token_sink(engine::FirstTokenSink sink) override;
   Result<engine::ExternalMatch> get_num_new_matched_tokens(const engine::Request& request,
                                                            int32_t num_local_computed_tokens) override;
   void update_state_after_alloc(const engine::Request& request, std::span<const int32_t> block_ids,
@@ -108,7 +109,32 @@ class PdConnector final : public engine::KvConnector {
     std::string transfer_id;
     std::function<void(bool)> done;
   };
-  using InboxItem = std::variant<InboundMessage, Completion, ReleaseCall>;
+  // The completion thread sent this transfer's early `done` (ProducerActions::early_dones).
+  struct EarlyDoneSent {
+    std::string transfer_id;
+  };
+  using InboxItem = std::variant<InboundMessage, Completion, ReleaseCall, EarlyDoneSent>;
+  // Producer WRITE: the write batches of one transfer not completed yet, as the
+  // completion thread counts them, and the `done` it sends when the last one
+  // completes ok (set by the engine thread from early_dones).
+  struct WriteBatches {
+    int32_t num_pending = 0;
+    bool failed = false;
+    std::optional<OutgoingMessage> done;
+  };
+  // Consumer WRITE with first-token hand-over, from the moment `blocks` went out
+  // (the transfer waits for `done`): what a `done` must carry for the state machine
+  // to accept it with its token, checked on the control-plane thread so the token
+  // is streamed at once (bind_first_token_sink).
+  struct HandOverExpected {
+    std::string request_id;
+    PeerKey from;
+    std::string instance_id;
+    uint64_t boot_nonce = 0;
+    int32_t num_prompt_tokens = 0;
+    uint64_t sampling_key = 0;
+    int64_t deadline_ns = 0;  // the engine's remote-KV deadline for the request, or earlier
+  };
   struct PendingBatch {
     xfer::XferId id = 0;
     Completion completion;
@@ -124,6 +150,8 @@ class PdConnector final : public engine::KvConnector {
   struct ConsumerRequest {
     int32_t num_local_computed_tokens = 0;
     int64_t admitted_ns = 0;
+    // First-token hand-over (WRITE): the expectation registered once `blocks` went out.
+    std::optional<HandOverExpected> hand_over;
   };
 
   PdConnector(PdConnectorOptions options, engine::ModelRunner* runner);
@@ -132,7 +160,15 @@ class PdConnector final : public engine::KvConnector {
   ControlMessage meta_message(MessageType type) const;
   void wake();
   void push_inbox(InboxItem item);
+  // The control-plane handler: queues the message; a `done` that completes a
+  // hand-over as expected also streams its token now.
+  void on_control_message(InboundMessage in);
   void completion_loop();
+  // Engine thread: registers or drops early paths after the state machines acted.
+  void offer_early_done(OutgoingMessage done);
+  void expect_hand_over(const std::string& transfer_id);
+  void forget_hand_over(const std::string& request_id);
+  void drop_finished_write_batches();
 
   void handle_message(const InboundMessage& in, int64_t now_ms);
   void handle_meta(const InboundMessage& in);
@@ -164,6 +200,9 @@ class PdConnector final : public engine::KvConnector {
   std::function<void()> wakeup_;
   std::deque<InboxItem> inbox_;
   std::deque<PendingBatch> pending_batches_;
+  std::unordered_map<std::string, WriteBatches> write_batches_;            // by transfer id
+  std::unordered_map<std::string, HandOverExpected> hand_overs_expected_;  // by transfer id
+  engine::FirstTokenSink first_token_sink_;
   std::condition_variable pending_cv_;
   bool stopping_ = false;
   std::thread completion_thread_;
@@ -205,6 +244,8 @@ class PdConnector final : public engine::KvConnector {
     metrics::Counter* handshakes_refused;
     metrics::Counter* first_tokens_accepted;
     metrics::Counter* first_tokens_refused;
+    metrics::Counter* first_tokens_streamed;  // consumer: streamed as `done` arrived (any thread)
+    metrics::Counter* dones_on_completion;    // producer: done sent ahead of the engine thread's poll
   } metrics_{};
 };
 

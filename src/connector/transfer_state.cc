@@ -225,7 +225,14 @@ void ProducerTransfers::maybe_finish(const std::string& transfer_id) {
   auto it = transfers_.find(transfer_id);
   if (it == transfers_.end()) return;
   Transfer& t = it->second;
-  if (t.num_in_flight > 0) return;  // the one release path waits for in-flight writes
+  if (t.num_in_flight > 0) {  // the one release path waits for in-flight writes
+    if (t.failed || t.done_offered_early) return;
+    if (auto done = settled_done(transfer_id, t)) {
+      actions_.early_dones.push_back(std::move(*done));
+      t.done_offered_early = true;
+    }
+    return;
+  }
   if (t.failed) {
     // "done" (ok or not) promises no more writes, which is why it waits for in-flight ones.
     if (t.dest && !t.done_sent && !t.peer_gone) {
@@ -240,23 +247,8 @@ void ProducerTransfers::maybe_finish(const std::string& transfer_id) {
     return;
   }
   if (t.read_mode) return;  // READ ends on release or timeout
-  const bool all_posted = std::all_of(t.layer_posted.begin(), t.layer_posted.end(), [](bool b) { return b; });
-  // A consumer that took the whole prompt waits for the first token with done;
-  // it is sampled in the step that sealed the KV, so this waits microseconds.
-  const bool wants_token = t.dest && t.dest->kv_tokens == t.num_prompt_tokens;
-  const bool token_settled = !wants_token || t.first_token || t.finished;
-  if (t.dest && t.phase == Phase::kKvReady && all_posted && !t.done_sent && token_settled) {
-    OutgoingMessage out;
-    out.to = t.dest->peer.key;
-    out.message.type = MessageType::kDone;
-    out.message.transfer_id = transfer_id;
-    out.message.ok = true;
-    out.message.num_tokens = t.num_prompt_tokens;
-    if (wants_token && t.first_token) {
-      out.message.first_token = t.first_token;
-      out.message.sampling_key = t.sampling_key;
-    }
-    actions_.sends.push_back(std::move(out));
+  if (auto done = settled_done(transfer_id, t)) {
+    actions_.sends.push_back(std::move(*done));
     t.done_sent = true;
     ++actions_.num_completed;
   }
@@ -265,6 +257,35 @@ void ProducerTransfers::maybe_finish(const std::string& transfer_id) {
     remember_closed(transfer_id);
     transfers_.erase(it);
   }
+}
+
+std::optional<OutgoingMessage> ProducerTransfers::settled_done(const std::string& transfer_id,
+                                                               const Transfer& t) const {
+  if (t.read_mode || t.failed || t.done_sent || !t.dest || t.phase != Phase::kKvReady) return std::nullopt;
+  if (!std::all_of(t.layer_posted.begin(), t.layer_posted.end(), [](bool b) { return b; })) return std::nullopt;
+  // A consumer that took the whole prompt waits for the first token with done;
+  // it is sampled in the step that sealed the KV, so this waits microseconds.
+  const bool wants_token = t.dest->kv_tokens == t.num_prompt_tokens;
+  if (wants_token && !t.first_token && !t.finished) return std::nullopt;
+  OutgoingMessage out;
+  out.to = t.dest->peer.key;
+  out.message.type = MessageType::kDone;
+  out.message.transfer_id = transfer_id;
+  out.message.ok = true;
+  out.message.num_tokens = t.num_prompt_tokens;
+  if (wants_token && t.first_token) {
+    out.message.first_token = t.first_token;
+    out.message.sampling_key = t.sampling_key;
+  }
+  return out;
+}
+
+void ProducerTransfers::on_done_sent_early(const std::string& transfer_id) {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end() || !it->second.done_offered_early || it->second.done_sent) return;
+  it->second.done_sent = true;
+  ++actions_.num_completed;
+  maybe_finish(transfer_id);
 }
 
 void ProducerTransfers::remember_closed(const std::string& transfer_id) {

@@ -63,6 +63,11 @@ struct ProducerActions {
   };
   std::vector<PostWrite> writes;
   std::vector<std::string> released_request_ids;  // -> finished_sending
+  // WRITE `done` messages that are settled but for writes still in flight: the
+  // adapter sends one the moment the transfer's last write completes, from its
+  // completion path, and then reports it with on_done_sent_early. Otherwise the
+  // same done goes out in `sends` when the engine thread sees the completions.
+  std::vector<OutgoingMessage> early_dones;
   int32_t num_timeouts = 0;
   int32_t num_completed = 0;
   int32_t num_failed = 0;
@@ -99,6 +104,9 @@ class ProducerTransfers {
   // read_ok to a consumer that took the whole prompt's KV. A WRITE done to such
   // a consumer waits for it (or for request_finished).
   void first_token_sampled(const std::string& transfer_id, int32_t token_id, uint64_t sampling_key);
+  // The adapter sent this transfer's early_dones message (all its writes completed
+  // ok): done counts as sent, nothing more goes to the consumer.
+  void on_done_sent_early(const std::string& transfer_id);
 
   // Control messages (already decoded and validated for shape). peer_num_blocks:
   // the consumer's pool size from its meta (bounds for its block ids).
@@ -144,8 +152,9 @@ class ProducerTransfers {
     std::string failure;
     bool peer_gone = false;  // the consumer incarnation is dead: nothing to tell it
     bool done_sent = false;
-    bool holding = false;   // request finished, blocks kept for us
-    bool finished = false;  // request_finished seen
+    bool done_offered_early = false;  // in early_dones once
+    bool holding = false;             // request finished, blocks kept for us
+    bool finished = false;            // request_finished seen
     int64_t deadline_ms = 0;
     std::optional<PeerRef> reader;  // READ: the peer whose `read` was accepted
     std::optional<int32_t> first_token;
@@ -164,6 +173,9 @@ class ProducerTransfers {
   void post_ready_layers(const std::string& transfer_id, Transfer& t);
   void fail(const std::string& transfer_id, Transfer& t, const std::string& reason);
   void maybe_finish(const std::string& transfer_id);
+  // The WRITE `done` (ok) once KV, destination, every posted layer and (when the
+  // consumer wants it) the first token are settled; nullopt before.
+  std::optional<OutgoingMessage> settled_done(const std::string& transfer_id, const Transfer& t) const;
   void remember_closed(const std::string& transfer_id);
   // Ends a transfer its consumer (or the router) gave up on; see on_abort.
   void abort_transfer(const std::string& transfer_id, const std::string& reason);

@@ -168,6 +168,78 @@ struct VllmMetrics {
   }
 };
 
+// First tokens handed over by a P/D producer, streamed from the thread that
+// received them (KvConnector::bind_first_token_sink) while the engine thread may
+// be inside a step. The engine thread arms a slot when a request that may get a
+// handed-over token arrives: the slot holds a copy of the request as it is before
+// any output, its own output state (detokenizer at the end of the prompt) and a
+// copy of the callback, so streaming touches nothing the engine thread owns.
+// The engine thread closes the slot before it emits anything for that request;
+// the one mutex orders a streamed token before every later output.
+class EarlyFirstTokens {
+ public:
+  struct Streamed {
+    int32_t token_id = 0;
+    int64_t at_ns = 0;
+  };
+
+  void arm(const Request& request, OutputCallback callback, RequestOutputState output) {
+    auto slot = std::make_unique<Slot>(Slot{request, std::move(callback), std::move(output), std::nullopt});
+    std::lock_guard lock(mutex_);
+    slots_.insert_or_assign(request.request_id(), std::move(slot));
+  }
+
+  // Any thread. Streams the token unless the slot is closed, or the token would
+  // finish the request (its final output carries what only the engine thread
+  // knows: the finish bookkeeping); the engine thread emits that one itself.
+  void stream(const std::string& request_id, int32_t token_id) {
+    std::lock_guard lock(mutex_);
+    auto it = slots_.find(request_id);
+    if (it == slots_.end() || it->second->streamed) return;
+    Slot& slot = *it->second;
+    slot.request.append_output_token(token_id);
+    TokenVerdict verdict = slot.output.on_token(slot.request, token_id);
+    if (verdict.finished) {
+      slots_.erase(it);  // the engine thread decides and emits it
+      return;
+    }
+    RequestOutput out;
+    out.request_id = request_id;
+    out.num_prompt_tokens = slot.request.num_prompt_tokens();
+    out.num_output_tokens = 1;
+    out.num_cached_tokens = slot.request.num_prompt_tokens();  // a hand-over computes no prompt token here
+    out.new_token_ids.push_back(token_id);
+    out.text_delta = std::move(verdict.text_delta);
+    slot.streamed = Streamed{token_id, now_ns()};
+    num_streamed_.fetch_add(1, std::memory_order_relaxed);
+    slot.callback(std::move(out));
+  }
+
+  // Engine thread, before it emits anything for the request (or when it ends):
+  // what was streamed, if anything. Later stream() calls do nothing.
+  std::optional<Streamed> close(const std::string& request_id) {
+    std::lock_guard lock(mutex_);
+    auto it = slots_.find(request_id);
+    if (it == slots_.end()) return std::nullopt;
+    std::optional<Streamed> streamed = it->second->streamed;
+    slots_.erase(it);
+    return streamed;
+  }
+
+  int64_t num_streamed() const { return num_streamed_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Slot {
+    Request request;
+    OutputCallback callback;
+    RequestOutputState output;
+    std::optional<Streamed> streamed;
+  };
+  std::mutex mutex_;
+  std::unordered_map<std::string, std::unique_ptr<Slot>> slots_;
+  std::atomic<int64_t> num_streamed_{0};
+};
+
 class EngineImpl final : public Engine {
  public:
   EngineImpl(EngineConfig config, std::unique_ptr<ModelRunner> runner,
@@ -184,7 +256,11 @@ class EngineImpl final : public Engine {
         vllm_(VllmMetrics::create(config_.model_name, config_.max_model_len)) {
     stats_.num_blocks_total = kv_spec_.num_blocks;
     stats_.num_blocks_free = kv_spec_.num_blocks;
-    if (connector_ != nullptr) connector_->bind_engine_wakeup([this] { wake(); });
+    if (connector_ != nullptr) {
+      connector_->bind_engine_wakeup([this] { wake(); });
+      connector_->bind_first_token_sink(
+          [this](const std::string& request_id, int32_t token_id) { early_.stream(request_id, token_id); });
+    }
     thread_ = std::thread([this] { run(); });
   }
 
@@ -310,6 +386,7 @@ class EngineImpl final : public Engine {
     const Request& r = *finished.request;
     auto it = io_.find(r.request_id());
     if (it == io_.end()) return;
+    early_.close(r.request_id());  // a token streamed before this final output stays before it
     RequestOutput out = base_output(r);
     out.finished = true;
     out.finish_reason = r.finish_reason;
@@ -345,6 +422,11 @@ class EngineImpl final : public Engine {
     if (auto* add = std::get_if<AddMessage>(&message)) {
       Request& r = *add->request;
       const std::string id = r.request_id();
+      // A P/D request may get its first token handed over (kv_connector.h); without
+      // logprobs, since the producer sends none.
+      if (connector_ != nullptr && r.kv_transfer_params() && r.sampling().logprobs < 0) {
+        early_.arm(r, add->callback, RequestOutputState(tokenizer_, r, config_.eos_token_ids, config_.max_model_len));
+      }
       io_.emplace(id, LiveIo{std::move(add->callback),
                              RequestOutputState(tokenizer_, r, config_.eos_token_ids, config_.max_model_len)});
       metrics_.prompt_tokens.inc(r.num_prompt_tokens());
@@ -361,6 +443,7 @@ class EngineImpl final : public Engine {
         out.error = s.message();
         OutputCallback callback = std::move(it->second.callback);
         io_.erase(it);
+        early_.close(id);
         emit(callback, std::move(out));
       }
       return;
@@ -417,8 +500,12 @@ class EngineImpl final : public Engine {
         fail_all_live(RequestState::kFinishedAborted, FinishReason::kAbort, "");
         break;
       }
+      // Deadlines are checked against a time read before the poll: a first token
+      // streamed before its deadline (bind_first_token_sink) is either in this
+      // poll's events or streamed after this time, so its request is never expired.
+      const int64_t before_poll = now_ns();
       poll_connector(nullptr);
-      for (FinishedRequest& f : scheduler_.expire_remote_kv_waits(now_ns())) {
+      for (FinishedRequest& f : scheduler_.expire_remote_kv_waits(before_poll)) {
         std::string error = f.error;
         finalize(std::move(f), "", std::move(error));
       }
@@ -505,6 +592,18 @@ class EngineImpl final : public Engine {
 
   void process_token(Request& r, SampledToken& token, int64_t now) {
     auto it = io_.find(r.request_id());
+    // A handed-over first token may have been streamed already: it is taken here
+    // as usual, not emitted again, and its arrival is the first-token time.
+    std::optional<EarlyFirstTokens::Streamed> streamed;
+    if (r.num_output_tokens() == 0) streamed = early_.close(r.request_id());
+    if (streamed) {
+      if (streamed->token_id != token.token_id) {
+        finish_live(r, RequestState::kFinishedError, FinishReason::kError,
+                    fmt::format("first token {} was streamed, the engine took {}", streamed->token_id, token.token_id));
+        return;
+      }
+      now = streamed->at_ns;
+    }
     if (token.token_id < 0 || token.token_id >= vocab_size_) {
       finish_live(r, RequestState::kFinishedError, FinishReason::kError,
                   fmt::format("runner sampled token {} outside the vocabulary [0, {})", token.token_id, vocab_size_));
@@ -538,8 +637,13 @@ class EngineImpl final : public Engine {
       for (const auto& [id, value] : token.top_logprobs) lp.top.push_back(TopLogprob{id, value});
       out.logprobs.push_back(std::move(lp));
     }
+    if (streamed) {
+      // The client has this token and its text already.
+      out.new_token_ids.clear();
+      out.text_delta.clear();
+    }
     if (!verdict.finished) {
-      emit(it->second.callback, std::move(out));
+      if (!streamed) emit(it->second.callback, std::move(out));
       return;
     }
     FinishedRequest f = scheduler_.finish_request(r, verdict.final_state, verdict.reason);
@@ -575,6 +679,7 @@ class EngineImpl final : public Engine {
     s.num_step_errors = num_step_errors_;
     s.num_handed_over_tokens = num_handed_over_tokens_;
     s.num_handed_over_tokens_ignored = num_handed_over_tokens_ignored_;
+    s.num_first_tokens_streamed_on_arrival = early_.num_streamed();
     metrics_.running.set(s.num_running);
     metrics_.waiting.set(s.num_waiting);
     vllm_.running.set(s.num_running);
@@ -616,6 +721,9 @@ class EngineImpl final : public Engine {
   std::unique_ptr<KvConnector> connector_;
   const KvCacheSpec kv_spec_;
   const int32_t vocab_size_;
+
+  // Shared with the connector's threads (its own mutex).
+  EarlyFirstTokens early_;
 
   // Engine thread only.
   Scheduler scheduler_;

@@ -55,6 +55,7 @@ struct EngineStats {
   int32_t num_waiting_for_remote_kv = 0;  // included in num_waiting
   int64_t num_handed_over_tokens = 0;     // first tokens taken from a P/D producer
   int64_t num_handed_over_tokens_ignored = 0;
+  int64_t num_first_tokens_streamed_on_arrival = 0;  // of those, streamed before the engine thread took them
 };
 
 class Engine {

@@ -114,6 +114,10 @@ struct ConnectorEvents {
   std::vector<HandedOverToken> first_tokens;
 };
 
+// Streams a handed-over first token to the client from the thread that received
+// it (KvConnector::bind_first_token_sink). Thread-safe and non-blocking.
+using FirstTokenSink = std::function<void(const std::string& request_id, int32_t token_id)>;
+
 enum class RemoteKvTimeoutAction : uint8_t {
   kRecomputeLocally,  // forget the external tokens, compute them here
   kFail,              // finish the request with kFinishedError
@@ -127,6 +131,18 @@ class KvConnector {
   // and cheap: call it from any thread when poll() has something new, so the
   // idle engine thread does not wait for its idle timeout.
   virtual void bind_engine_wakeup(std::function<void()> wakeup) = 0;
+
+  // Called once by the engine before its thread starts. The connector may call
+  // `sink` from any thread the moment a request's first token and its whole
+  // prompt's KV have both arrived, ahead of the poll() that reports them
+  // (finished_recving + first_tokens), so the client does not wait for the step
+  // in flight. The connector must be sure that poll() will report exactly this
+  // token with a successful load, and the request's remote-KV deadline (its
+  // ExternalMatch::timeout_ms from admission) must not have passed when it calls.
+  // The engine streams the token only while the request still waits for it
+  // (never twice, never after its final output) and, when the poll reports it,
+  // takes it as usual without emitting it again.
+  virtual void bind_first_token_sink(FirstTokenSink sink) {}
 
   // Called by Engine::add_request on the CALLER's thread (so it must be
   // thread-safe and must not touch engine-thread state): static checks of

@@ -82,6 +82,7 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
   }
   if (max_model_len != 0) config.max_model_len = max_model_len;
   if (app.count("--max-connections") > 0) config.max_connections = max_connections;
+  config.max_num_batched_tokens_given = app.count("--max-num-batched-tokens") > 0;
   return CliOutcome{std::move(config), 0, {}};
 }
 
@@ -147,6 +148,8 @@ Status validate_server_config(ServerConfig& config) {
   if (!kv.kv_role.empty() && kv.kv_role != "kv_producer" && kv.kv_role != "kv_consumer" && kv.kv_role != "kv_both" &&
       kv.kv_role != "producer" && kv.kv_role != "consumer" && kv.kv_role != "both")
     return invalid_argument("--kv-role must be kv_producer, kv_consumer or kv_both, got '{}'", kv.kv_role);
+  if (!config.max_num_batched_tokens_given && (kv.kv_role == "kv_producer" || kv.kv_role == "producer"))
+    config.max_num_batched_tokens = kProducerMaxNumBatchedTokens;
   // On cuda the ranks' KV shards live on several GPUs, which the connector does not register.
   if (config.tensor_parallel_size > 1 && config.device == "cuda" && (!kv.config_json.empty() || !kv.kv_role.empty()))
     return unimplemented(

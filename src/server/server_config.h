@@ -22,13 +22,25 @@ struct KvTransferSettings {
   std::string kv_role;      // --kv-role or config["kv_role"]; empty when neither
 };
 
+// Token budget per step (--max-num-batched-tokens) when the flag is not given.
+inline constexpr int32_t kDefaultMaxNumBatchedTokens = 2048;
+// The same for a P/D producer (--kv-role kv_producer). A producer's steps are
+// prefills only, and every prompt in a step gets its first token when the whole
+// step ends; so its budget should stop where batching more prompts adds no
+// prefill throughput (tokens per second flat against the budget), which
+// `pd_gpu_engine_bench --pd-sweep 1` measures (tests/gpu/device_pd_engine_measure.sh,
+// docs/perf/engine.md "P/D engine sweep"). Until that measurement is recorded it
+// stays at the general default.
+inline constexpr int32_t kProducerMaxNumBatchedTokens = 2048;
+
 struct ServerConfig {
   std::string model = "builtin:tiny";
   std::string host = "127.0.0.1";
   int32_t port = 8000;                   // 0 = pick a free port (the real one is printed)
   std::optional<int32_t> max_model_len;  // absent = the model's own limit
   int32_t max_num_seqs = 256;
-  int32_t max_num_batched_tokens = 2048;
+  int32_t max_num_batched_tokens = kDefaultMaxNumBatchedTokens;
+  bool max_num_batched_tokens_given = false;  // else the role's default (validate_server_config)
   int32_t block_size = 16;
   double gpu_memory_utilization = 0.9;
   int32_t tensor_parallel_size = 1;

@@ -24,6 +24,10 @@
 // that shape (engine_bench_fp8.cc) instead of the bf16 runner; --layers N overrides the layer
 // count, --batches 1,16,64 the decode batches, --decode-only 1 skips prefill, --kv-fp8-batch N
 // (default 64, 0 = off) adds a decode step at batch N with the FP8 KV cache.
+// --pd-sweep 1: the P/D engine sweep instead of the floors (bench_pd_sweep; --model picks the shape,
+// --sweep-decode-batch N the decode rows of the mixed steps, default 16): producer prefill steps for
+// token budgets 512..16384 at prompt lengths 2,048 and 8,192; mixed steps (a decode batch plus one
+// prefill chunk of 64..512 tokens) at 2,048- and 8,192-token contexts; the first-token path's steps.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -481,6 +485,138 @@ engine::StepInput make_step(int num_seqs, int new_tokens, int computed, int voca
   return in;
 }
 
+// Like make_step, but every sequence reads the same blocks (a decode batch at long contexts
+// without a pool that holds them all: each row still streams its whole context from HBM, the
+// L2 being ~1,000x smaller than one 8k context; the rows' one-token writes collide, harmless here).
+engine::SeqStep seq_step(int new_tokens, int computed, int first_block, bool sample, std::mt19937_64& rng, int vocab,
+                         std::vector<int32_t>* tokens) {
+  engine::SeqStep st;
+  st.token_offset = static_cast<int32_t>(tokens->size());
+  st.num_new_tokens = new_tokens;
+  st.num_computed_tokens = computed;
+  for (int b = 0; b < (computed + new_tokens + 15) / 16; ++b) st.block_table.push_back(first_block + b);
+  st.sample = sample;
+  st.sampling.temperature = 0.0f;
+  st.rng_seed = rng();
+  std::uniform_int_distribution<int> tok(0, vocab - 1);
+  for (int j = 0; j < new_tokens; ++j) tokens->push_back(tok(rng));
+  return st;
+}
+
+// --pd-sweep: what the producer's token budget and a collocated chunk budget cost
+// (docs/perf/engine.md, "P/D engine sweep"; the producer role's default budget,
+// kProducerMaxNumBatchedTokens in src/server, follows from part 1).
+//   1. Producer prefill at prompt length L and budget B: B >= L runs B / L whole
+//      prompts per step (every first token waits for the whole step); B < L runs the
+//      prompt in ceil(L / B) chunks. Prefill tokens per second and each prompt's
+//      time to its first token (alone: the sum of its chunks).
+//   2. Mixed steps: D decode rows at context C plus one prefill chunk of K tokens
+//      (the chunk at the end of a C-token prompt) vs the D rows alone (graph replay,
+//      as the runner serves them): what a chunk adds to every running stream's gap.
+//   3. First-token path steps: the producer's whole-prompt step (its sampled token is
+//      the one handed over) and the consumer's first decode step at that context.
+void bench_pd_sweep(bool big, int decode_batch) {
+  const model::ModelConfig cfg = qwen3_config(big);
+  const char* name = big ? "Qwen3-32B" : "Qwen3-8B";
+  const std::vector<int> prompt_lens = {2048, 8192};
+  const std::vector<int> budgets = {512, 1024, 2048, 4096, 8192, 16384};
+  const std::vector<int> chunks = {64, 128, 256, 512};
+  const int max_budget = budgets.back();
+  engine::CudaRunnerOptions opt;
+  opt.max_model_len = 8192 + 1024;
+  opt.max_num_seqs = std::max(decode_batch + 1, max_budget / prompt_lens.front());
+  opt.max_num_batched_tokens = max_budget + decode_batch;
+  // Prefill prompts get their own blocks (max_budget tokens); decode rows share one context.
+  const int prefill_blocks = max_budget / 16 + 16;
+  const int shared_blocks = opt.max_model_len / 16;
+  opt.num_kv_blocks = prefill_blocks + 2 * shared_blocks + 16;
+  if (g_pdl_max_tokens > 0) opt.programmatic_launch_max_tokens = g_pdl_max_tokens;
+  auto created = engine::CudaModelRunner::create(cfg, nullptr, opt);
+  PD_STATUS_CHECK(created.status());
+  auto& runner = **created;
+  PD_STATUS_CHECK(runner.fill_kv_random(42));
+  std::printf("\n%s P/D engine sweep: weights %.2f GB, %zu decode graphs (buckets up to %d), prepared in %.1f s\n",
+              name, runner.weight_bytes() / 1e9, runner.decode_buckets().size(), runner.decode_buckets().back(),
+              runner.bucket_preparation_seconds());
+  std::mt19937_64 rng(11);
+  const int decode_first_block = prefill_blocks;
+  const int chunk_first_block = prefill_blocks + shared_blocks;
+
+  std::printf(
+      "\n1. producer prefill (%s): prompt_len budget prompts/step steps/prompt step_ms first_token_ms "
+      "tok_per_s vs_best\n",
+      name);
+  for (int len : prompt_lens) {
+    struct Point {
+      int budget, prompts, steps;
+      double step_ms, first_token_ms, tok_per_s;
+    };
+    std::vector<Point> points;
+    for (int budget : budgets) {
+      Point p{budget, 1, 1, 0.0, 0.0, 0.0};
+      if (budget >= len) {
+        p.prompts = budget / len;
+        engine::StepInput in;
+        for (int i = 0; i < p.prompts; ++i) {
+          in.seqs.push_back(seq_step(len, 0, i * (len / 16), true, rng, cfg.vocab_size, &in.token_ids));
+        }
+        p.step_ms = time_step(runner, in, 1, 3);
+        p.first_token_ms = p.step_ms;
+        p.tok_per_s = p.prompts * len / (p.step_ms * 1e-3);
+      } else {
+        p.steps = (len + budget - 1) / budget;
+        for (int c = 0; c < p.steps; ++c) {
+          const int computed = c * budget;
+          engine::StepInput in;
+          in.seqs.push_back(seq_step(std::min(budget, len - computed), computed, 0, computed + budget >= len, rng,
+                                     cfg.vocab_size, &in.token_ids));
+          p.first_token_ms += time_step(runner, in, 1, 3);
+        }
+        p.step_ms = p.first_token_ms / p.steps;
+        p.tok_per_s = len / (p.first_token_ms * 1e-3);
+      }
+      points.push_back(p);
+    }
+    double best = 0.0;
+    for (const Point& p : points) best = std::max(best, p.tok_per_s);
+    for (const Point& p : points) {
+      std::printf("  prefill L%-5d B%-6d %3d %3d %9.3f %9.3f %10.0f %6.3f\n", len, p.budget, p.prompts, p.steps,
+                  p.step_ms, p.first_token_ms, p.tok_per_s, p.tok_per_s / best);
+    }
+  }
+
+  std::printf("\n2. mixed steps (%s, %d decode rows): context chunk decode_ms mixed_ms added_ms added_us_per_token\n",
+              name, decode_batch);
+  for (int ctx : prompt_lens) {
+    engine::StepInput decode;
+    for (int i = 0; i < decode_batch; ++i) {
+      decode.seqs.push_back(seq_step(1, ctx - 1, decode_first_block, true, rng, cfg.vocab_size, &decode.token_ids));
+    }
+    const double decode_ms = time_step(runner, decode, 3, 20);
+    for (int chunk : chunks) {
+      engine::StepInput mixed = decode;
+      mixed.seqs.push_back(
+          seq_step(chunk, ctx - chunk, chunk_first_block, false, rng, cfg.vocab_size, &mixed.token_ids));
+      const double mixed_ms = time_step(runner, mixed, 3, 20);
+      std::printf("  mixed C%-5d K%-4d %9.3f %9.3f %9.3f %9.2f\n", ctx, chunk, decode_ms, mixed_ms,
+                  mixed_ms - decode_ms, (mixed_ms - decode_ms) * 1e3 / chunk);
+    }
+  }
+
+  std::printf("\n3. first-token path steps (%s): prompt_len producer_whole_prompt_ms consumer_first_decode_b1_ms\n",
+              name);
+  for (int len : prompt_lens) {
+    engine::StepInput prefill;
+    prefill.seqs.push_back(seq_step(len, 0, 0, true, rng, cfg.vocab_size, &prefill.token_ids));
+    const double prefill_ms = time_step(runner, prefill, 1, 3);
+    engine::StepInput first_decode;
+    first_decode.seqs.push_back(
+        seq_step(1, len, decode_first_block, true, rng, cfg.vocab_size, &first_decode.token_ids));
+    const double decode_ms = time_step(runner, first_decode, 3, 20);
+    std::printf("  first-token L%-5d %9.3f %9.3f\n", len, prefill_ms, decode_ms);
+  }
+}
+
 void bench_model(bool big, int ctx, double copy_gbs, double gemm_tflops, kernels::cuda::DecodeKernel decode_kernel,
                  kc::GemmPolicy gemm_policy, bool decode_only, bool pdl, bool merge_in_attention,
                  std::vector<Row>* rows) {
@@ -587,7 +723,8 @@ int main(int argc, char** argv) {
   int fp8_layers = 0, kv_fp8_batch = 64;
   std::vector<int> fp8_batches;
   bool decode_only = false, ops = false, ops_attention_only = false, ops_probe = false, pdl = true,
-       merge_in_attention = false;
+       merge_in_attention = false, pd_sweep = false;
+  int sweep_decode_batch = 16;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--gemm") == 0) {
       const std::string v = argv[i + 1];
@@ -621,6 +758,8 @@ int main(int argc, char** argv) {
       }
     }
     if (std::strcmp(argv[i], "--ctx") == 0) ctx = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--pd-sweep") == 0) pd_sweep = std::atoi(argv[i + 1]) != 0;
+    if (std::strcmp(argv[i], "--sweep-decode-batch") == 0) sweep_decode_batch = std::max(1, std::atoi(argv[i + 1]));
     if (std::strcmp(argv[i], "--decode-kernel") == 0 && std::strcmp(argv[i + 1], "simt") == 0) {
       decode_kernel = pd::kernels::cuda::DecodeKernel::kCudaCore;
     }
@@ -637,6 +776,11 @@ int main(int argc, char** argv) {
   std::printf("device %s: d2d copy %.1f GB/s, bf16 GEMM 8192^3 %.1f TFLOP/s, decode attention on %s cores\n", prop.name,
               copy_gbs, gemm_tflops, decode_kernel == pd::kernels::cuda::DecodeKernel::kTensorCore ? "tensor" : "CUDA");
   kc::set_programmatic_launch(pdl);
+  if (pd_sweep) {
+    if (which == "all" || which == "qwen3-8b") bench_pd_sweep(false, sweep_decode_batch);
+    if (which == "all" || which == "qwen3-32b") bench_pd_sweep(true, sweep_decode_batch);
+    return 0;
+  }
   if (!fp8_model.empty()) {
     std::string fp8_note;
     const double fp8_tflops = measure_fp8_gemm_tflops(2048, 4096, 4096, &fp8_note);

@@ -50,9 +50,7 @@ Fp8Shape shape_for(const std::string& name, int layers_override) {
   } else if (name == "qwen3-235b-a22b-fp8") {
     s = {name, 4096, 94, 64, 4, 128, 151936, 0, 128, 8, 1536};
     s.layers = 16;  // 94 layers of FP8 weights (235 GB) do not fit one GPU: fewer layers
-    // Its GQA group of 16 has no attention instantiation (max 8): attention runs with 8 kv
-    // heads, and the floor counts the KV of 8 heads.
-    s.hkv = 8;
+    // 64 q / 4 kv heads: GQA group 16, the 16-row tensor-core decode kernels.
   } else {
     s = {"qwen3-32b-fp8", 5120, 64, 64, 8, 128, 151936, 25600, 0, 0, 0};
   }
@@ -407,7 +405,7 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
   // Decode.
   for (bool fp8_kv : {false, true}) {
     // FP8 KV: the batch of kv_fp8_batch only, beside the same batch with bf16 KV.
-    if (fp8_kv && (kv_fp8_batch <= 0 || s.hq / s.hkv > 8)) break;
+    if (fp8_kv && kv_fp8_batch <= 0) break;
     const std::vector<int> batches = fp8_kv ? std::vector<int>{kv_fp8_batch} : decode_batches;
     const int max_batch = *std::max_element(batches.begin(), batches.end());
     const int blocks = max_batch * ((ctx + 15) / 16);
@@ -462,6 +460,7 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
       rows->push_back(
           {s.name + " decode b" + std::to_string(bsz) + " ctx" + std::to_string(ctx) + (fp8_kv ? " fp8 KV" : ""),
            floor_ms, median_of(times), note});
+      print_row(rows->back());
       PD_CUDA_CHECK(cudaGraphExecDestroy(exec));
       PD_CUDA_CHECK(cudaEventDestroy(e0));
       PD_CUDA_CHECK(cudaEventDestroy(e1));
@@ -469,8 +468,11 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
     }
     std::printf("%s decode: FP8 GEMM paths chosen:", s.name.c_str());
     for (const auto& t : eng.fp8->tunings()) {
-      std::printf(" [%d %d %d %s %.1f/%.1f us]", t.m, t.n, t.k,
-                  t.chose == kc::Fp8GemmPath::kCublas ? "cublas" : "stream", t.cublas_us, t.stream_us);
+      std::printf(" [%d %d %d %s %.1f/%.1f/%.1f us]", t.m, t.n, t.k,
+                  t.chose == kc::Fp8GemmPath::kCublas ? "cublas"
+                  : t.chose_cuda_cores                ? "stream-cc"
+                                                      : "stream-tc",
+                  t.cublas_us, t.stream_us, t.stream_cuda_core_us);
     }
     std::printf("\n");
     for (const auto& f : eng.fp8->fallbacks()) std::printf("  fallback: %s\n", f.c_str());

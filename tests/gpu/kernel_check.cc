@@ -41,8 +41,12 @@ struct Row {
 };
 std::vector<Row> g_rows;
 
+bool g_progress = false;  // --progress: each check's row on stderr as it is recorded (a crash names the last)
+
 void record(std::string name, std::string shape, const ErrorStats& e, std::string note = "") {
   const bool pass = e.num_nan == 0 && e.rel_l2 <= kTolerance;
+  if (g_progress)
+    std::fprintf(stderr, "%s %s: rel_l2 %.2e %s\n", name.c_str(), shape.c_str(), e.rel_l2, pass ? "PASS" : "FAIL");
   g_rows.push_back({std::move(name), std::move(shape), e, pass, std::move(note)});
 }
 
@@ -568,6 +572,25 @@ void check_dispatch_rejects() {
   g_rows.push_back({"dispatch.rejects", "decode partition 2064 / 4 stages", e,
                     too_long.code() == ErrorCode::kUnimplemented && four_stages.code() == ErrorCode::kUnimplemented,
                     too_long.ok() ? "accepted!" : too_long.message()});
+  // GQA 16 decode only on the tensor-core ring kernel at head_dim 128; groups above 16 nowhere.
+  kc::AttentionArgs g16 = d;
+  g16.decode_kv_stages = 2;
+  g16.num_q_heads = 64;
+  g16.num_kv_heads = 4;
+  g16.decode_kernel = kc::DecodeKernel::kCudaCore;
+  const Status cuda_cores = kc::decode_attention(g16, nullptr, 0, nullptr);
+  const Status fp8_cuda_cores = kc::decode_attention_fp8(g16, nullptr, 0, nullptr);
+  g16.decode_kernel = kc::DecodeKernel::kTensorCore;
+  g16.head_dim = 64;
+  const Status d64 = kc::decode_attention(g16, nullptr, 0, nullptr);
+  g16.head_dim = 128;
+  g16.num_kv_heads = 2;
+  const Status g32 = kc::decode_attention(g16, nullptr, 0, nullptr);
+  g_rows.push_back({"dispatch.rejects", "decode GQA 16 on CUDA cores (bf16, fp8 KV) / at D64; GQA 32", e,
+                    cuda_cores.code() == ErrorCode::kUnimplemented &&
+                        fp8_cuda_cores.code() == ErrorCode::kUnimplemented && d64.code() == ErrorCode::kUnimplemented &&
+                        g32.code() == ErrorCode::kUnimplemented,
+                    cuda_cores.ok() ? "accepted!" : cuda_cores.message()});
   // GEMM fusions it cannot run safely: norm and accumulate at once, fp32 out, aliasing buffers,
   // no scratch. Each is refused with INVALID_ARGUMENT before any plan or launch.
   auto gemm = kc::Gemm::create(1ull << 20);
@@ -930,8 +953,9 @@ void check_fp8_gemm(int m, int n, int k, kc::Fp8GemmPolicy policy, bool accumula
                      (cublas ? "cuBLASLt for " + std::to_string(main_rows) + " rows" : std::string("stream"));
   for (const auto& f : (*gemm)->fallbacks()) note += "; fallback " + f;
   for (const auto& t : (*gemm)->tunings()) {
-    char buf[96];
-    std::snprintf(buf, sizeof(buf), "; tuned cublas %.1f us stream %.1f us", t.cublas_us, t.stream_us);
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), "; tuned cublas %.1f us stream tc %.1f cc %.1f us%s", t.cublas_us, t.stream_us,
+                  t.stream_cuda_core_us, t.chose_cuda_cores ? " (cc)" : "");
     note += buf;
   }
   record(std::string("fp8_gemm") + (accumulate ? "_accum" : ""),
@@ -1562,9 +1586,20 @@ void check_attention_fp8(bool decode, int head_dim, int num_q_heads, int num_kv_
     const int part = partition_tokens > 0 ? partition_tokens : 256;
     const size_t ws = kc::decode_attention_workspace_bytes(a.num_seqs, num_q_heads, head_dim, max_ctx, part);
     DeviceBuffer<uint8_t> d_ws(ws);
-    d_ws.poison();
-    PD_STATUS_CHECK(kc::decode_attention_fp8(a, d_ws.get(), ws, nullptr));
-    record("decode_attention_fp8kv", shape + " part " + std::to_string(part), compare(to_float(d_out.download()), ref));
+    // Tensor cores (the default; with and without the evict-first loads) and the CUDA-core kernel.
+    for (int variant = 0; variant < (num_q_heads / num_kv_heads > 8 ? 2 : 3); ++variant) {
+      a.decode_kernel = variant == 2 ? kc::DecodeKernel::kCudaCore : kc::DecodeKernel::kTensorCore;
+      a.decode_kv_evict_first = variant == 1;
+      d_ws.poison();
+      d_out.poison();
+      PD_STATUS_CHECK(kc::decode_attention_fp8(a, d_ws.get(), ws, nullptr));
+      record("decode_attention_fp8kv",
+             shape + " part " + std::to_string(part) +
+                 (variant == 2   ? " cuda cores"
+                  : variant == 1 ? " tensor cores evict-first"
+                                 : " tensor cores"),
+             compare(to_float(d_out.download()), ref));
+    }
     return;
   }
   DeviceBuffer<bf16> staged(std::max<size_t>(1, used.size()) * 2 * 16 * num_kv_heads * head_dim);
@@ -1587,6 +1622,7 @@ void check_fp8_kv() {
     check_attention_fp8(true, 128, 64, 8, decode_seqs, part);
     check_attention_fp8(true, 64, 14, 2, decode_seqs, part);
     check_attention_fp8(true, 128, 8, 8, decode_seqs, part);
+    check_attention_fp8(true, 128, 64, 4, decode_seqs, part);  // GQA 16: tensor cores only
   }
   const std::vector<SeqSpec> prefill_seqs = {{100, 100}, {37, 300}, {1, 17}, {200, 264}, {129, 1000}};
   check_attention_fp8(false, 128, 32, 4, prefill_seqs, 0);
@@ -1617,6 +1653,7 @@ void check_fp8_moe() {
     check_fp8_gemm(64, 1024, 1536, policy, true);
   }
   check_fp8_gemm(1, 2048, 4096, kc::Fp8GemmPolicy::kAuto);
+  check_fp8_gemm(3, 1536, 2048, kc::Fp8GemmPolicy::kAuto, true);  // three timed paths restore the output
   check_fp8_gemm(64, 5120, 2048, kc::Fp8GemmPolicy::kAuto);
   check_fp8_gemm(512, 2048, 2048, kc::Fp8GemmPolicy::kAuto);
   for (bool renorm : {true, false}) {
@@ -1701,6 +1738,7 @@ void check_others() {
   check_attention(false, 64, 14, 2, prefill_seqs);
   check_attention(false, 128, 16, 16, {{300, 300}, {5, 2048}});
   check_attention(false, 128, 64, 8, prefill_seqs);  // Qwen3-32B heads: GQA group 8
+  check_attention(false, 128, 64, 4, prefill_seqs);  // Qwen3-235B-A22B heads: GQA group 16
   check_attention(false, 64, 32, 8, prefill_seqs);
   // Chunked prefill / prefix-cache hits (queries start deep into the context,
   // offsets not multiples of 16 or 64), a sequence with no query rows, a
@@ -1734,6 +1772,12 @@ void check_decode_attention() {
   check_attention(true, 128, 32, 8, decode_seqs, 1024, pd::kernels::cuda::DecodeKernel::kTensorCore, true);
   check_attention(true, 128, 32, 8, decode_seqs, 1024, pd::kernels::cuda::DecodeKernel::kTensorCore, true, 3);
   check_attention(true, 64, 14, 2, decode_seqs, 128, pd::kernels::cuda::DecodeKernel::kTensorCore, false, 3);
+  // GQA groups above 8 (Qwen3-235B-A22B: 64 q / 4 kv heads; a group of 12 leaves A rows 12..15
+  // empty): the 16-row ring kernel, with the reduce kernel and with the in-kernel merge.
+  for (int stages : {2, 3}) {
+    check_attention(true, 128, 64, 4, decode_seqs, 0, pd::kernels::cuda::DecodeKernel::kTensorCore, true, stages);
+    check_attention(true, 128, 48, 4, decode_seqs, 512, pd::kernels::cuda::DecodeKernel::kTensorCore, false, stages);
+  }
 }
 
 }  // namespace
@@ -1757,9 +1801,15 @@ int main(int argc, char** argv) {
   bool decode_attention_only = false;
   for (int i = 1; i < argc; ++i) decode_attention_only |= std::string(argv[i]) == "--decode-attention-only";
   // --fp8-moe-only: the FP8 and MoE checks alone.
-  bool fp8_moe_only = false;
-  for (int i = 1; i < argc; ++i) fp8_moe_only |= std::string(argv[i]) == "--fp8-moe-only";
-  if (fp8_moe_only) {
+  bool fp8_moe_only = false, fp8_kv_only = false;
+  for (int i = 1; i < argc; ++i) {
+    fp8_moe_only |= std::string(argv[i]) == "--fp8-moe-only";
+    fp8_kv_only |= std::string(argv[i]) == "--fp8-kv-only";  // the FP8 KV write / attention checks alone
+    g_progress |= std::string(argv[i]) == "--progress";
+  }
+  if (fp8_kv_only) {
+    check_fp8_kv();
+  } else if (fp8_moe_only) {
     check_fp8_moe();
   } else {
     if (!decode_attention_only) {

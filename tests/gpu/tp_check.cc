@@ -326,10 +326,11 @@ int check_model(const ModelCase& mc, const std::vector<int32_t>& tp_sizes, bool 
 
 // ---- 3. generated weights: TP 2 against TP 1 ----
 
-int check_generated_weights(const ModelCase& mc) {
+int check_generated_weights(const ModelCase& mc, bool kv_fp8 = false) {
   const model::ModelConfig cfg = small_config(mc);
   engine::CudaRunnerOptions opt = runner_options(true);
   opt.dummy_seed = 7;
+  opt.kv_fp8 = kv_fp8;  // each rank quantizes its heads' K/V as one GPU does
   auto one = engine::CudaTpRunner::create(cfg, nullptr, opt, 1);
   PD_STATUS_CHECK(one.status());
   auto two = engine::CudaTpRunner::create(cfg, nullptr, opt, 2);
@@ -359,10 +360,11 @@ int check_generated_weights(const ModelCase& mc) {
                   out2->sampled[static_cast<size_t>(r)].token_id, static_cast<float>(e.max_abs)))
         ++ok;
     }
-    const bool pass = e.num_nan == 0 && e.rel_l2 <= (mc.fp8 ? kFp8LogitsTolerance : kLogitsTolerance) && ok == rows;
+    const bool pass =
+        e.num_nan == 0 && e.rel_l2 <= (mc.fp8 || kv_fp8 ? kFp8LogitsTolerance : kLogitsTolerance) && ok == rows;
     if (!pass) ++failures;
-    std::printf("%-12s generated weights TP2 vs TP1 rel_l2 %.2e tokens %d/%d %s\n", mc.name, e.rel_l2, ok, rows,
-                pass ? "PASS" : "FAIL");
+    std::printf("%-12s generated weights%s TP2 vs TP1 rel_l2 %.2e tokens %d/%d %s\n", mc.name,
+                kv_fp8 ? ", FP8 KV," : "", e.rel_l2, ok, rows, pass ? "PASS" : "FAIL");
     advance(seqs, step, in, next);
   }
   return failures;
@@ -415,6 +417,7 @@ int main(int argc, char** argv) {
     failures += pd::gpu_test::check_generated_weights(cases[0]);
     failures += pd::gpu_test::check_generated_weights(cases[2]);
     failures += pd::gpu_test::check_generated_weights(cases[5]);
+    failures += pd::gpu_test::check_generated_weights(cases[0], /*kv_fp8=*/true);
   }
   std::printf("tp check: %d failing\n", failures);
   return failures == 0 ? 0 : 1;

@@ -126,6 +126,10 @@ def test_producer_holds_blocks_until_write_done_even_on_eos(procs, plain):
     assert d_status == 200
     assert token_ids(d_body) == expected
     assert consumer.metric("pd_connector_load_errors_total") == 0
+    # The done (with the first token) was settled while the writes were in flight: the completion thread
+    # sent it as the last write completed, and the consumer streamed the token as the done arrived.
+    assert producer.metric("pd_connector_dones_on_completion_total") == 1
+    assert consumer.metric("pd_connector_first_tokens_streamed_total") == 1
     assert_no_blocks_in_use(producer, consumer)
 
 

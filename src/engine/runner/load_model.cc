@@ -117,10 +117,8 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
 
 #ifdef PDSERVE_HAVE_CUDA_RUNNER
   if (options.device == "cuda") {
-    // The CUDA runner keeps a bf16 KV cache (its FP8 KV kernels are not wired into it yet).
-    if (options.kv_cache_dtype == "fp8")
-      return unimplemented("device 'cuda': --kv-cache-dtype fp8 runs on the cpu device only in this build");
     CudaLoadRequest request;
+    request.options.kv_fp8 = options.kv_cache_dtype == "fp8";  // auto: bfloat16
     request.config = config;
     request.model_dir = options.model == kBuiltinTiny ? std::filesystem::path() : std::filesystem::path(options.model);
     request.load_format =

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <thread>
 
+#include "engine/decode_graph_buckets.h"
 #include "engine/kv_memory_budget.h"
 #include "engine/runner_cuda/nccl_comm.h"
 #include "engine/sampler.h"
@@ -17,7 +18,6 @@ namespace {
 namespace kc = pd::kernels::cuda;
 using bf16 = __nv_bfloat16;
 
-constexpr int32_t kGraphBuckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
 int32_t ceil_div(int32_t a, int32_t b) {
   return (a + b - 1) / b;
 }
@@ -125,7 +125,7 @@ void* CudaModelRunner::alloc(size_t bytes) {
 }
 
 size_t CudaModelRunner::kv_bytes_per_token() const {
-  return static_cast<size_t>(config_.num_layers) * 2 * kv_heads_ * config_.head_dim * sizeof(bf16);
+  return static_cast<size_t>(config_.num_layers) * spec_.bytes_per_block() / static_cast<size_t>(spec_.block_size);
 }
 
 Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeights* host_weights,
@@ -150,8 +150,12 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
   if (config_.head_dim != 64 && config_.head_dim != 128) {
     return unimplemented("cuda runner: head_dim {} has no kernels (supported: 64, 128)", config_.head_dim);
   }
-  if (heads_ / kv_heads_ > 8) {
-    return unimplemented("cuda runner: GQA group {} > 8 (per rank)", heads_ / kv_heads_);
+  const int32_t gqa_group = heads_ / kv_heads_;  // per rank
+  if (gqa_group > 16 ||
+      (gqa_group > 8 && (config_.head_dim != 128 || options_.decode_kernel != kc::DecodeKernel::kTensorCore))) {
+    return unimplemented(
+        "cuda runner: GQA group {} per rank (max 8; up to 16 at head_dim 128 with the tensor-core decode kernel)",
+        gqa_group);
   }
   if (options_.max_num_seqs <= 0 || options_.max_num_batched_tokens < options_.max_num_seqs ||
       options_.max_model_len <= 0) {
@@ -189,13 +193,9 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
 
 Status CudaModelRunner::prepare_decode_buckets() {
   const auto start = std::chrono::steady_clock::now();
-  // Each kGraphBuckets entry capped at max_num_seqs; execute() serves a batch with the first one >= it.
-  decode_buckets_.clear();
-  for (int32_t b : kGraphBuckets) {
-    const int32_t bucket = std::min(b, options_.max_num_seqs);
-    if (decode_buckets_.empty() || decode_buckets_.back() != bucket) decode_buckets_.push_back(bucket);
-    if (b >= options_.max_num_seqs) break;
-  }
+  // Padding below 3 % of a step at every batch size (decode_graph_buckets.h); execute() serves a
+  // batch with the first bucket >= it.
+  decode_buckets_ = decode_graph_buckets(options_.max_num_seqs);
   int32_t* sample_rows = h_ints_ + off_sample_rows_;
   for (int32_t bucket : decode_buckets_) {
     // Padding rows only (as execute() pads a graph): no context read, no KV written.
@@ -323,16 +323,17 @@ Status CudaModelRunner::allocate_buffers() {
 }
 
 Result<int64_t> CudaModelRunner::fit_kv_blocks() {
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
   spec_.num_layers = config_.num_layers;
   spec_.num_kv_heads = kv_heads_;
   spec_.head_dim = config_.head_dim;
   spec_.block_size = options_.block_size;
-  spec_.dtype = KvDtype::kBFloat16;
+  spec_.dtype = options_.kv_fp8 ? KvDtype::kFp8E4m3 : KvDtype::kBFloat16;
+  if (options_.kv_fp8) PD_RETURN_IF_ERROR(create_fp8_kv_prefill());
   const size_t per_block_all_layers = spec_.bytes_per_block() * static_cast<size_t>(config_.num_layers);
   int64_t blocks = options_.num_kv_blocks;
   if (blocks <= 0) {
     size_t free_bytes = 0, total_bytes = 0;
-    PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
     PD_RETURN_IF_ERROR(kc::cuda_status(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
     KvMemoryBudgetInput budget;
     budget.total_bytes = total_bytes;
@@ -367,6 +368,7 @@ void* CudaModelRunner::kv_layer_base(int32_t layer) {
 }
 
 Status CudaModelRunner::fill_kv_random(uint64_t seed) {
+  if (options_.kv_fp8) return fill_fp8_kv_random(seed);
   const size_t n = spec_.bytes_per_layer() * static_cast<size_t>(config_.num_layers) / sizeof(bf16);
   PD_RETURN_IF_ERROR(kc::fill_uniform(static_cast<bf16*>(kv_pool_), n, seed, 1.0f, stream_));
   return kc::cuda_status(cudaStreamSynchronize(stream_), "fill_kv_random sync");
@@ -526,12 +528,19 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
     rope.num_kv_heads = hkv;
     rope.head_dim = d;
     rope.block_size = options_.block_size;
+    rope.kv_fp8 = options_.kv_fp8;
     PD_RETURN_IF_ERROR(kc::rope_kv_write(rope, stream_));
     if (hooks != nullptr) hooks->wait_for_layer_load(l);
     dec.kv_cache = kv;
     pre.kv_cache = kv;
-    if (shape.num_decode > 0) PD_RETURN_IF_ERROR(kc::decode_attention(dec, decode_ws_, decode_ws_bytes_, stream_));
-    if (shape.num_prefill > 0) PD_RETURN_IF_ERROR(kc::prefill_attention(pre, stream_));
+    if (shape.num_decode > 0) {
+      PD_RETURN_IF_ERROR(options_.kv_fp8 ? kc::decode_attention_fp8(dec, decode_ws_, decode_ws_bytes_, stream_)
+                                         : kc::decode_attention(dec, decode_ws_, decode_ws_bytes_, stream_));
+    }
+    if (shape.num_prefill > 0) {
+      PD_RETURN_IF_ERROR(options_.kv_fp8 ? fp8_kv_prefill_->run_layer(pre, kv, stream_)
+                                         : kc::prefill_attention(pre, stream_));
+    }
     if (hooks != nullptr) {
       // The connector reads this layer's KV from another stream: the writes must be complete.
       PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "layer sync before save_layer"));
@@ -664,7 +673,7 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
   shape.num_decode = num_decode;
   shape.num_prefill = num_seqs - num_decode;
   const bool use_graph = options_.enable_cuda_graphs && input.layer_hooks == nullptr && shape.num_prefill == 0 &&
-                         num_decode <= std::min(options_.max_num_seqs, kGraphBuckets[std::size(kGraphBuckets) - 1]);
+                         num_decode <= decode_buckets_.back();
   // decode_buckets_ ascend: the first one >= num_seqs serves it (they cover every use_graph batch).
   const int32_t bucket =
       use_graph ? *std::lower_bound(decode_buckets_.begin(), decode_buckets_.end(), num_seqs) : num_seqs;
@@ -744,6 +753,10 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
                                        "sampling params copy"));
   }
 
+  if (options_.kv_fp8 && shape.num_prefill > 0) {
+    PD_RETURN_IF_ERROR(fp8_kv_prefill_->prepare(
+        ctx + num_decode, tables + static_cast<size_t>(num_decode) * max_blocks_per_seq_, shape.num_prefill, stream_));
+  }
   if (use_graph) {
     PD_RETURN_IF_ERROR(run_decode_graph(bucket, shape));
   } else {

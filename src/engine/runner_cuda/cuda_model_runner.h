@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/model_runner.h"
+#include "engine/runner_cuda/fp8_kv_prefill.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/kernels.h"
@@ -68,6 +69,10 @@ struct CudaRunnerOptions {
   // the tuner measures that faster (the skinny kernels at decode sizes) and otherwise runs
   // the norm kernel before it. Off: add + norm kernels between the GEMMs, as before.
   bool fuse_norms_into_gemms = true;
+  // KV cache in FP8 (--kv-cache-dtype fp8; layout KvCacheSpec / KvDtype::kFp8E4m3): the KV write
+  // quantizes each (token, kv head) row, decode attention reads the codes directly, prefill
+  // attention reads its blocks dequantized into a bf16 staging area (Fp8KvPrefill).
+  bool kv_fp8 = false;
   uint64_t dummy_seed = 0;
 };
 
@@ -106,7 +111,7 @@ class CudaModelRunner final : public ModelRunner {
   const model::ModelConfig& config() const { return config_; }
   size_t weight_bytes() const { return weight_bytes_; }
   const model::TpSplit& tp_split() const { return split_; }
-  // Bytes of K and V one token occupies over all layers (this rank's KV heads).
+  // Bytes of K and V one token occupies over all layers (this rank's KV heads; FP8 KV: codes and scales).
   size_t kv_bytes_per_token() const;
   // Fills the whole KV pool with seeded random values (benchmarks read real data, not zeros).
   Status fill_kv_random(uint64_t seed);
@@ -182,6 +187,9 @@ class CudaModelRunner final : public ModelRunner {
   Status sync_stream(const char* what);
   // With ranks: data[0, count) = the sum over the ranks (on stream_); nothing on one GPU.
   Status all_reduce(__nv_bfloat16* data, int64_t count);
+  // kv_fp8 (fp8_kv_runner.cc): the prefill staging area, and seeded random codes + scales.
+  Status create_fp8_kv_prefill();
+  Status fill_fp8_kv_random(uint64_t seed);
   Status validate(const StepInput& input) const;
   // Launches the forward pass (through the lm_head) on stream_ for the inputs already in device buffers.
   Status forward(const PassShape& shape, LayerKvHooks* hooks);
@@ -251,6 +259,7 @@ class CudaModelRunner final : public ModelRunner {
   float* h_logprobs_ = nullptr;
 
   void* kv_pool_ = nullptr;
+  std::unique_ptr<Fp8KvPrefill> fp8_kv_prefill_;  // kv_fp8: prefill attention's bf16 staging
 
   std::map<int32_t, cudaGraphExec_t> graphs_;  // decode bucket -> instantiated graph
   std::vector<int32_t> decode_buckets_;

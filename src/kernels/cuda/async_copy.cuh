@@ -25,6 +25,12 @@ __device__ __forceinline__ void cp_async_16_hint(void* smem, const void* gmem, b
                "r"(src_bytes), "l"(policy)
                : "memory");
 }
+// 4 bytes (cp.async.ca: sizes below 16 go through L1); src_bytes 0 zero-fills.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
+}
 __device__ __forceinline__ uint64_t l2_evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));

@@ -18,6 +18,8 @@
 // each (sequence, kv head) merges them (AttentionArgs::decode_merge_counters;
 // without counters, and for the older variants, a second kernel does).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cfloat>
 #include <cstdint>
@@ -738,7 +740,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 // Keys past the partition are zero-filled in shared memory and masked.
 constexpr int kMmaDecodeKeys = 64;
 constexpr int kMmaDecodeWarps = 4;
-constexpr int kMmaDecodeMaxRows = 8;  // group bucket: only A rows 0..7 carry heads
+constexpr int kMmaDecodeMaxRows = 8;  // group bucket of the 8-row kernels: only A rows 0..7 carry heads
+// GQA groups of 9..16 (Qwen3-235B-A22B: 16) use all 16 A rows (the ring kernels, head_dim 128).
+constexpr int kMmaDecodeMaxRows16 = 16;
 
 // Q fragment of the GQA group: A row g < group is q head kv_head * group + g.
 template <int kHeadDim>
@@ -748,24 +752,29 @@ __device__ __forceinline__ void load_decode_q(uint32_t (&qa)[kHeadDim / 16][4], 
   const int g = lane >> 2;
   const int tq = lane & 3;
   const bool has = g < group;
-  const bf16* qp =
-      a.q + (static_cast<int64_t>(a.query_start[seq]) * a.num_q_heads + kv_head * group + (has ? g : 0)) * kHeadDim;
+  const bool has8 = g + 8 < group;  // A row g + 8 (groups above 8)
+  const bf16* q0 = a.q + static_cast<int64_t>(a.query_start[seq]) * a.num_q_heads * kHeadDim;
+  const bf16* qp = q0 + static_cast<int64_t>(kv_head * group + (has ? g : 0)) * kHeadDim;
+  const bf16* qp8 = q0 + static_cast<int64_t>(kv_head * group + (has8 ? g + 8 : 0)) * kHeadDim;
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
     const int c = kk * 16 + 2 * tq;
     qa[kk][0] = has ? *reinterpret_cast<const uint32_t*>(qp + c) : 0u;
-    qa[kk][1] = 0u;
+    qa[kk][1] = has8 ? *reinterpret_cast<const uint32_t*>(qp8 + c) : 0u;
     qa[kk][2] = has ? *reinterpret_cast<const uint32_t*>(qp + c + 8) : 0u;
-    qa[kk][3] = 0u;
+    qa[kk][3] = has8 ? *reinterpret_cast<const uint32_t*>(qp8 + c + 8) : 0u;
   }
 }
 
 // One warp's online-softmax step over 16 keys: rows 0..15 of k_rows / v_rows
 // (row stride kHeadDim + kSmemPad) hold keys key0 .. key0 + 15; keys >= part_end are masked.
-template <int kHeadDim>
+// kRows 8: A rows 0..7 carry q heads (m0 / l0, o[.][0..1]); kRows 16: rows 8..15 too (m1 / l1,
+// o[.][2..3]).
+template <int kHeadDim, int kRows = kMmaDecodeMaxRows>
 __device__ __forceinline__ void decode_mma_step(const bf16* k_rows, const bf16* v_rows,
                                                 const uint32_t (&qa)[kHeadDim / 16][4], int key0, int part_end,
-                                                float scale_log2, float& m0, float& l0, float (&o)[kHeadDim / 8][4]) {
+                                                float scale_log2, float& m0, float& l0, float& m1, float& l1,
+                                                float (&o)[kHeadDim / 8][4]) {
   constexpr int kStride = kHeadDim + kSmemPad;
   const int lane = threadIdx.x & 31;
   const int tq = lane & 3;
@@ -779,37 +788,43 @@ __device__ __forceinline__ void decode_mma_step(const bf16* k_rows, const bf16* 
     mma_bf16_16816(sc[0], qa[kk], b[0], b[1]);
     mma_bf16_16816(sc[1], qa[kk], b[2], b[3]);
   }
-  float mx = -FLT_MAX;
+  // Online softmax of A row r (0: row g, 1: row g + 8): sc[nt][2 r + e].
+  auto softmax_row = [&](int r, float& m, float& l) {
+    float mx = -FLT_MAX;
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int key = key0 + nt * 8 + 2 * tq + e;
-      sc[nt][e] = key < part_end ? sc[nt][e] * scale_log2 : -FLT_MAX;
-      mx = fmaxf(mx, sc[nt][e]);
+      for (int e = 0; e < 2; ++e) {
+        const int key = key0 + nt * 8 + 2 * tq + e;
+        sc[nt][2 * r + e] = key < part_end ? sc[nt][2 * r + e] * scale_log2 : -FLT_MAX;
+        mx = fmaxf(mx, sc[nt][2 * r + e]);
+      }
     }
-  }
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float m_new = fmaxf(m0, mx);
-  const float alpha = exp2f(m0 - m_new);
-  m0 = m_new;
-  float sum = 0.0f;
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);
+    const float alpha = exp2f(m - m_new);
+    m = m_new;
+    float sum = 0.0f;
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      sc[nt][e] = sc[nt][e] == -FLT_MAX ? 0.0f : exp2f(sc[nt][e] - m_new);
-      sum += sc[nt][e];
+      for (int e = 0; e < 2; ++e) {
+        sc[nt][2 * r + e] = sc[nt][2 * r + e] == -FLT_MAX ? 0.0f : exp2f(sc[nt][2 * r + e] - m_new);
+        sum += sc[nt][2 * r + e];
+      }
     }
-  }
-  l0 = l0 * alpha + sum;
+    l = l * alpha + sum;
 #pragma unroll
-  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-    o[nt][0] *= alpha;
-    o[nt][1] *= alpha;
-  }
-  const uint32_t pa[4] = {pack_bf16x2(sc[0][0], sc[0][1]), 0u, pack_bf16x2(sc[1][0], sc[1][1]), 0u};
+    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+      o[nt][2 * r] *= alpha;
+      o[nt][2 * r + 1] *= alpha;
+    }
+  };
+  softmax_row(0, m0, l0);
+  if constexpr (kRows > 8) softmax_row(1, m1, l1);
+  const uint32_t pa[4] = {pack_bf16x2(sc[0][0], sc[0][1]), kRows > 8 ? pack_bf16x2(sc[0][2], sc[0][3]) : 0u,
+                          pack_bf16x2(sc[1][0], sc[1][1]), kRows > 8 ? pack_bf16x2(sc[1][2], sc[1][3]) : 0u};
 #pragma unroll
   for (int nt = 0; nt < kHeadDim / 8; nt += 2) {
     uint32_t b[4];
@@ -823,30 +838,37 @@ __device__ __forceinline__ void decode_mma_step(const bf16* k_rows, const bf16* 
 // output and log2-sum-exp. Every thread of the CTA must call it; o_s is
 // shared memory of kMmaDecodeWarps * kMmaDecodeMaxRows * kHeadDim floats that
 // may alias the key staging area (the first barrier protects it).
-template <int kHeadDim>
-__device__ __forceinline__ void decode_mma_merge(const float (&o)[kHeadDim / 8][4], float m0, float l0, float* o_s,
-                                                 float (&m_s)[kMmaDecodeWarps][kMmaDecodeMaxRows],
-                                                 float (&l_s)[kMmaDecodeWarps][kMmaDecodeMaxRows],
-                                                 const AttentionArgs& a, int group, int seq, int kv_head, int part,
-                                                 int32_t num_partitions, float* __restrict__ part_lse,
-                                                 float* __restrict__ part_out) {
+template <int kHeadDim, int kRows = kMmaDecodeMaxRows>
+__device__ __forceinline__ void decode_mma_merge(const float (&o)[kHeadDim / 8][4], float m0, float l0, float m1,
+                                                 float l1, float* o_s, float (&m_s)[kMmaDecodeWarps][kRows],
+                                                 float (&l_s)[kMmaDecodeWarps][kRows], const AttentionArgs& a,
+                                                 int group, int seq, int kv_head, int part, int32_t num_partitions,
+                                                 float* __restrict__ part_lse, float* __restrict__ part_out) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int tq = lane & 3;
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  if constexpr (kRows > 8) {
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  }
   __syncthreads();  // every warp is done with the staging area o_s may alias
-  if (g < group) {
 #pragma unroll
-    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-      float* dst = o_s + (warp * kMmaDecodeMaxRows + g) * kHeadDim + nt * 8 + 2 * tq;
-      dst[0] = o[nt][0];
-      dst[1] = o[nt][1];
-    }
-    if (tq == 0) {
-      m_s[warp][g] = m0;
-      l_s[warp][g] = l0;
+  for (int r = 0; r < (kRows > 8 ? 2 : 1); ++r) {
+    const int row = g + 8 * r;
+    if (row < group) {
+#pragma unroll
+      for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+        float* dst = o_s + (warp * kRows + row) * kHeadDim + nt * 8 + 2 * tq;
+        dst[0] = o[nt][2 * r];
+        dst[1] = o[nt][2 * r + 1];
+      }
+      if (tq == 0) {
+        m_s[warp][row] = r == 0 ? m0 : m1;
+        l_s[warp][row] = r == 0 ? l0 : l1;
+      }
     }
   }
   __syncthreads();
@@ -861,7 +883,7 @@ __device__ __forceinline__ void decode_mma_merge(const float (&o)[kHeadDim / 8][
     for (int w = 0; w < kMmaDecodeWarps; ++w) {
       const float f = m_s[w][h] == -FLT_MAX ? 0.0f : exp2f(m_s[w][h] - mm);
       sum += l_s[w][h] * f;
-      out += o_s[(w * kMmaDecodeMaxRows + h) * kHeadDim + d] * f;
+      out += o_s[(w * kRows + h) * kHeadDim + d] * f;
     }
     const int q_head = kv_head * group + h;
     const int64_t pidx = (static_cast<int64_t>(seq) * a.num_q_heads + q_head) * num_partitions + part;
@@ -897,7 +919,7 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   uint32_t qa[kHeadDim / 16][4];
   load_decode_q<kHeadDim>(qa, a, seq, kv_head, group);
   const float scale_log2 = a.scale * kLog2e;
-  float m0 = -FLT_MAX, l0 = 0.0f;
+  float m0 = -FLT_MAX, l0 = 0.0f, m1 = -FLT_MAX, l1 = 0.0f;
   float o[kOTiles][4];
 #pragma unroll
   for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
@@ -923,10 +945,10 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
     __syncthreads();
     // Warp w: keys [16w, 16w + 16) of the tile.
     decode_mma_step<kHeadDim>(&k_s[warp * 16][0], &v_s[warp * 16][0], qa, kb + warp * 16, part_end, scale_log2, m0, l0,
-                              o);
+                              m1, l1, o);
   }
-  decode_mma_merge<kHeadDim>(o, m0, l0, reinterpret_cast<float*>(&k_s[0][0]), m_s, l_s, a, group, seq, kv_head, part,
-                             num_partitions, part_lse, part_out);
+  decode_mma_merge<kHeadDim>(o, m0, l0, m1, l1, reinterpret_cast<float*>(&k_s[0][0]), m_s, l_s, a, group, seq, kv_head,
+                             part, num_partitions, part_lse, part_out);
 }
 
 // Zero output rows for the group's q heads of a sequence with no context.
@@ -946,14 +968,12 @@ constexpr int decode_ring_smem_bytes() {
 // warp w streams the partition's blocks w, w + 4, ... (my_block: lane t holds the id of its
 // t-th) and the CTA writes the partition's partial output and log2-sum-exp (decode_mma_merge).
 // Every thread of the CTA calls it, after the wait for the prior grids.
-template <int kHeadDim, int kDecodeRingStages>
+template <int kHeadDim, int kDecodeRingStages, int kRows>
 __device__ __forceinline__ void decode_ring_partition(const AttentionArgs& a, int seq, int kv_head, int part,
                                                       int part_begin, int part_end, int num_mine, int32_t my_block,
-                                                      unsigned char* smem,
-                                                      float (&m_s)[kMmaDecodeWarps][kMmaDecodeMaxRows],
-                                                      float (&l_s)[kMmaDecodeWarps][kMmaDecodeMaxRows],
-                                                      int32_t num_partitions, float* __restrict__ part_lse,
-                                                      float* __restrict__ part_out) {
+                                                      unsigned char* smem, float (&m_s)[kMmaDecodeWarps][kRows],
+                                                      float (&l_s)[kMmaDecodeWarps][kRows], int32_t num_partitions,
+                                                      float* __restrict__ part_lse, float* __restrict__ part_out) {
   constexpr int kStride = kHeadDim + kSmemPad;
   constexpr int kOTiles = kHeadDim / 8;
   constexpr int kChunksPerRow = kHeadDim / 8;
@@ -1003,7 +1023,7 @@ __device__ __forceinline__ void decode_ring_partition(const AttentionArgs& a, in
   uint32_t qa[kHeadDim / 16][4];
   load_decode_q<kHeadDim>(qa, a, seq, kv_head, group);
   const float scale_log2 = a.scale * kLog2e;
-  float m0 = -FLT_MAX, l0 = 0.0f;
+  float m0 = -FLT_MAX, l0 = 0.0f, m1 = -FLT_MAX, l1 = 0.0f;
   float o[kOTiles][4];
 #pragma unroll
   for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
@@ -1013,16 +1033,16 @@ __device__ __forceinline__ void decode_ring_partition(const AttentionArgs& a, in
     cp_async_wait<kDecodeRingStages - 1>();  // this lane's copies of block t have landed
     __syncwarp();                            // ... and every lane's
     const bf16* k_rows = ring + stage * 2 * kBlockTileElems;
-    decode_mma_step<kHeadDim>(k_rows, k_rows + kBlockTileElems, qa,
-                              part_begin + (warp + t * kMmaDecodeWarps) * kKvBlockSize, part_end, scale_log2, m0, l0,
-                              o);
+    decode_mma_step<kHeadDim, kRows>(k_rows, k_rows + kBlockTileElems, qa,
+                                     part_begin + (warp + t * kMmaDecodeWarps) * kKvBlockSize, part_end, scale_log2, m0,
+                                     l0, m1, l1, o);
     __syncwarp();  // every lane is done reading the stage before it is refilled
     if (t + kDecodeRingStages < num_mine) copy_block(t + kDecodeRingStages, stage);
     cp_async_commit();
     stage = stage == kDecodeRingStages - 1 ? 0 : stage + 1;
   }
-  decode_mma_merge<kHeadDim>(o, m0, l0, reinterpret_cast<float*>(smem), m_s, l_s, a, group, seq, kv_head, part,
-                             num_partitions, part_lse, part_out);
+  decode_mma_merge<kHeadDim, kRows>(o, m0, l0, m1, l1, reinterpret_cast<float*>(smem), m_s, l_s, a, group, seq, kv_head,
+                                    part, num_partitions, part_lse, part_out);
 }
 
 // This warp's blocks of a partition: partition blocks warp, warp + 4, ... (part_begin is a
@@ -1043,18 +1063,18 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
   return t;
 }
 
-template <int kHeadDim, int kDecodeRingStages>
+template <int kHeadDim, int kDecodeRingStages, int kRows>
 __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
     decode_attention_mma_ring_kernel(AttentionArgs a, float* __restrict__ part_lse, float* __restrict__ part_out,
                                      int32_t num_partitions) {
   constexpr int kMaxBlocksPerWarp = kDecodeMaxPartitionTokens / kKvBlockSize / kMmaDecodeWarps;
   static_assert(kMaxBlocksPerWarp <= 32, "one lane per block id of a warp");
   static_assert(decode_ring_smem_bytes<kHeadDim, kDecodeRingStages>() >=
-                    static_cast<int>(sizeof(float)) * kMmaDecodeWarps * kMmaDecodeMaxRows * kHeadDim,
+                    static_cast<int>(sizeof(float)) * kMmaDecodeWarps * kRows * kHeadDim,
                 "o_s must fit in the rings");
   extern __shared__ __align__(16) unsigned char decode_ring_smem[];
-  __shared__ float m_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
-  __shared__ float l_s[kMmaDecodeWarps][kMmaDecodeMaxRows];
+  __shared__ float m_s[kMmaDecodeWarps][kRows];
+  __shared__ float l_s[kMmaDecodeWarps][kRows];
   unsigned long long* const clock =
       a.decode_cta_clock != nullptr && threadIdx.x == 0
           ? a.decode_cta_clock + 4 * (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z))
@@ -1084,8 +1104,9 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   wait_for_prior_grids();  // the KV cache and q are the previous kernel's (RoPE's) output
   allow_dependents();
   if (clock != nullptr) clock[1] = global_timer_ns();
-  decode_ring_partition<kHeadDim, kDecodeRingStages>(a, seq, kv_head, part, part_begin, part_end, num_mine, my_block,
-                                                     decode_ring_smem, m_s, l_s, num_partitions, part_lse, part_out);
+  decode_ring_partition<kHeadDim, kDecodeRingStages, kRows>(a, seq, kv_head, part, part_begin, part_end, num_mine,
+                                                            my_block, decode_ring_smem, m_s, l_s, num_partitions,
+                                                            part_lse, part_out);
   if (clock != nullptr) clock[2] = global_timer_ns();
   if (a.decode_merge_counters == nullptr) {  // decode_reduce_kernel merges
     if (clock != nullptr) clock[3] = global_timer_ns();
@@ -1115,8 +1136,8 @@ __global__ void __launch_bounds__(kMmaDecodeWarps * 32)
   __threadfence();
   // Pass 1, warp w for q heads w, w + 4, ...: the max and the sum of 2^lse over the
   // partitions, each lane folding its partitions online, then across the warp.
-  __shared__ float head_max[kMmaDecodeMaxRows];
-  __shared__ float head_inv_sum[kMmaDecodeMaxRows];
+  __shared__ float head_max[kRows];
+  __shared__ float head_inv_sum[kRows];
   const int64_t group_base = (static_cast<int64_t>(seq) * a.num_q_heads + kv_head * group) * num_partitions;
   for (int h = warp; h < group; h += kMmaDecodeWarps) {
     const float* lse = part_lse + group_base + h * num_partitions;
@@ -1199,6 +1220,148 @@ float* decode_partial_outputs(float* workspace, const AttentionArgs& args, int32
   return workspace + (rows + 3) / 4 * 4;
 }
 
+// ---- Decode attention over the FP8 KV cache on tensor cores ----
+// The ring kernel's structure with FP8 blocks: warp w streams the partition's blocks w, w + 4,
+// ... through its own kFp8RingStages-deep cp.async ring of raw blocks (this kv head's K and V
+// codes, 16 x D bytes each, and their 16 + 16 fp32 scales: half the bytes of a bf16 block),
+// dequantizes each landed block into its bf16 tile (code * scale rounded to bf16, as
+// kv_fp8_to_bf16_blocks stages prefill blocks), refills the stage, and runs decode_mma_step on
+// the tile. Partials go to the bf16 path's workspace, merged by decode_reduce_kernel.
+constexpr int kFp8RingStages = 4;
+
+template <int kHeadDim>
+constexpr int fp8_ring_stage_bytes() {
+  return 2 * kKvBlockSize * kHeadDim + 2 * kKvBlockSize * static_cast<int>(sizeof(float));
+}
+template <int kHeadDim>
+constexpr int fp8_ring_warp_bytes() {
+  return kFp8RingStages * fp8_ring_stage_bytes<kHeadDim>() +
+         2 * kKvBlockSize * (kHeadDim + kSmemPad) * static_cast<int>(sizeof(bf16));
+}
+
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t bits16) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits16), __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+
+template <int kHeadDim, int kRows>
+__global__ void __launch_bounds__(kMmaDecodeWarps * 32)
+    decode_attention_fp8_ring_kernel(AttentionArgs a, float* __restrict__ part_lse, float* __restrict__ part_out,
+                                     int32_t num_partitions) {
+  constexpr int kStride = kHeadDim + kSmemPad;
+  constexpr int kOTiles = kHeadDim / 8;
+  constexpr int kTileElems = kKvBlockSize * kStride;  // one K or V block of the bf16 tile
+  constexpr int kCodes = kKvBlockSize * kHeadDim;     // bytes of one block's K (or V) codes of one head
+  constexpr int kStageBytes = fp8_ring_stage_bytes<kHeadDim>();
+  constexpr int kChunks = kHeadDim / 16;                    // 16-byte chunks per code row
+  constexpr int kCopies = 2 * kKvBlockSize * kChunks / 32;  // 16-byte copies per lane and block
+  static_assert(2 * kKvBlockSize == 32, "one lane per scale of a block");
+  static_assert(kMmaDecodeWarps * fp8_ring_warp_bytes<kHeadDim>() >=
+                    static_cast<int>(sizeof(float)) * kMmaDecodeWarps * kRows * kHeadDim,
+                "o_s must fit in the rings");
+  extern __shared__ __align__(16) unsigned char fp8_ring_smem[];
+  __shared__ float m_s[kMmaDecodeWarps][kRows];
+  __shared__ float l_s[kMmaDecodeWarps][kRows];
+  const int seq = blockIdx.z;
+  const int kv_head = blockIdx.y;
+  const int part = blockIdx.x;
+  const int ctx = a.context_lens[seq];
+  const int part_begin = part * a.decode_partition_tokens;
+  if (part_begin >= ctx) return;  // the reduce reads only partitions below ctx
+  const int part_end = min(ctx, part_begin + a.decode_partition_tokens);
+  const int group = a.num_q_heads / a.num_kv_heads;
+  int num_mine = 0;
+  const int32_t my_block = decode_warp_blocks(a, seq, part_begin, part_end, &num_mine);
+  wait_for_prior_grids();  // the KV cache and q are the previous kernel's (RoPE's) output
+  allow_dependents();
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  unsigned char* const ring = fp8_ring_smem + warp * fp8_ring_warp_bytes<kHeadDim>();
+  bf16* const tile = reinterpret_cast<bf16*>(ring + kFp8RingStages * kStageBytes);
+  const int64_t codes_per_block = static_cast<int64_t>(kKvBlockSize) * a.num_kv_heads * kHeadDim;
+  const int64_t block_bytes = 2 * codes_per_block + 2LL * kKvBlockSize * a.num_kv_heads * sizeof(float);
+  const auto* cache = reinterpret_cast<const uint8_t*>(a.kv_cache);
+  // No L2 evict-first hint here (decode_kv_evict_first is ignored): with it this kernel raised an
+  // illegal instruction at the hinted cp.async on an H200 (compute-sanitizer, 2026-12-01 23:56 UTC).
+  // Issues the copies of this warp's t-th block into ring stage `stage` (warp-uniform t):
+  // copy i = c * 32 + lane is chunk i % kChunks of row (i / kChunks) % 16 of K (i < 16 kChunks) or V.
+  auto copy_block = [&](int t, int stage) {
+    const int32_t block = __shfl_sync(0xffffffffu, my_block, t);
+    const int key0 = part_begin + (warp + t * kMmaDecodeWarps) * kKvBlockSize;
+    const uint8_t* base = cache + static_cast<int64_t>(block) * block_bytes;
+    unsigned char* dst = ring + stage * kStageBytes;
+#pragma unroll
+    for (int c = 0; c < kCopies; ++c) {
+      const int i = c * 32 + lane;
+      const int kv = i / (kKvBlockSize * kChunks);
+      const int row = (i / kChunks) % kKvBlockSize;
+      const int chunk = i % kChunks;
+      const bool valid = key0 + row < part_end;
+      const uint8_t* src =
+          base + kv * codes_per_block + (static_cast<int64_t>(row) * a.num_kv_heads + kv_head) * kHeadDim + chunk * 16;
+      cp_async_16(dst + kv * kCodes + row * kHeadDim + chunk * 16, src, valid);
+    }
+    // Scales ([2][16][kv heads] fp32 after the codes): lane = (K or V, row).
+    const int kv = lane / kKvBlockSize;
+    const int row = lane % kKvBlockSize;
+    cp_async_4(dst + 2 * kCodes + lane * static_cast<int>(sizeof(float)),
+               base + 2 * codes_per_block +
+                   ((static_cast<int64_t>(kv) * kKvBlockSize + row) * a.num_kv_heads + kv_head) * sizeof(float),
+               key0 + row < part_end);
+  };
+#pragma unroll
+  for (int t = 0; t < kFp8RingStages; ++t) {
+    if (t < num_mine) copy_block(t, t);
+    cp_async_commit();
+  }
+  uint32_t qa[kHeadDim / 16][4];
+  load_decode_q<kHeadDim>(qa, a, seq, kv_head, group);
+  const float scale_log2 = a.scale * kLog2e;
+  float m0 = -FLT_MAX, l0 = 0.0f, m1 = -FLT_MAX, l1 = 0.0f;
+  float o[kOTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  int stage = 0;
+  for (int t = 0; t < num_mine; ++t) {
+    cp_async_wait<kFp8RingStages - 1>();  // this lane's copies of block t have landed
+    __syncwarp();                         // ... and every lane's
+    // Dequantize into the tile (rows past the context were zero-filled, codes and scales: 0).
+    const unsigned char* src = ring + stage * kStageBytes;
+    const float* scales = reinterpret_cast<const float*>(src + 2 * kCodes);
+#pragma unroll
+    for (int c = 0; c < kCopies; ++c) {
+      const int i = c * 32 + lane;
+      const int kv = i / (kKvBlockSize * kChunks);
+      const int row = (i / kChunks) % kKvBlockSize;
+      const int chunk = i % kChunks;
+      const uint4 w = *reinterpret_cast<const uint4*>(src + kv * kCodes + row * kHeadDim + chunk * 16);
+      const float s = scales[kv * kKvBlockSize + row];
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+      uint32_t packed[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f0 = e4m3x2_to_float2(words[j] & 0xffffu);
+        const float2 f1 = e4m3x2_to_float2(words[j] >> 16);
+        packed[2 * j] = pack_bf16x2(f0.x * s, f0.y * s);
+        packed[2 * j + 1] = pack_bf16x2(f1.x * s, f1.y * s);
+      }
+      bf16* d = tile + kv * kTileElems + row * kStride + chunk * 16;
+      *reinterpret_cast<uint4*>(d) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      *reinterpret_cast<uint4*>(d + 8) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
+    __syncwarp();  // the tile is complete and every lane is done reading the stage
+    if (t + kFp8RingStages < num_mine) copy_block(t + kFp8RingStages, stage);
+    cp_async_commit();
+    decode_mma_step<kHeadDim, kRows>(tile, tile + kTileElems, qa,
+                                     part_begin + (warp + t * kMmaDecodeWarps) * kKvBlockSize, part_end, scale_log2, m0,
+                                     l0, m1, l1, o);
+    __syncwarp();  // every lane is done reading the tile before the next block overwrites it
+    stage = stage == kFp8RingStages - 1 ? 0 : stage + 1;
+  }
+  decode_mma_merge<kHeadDim, kRows>(o, m0, l0, m1, l1, reinterpret_cast<float*>(fp8_ring_smem), m_s, l_s, a, group, seq,
+                                    kv_head, part, num_partitions, part_lse, part_out);
+}
+
 template <int kHeadDim, int kMaxGroup>
 cudaError_t launch_decode_t(const AttentionArgs& args, float* workspace, int32_t num_partitions, cudaStream_t stream) {
   float* lse = workspace;
@@ -1213,14 +1376,27 @@ cudaError_t launch_decode_t(const AttentionArgs& args, float* workspace, int32_t
   return cudaGetLastError();
 }
 
+template <int kHeadDim, int kStages, int kRows>
+cudaError_t launch_decode_ring_rows(const AttentionArgs& args, dim3 grid, float* lse, float* out,
+                                    int32_t num_partitions, cudaStream_t stream) {
+  constexpr int kSmemBytes = decode_ring_smem_bytes<kHeadDim, kStages>();  // > 48 KiB for D128: needs the opt-in
+  const cudaError_t attr = opt_in_dynamic_smem<decode_attention_mma_ring_kernel<kHeadDim, kStages, kRows>>(kSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  return launch_dependent(decode_attention_mma_ring_kernel<kHeadDim, kStages, kRows>, grid, dim3(kMmaDecodeWarps * 32),
+                          static_cast<size_t>(kSmemBytes), stream, args, lse, out, num_partitions);
+}
+
+// GQA groups above 8 (head_dim 128 only: the dispatch refuses the rest) take the 16-row kernel.
 template <int kHeadDim, int kStages>
 cudaError_t launch_decode_ring(const AttentionArgs& args, dim3 grid, float* lse, float* out, int32_t num_partitions,
                                cudaStream_t stream) {
-  constexpr int kSmemBytes = decode_ring_smem_bytes<kHeadDim, kStages>();  // > 48 KiB for D128: needs the opt-in
-  const cudaError_t attr = opt_in_dynamic_smem<decode_attention_mma_ring_kernel<kHeadDim, kStages>>(kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  return launch_dependent(decode_attention_mma_ring_kernel<kHeadDim, kStages>, grid, dim3(kMmaDecodeWarps * 32),
-                          static_cast<size_t>(kSmemBytes), stream, args, lse, out, num_partitions);
+  if constexpr (kHeadDim == 128) {
+    if (args.num_q_heads / args.num_kv_heads > kMmaDecodeMaxRows) {
+      return launch_decode_ring_rows<kHeadDim, kStages, kMmaDecodeMaxRows16>(args, grid, lse, out, num_partitions,
+                                                                             stream);
+    }
+  }
+  return launch_decode_ring_rows<kHeadDim, kStages, kMmaDecodeMaxRows>(args, grid, lse, out, num_partitions, stream);
 }
 
 template <int kHeadDim>
@@ -1257,7 +1433,51 @@ cudaError_t launch_decode_d(const AttentionArgs& args, float* workspace, int32_t
   return launch_decode_t<kHeadDim, 8>(args, workspace, num_partitions, stream);
 }
 
+template <int kHeadDim>
+cudaError_t launch_decode_fp8_ring(const AttentionArgs& args_in, float* workspace, int32_t num_partitions,
+                                   cudaStream_t stream) {
+  AttentionArgs args = args_in;
+  args.decode_merge_counters = nullptr;  // merged by the reduce kernel
+  args.decode_cta_clock = nullptr;
+  float* lse = workspace;
+  float* out = decode_partial_outputs(workspace, args, num_partitions);
+  constexpr int kSmemBytes = kMmaDecodeWarps * fp8_ring_warp_bytes<kHeadDim>();  // 100 KiB at D128
+  const dim3 grid(num_partitions, args.num_kv_heads, args.num_seqs);
+  cudaError_t err = cudaSuccess;
+  if constexpr (kHeadDim == 128) {
+    if (args.num_q_heads / args.num_kv_heads > kMmaDecodeMaxRows) {
+      constexpr auto kKernel = decode_attention_fp8_ring_kernel<kHeadDim, kMmaDecodeMaxRows16>;
+      err = opt_in_dynamic_smem<kKernel>(kSmemBytes);
+      if (err == cudaSuccess) {
+        err = launch_dependent(kKernel, grid, dim3(kMmaDecodeWarps * 32), static_cast<size_t>(kSmemBytes), stream, args,
+                               lse, out, num_partitions);
+      }
+      if (err != cudaSuccess) return err;
+    }
+  }
+  if (args.num_q_heads / args.num_kv_heads <= kMmaDecodeMaxRows) {
+    constexpr auto kKernel = decode_attention_fp8_ring_kernel<kHeadDim, kMmaDecodeMaxRows>;
+    err = opt_in_dynamic_smem<kKernel>(kSmemBytes);
+    if (err == cudaSuccess) {
+      err = launch_dependent(kKernel, grid, dim3(kMmaDecodeWarps * 32), static_cast<size_t>(kSmemBytes), stream, args,
+                             lse, out, num_partitions);
+    }
+    if (err != cudaSuccess) return err;
+  }
+  err = launch_dependent(decode_reduce_kernel<kHeadDim>, dim3(args.num_q_heads, args.num_seqs), dim3(kHeadDim), 0,
+                         stream, args, static_cast<const float*>(lse), static_cast<const float*>(out), num_partitions);
+  if (err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+cudaError_t launch_decode_attention_fp8_tc(const AttentionArgs& args, float* workspace, int32_t num_partitions,
+                                           cudaStream_t stream) {
+  if (args.num_seqs == 0) return cudaSuccess;
+  if (args.head_dim == 128) return launch_decode_fp8_ring<128>(args, workspace, num_partitions, stream);
+  return launch_decode_fp8_ring<64>(args, workspace, num_partitions, stream);
+}
 
 cudaError_t launch_prefill_attention(const AttentionArgs& args, cudaStream_t stream) {
   if (args.num_seqs == 0 || args.max_query_len == 0) return cudaSuccess;

@@ -67,9 +67,9 @@ __global__ void __launch_bounds__(kFp8DecodeWarps * 32)
   const float qscale = a.scale * kLog2e;
   for (int i = threadIdx.x; i < group * kHeadDim; i += kFp8DecodeWarps * 32) {
     const int h = i / kHeadDim, d = i % kHeadDim;
-    q_s[h][d] = __bfloat162float(
-                    a.q[(static_cast<int64_t>(q_row) * a.num_q_heads + kv_head * group + h) * kHeadDim + d]) *
-                qscale;
+    q_s[h][d] =
+        __bfloat162float(a.q[(static_cast<int64_t>(q_row) * a.num_q_heads + kv_head * group + h) * kHeadDim + d]) *
+        qscale;
   }
   __syncthreads();
   const Fp8KvLayout lay = fp8_kv_layout(a);
@@ -96,8 +96,7 @@ __global__ void __launch_bounds__(kFp8DecodeWarps * 32)
       row = static_cast<int64_t>(pos % a.block_size) * a.num_kv_heads + kv_head;
       const uint8_t* k_row = cache + block_base + row * kHeadDim;
       const float k_scale = *reinterpret_cast<const float*>(cache + block_base + 2 * lay.codes + row * 4);
-      v_scale = *reinterpret_cast<const float*>(cache + block_base + 2 * lay.codes +
-                                                (lay.scales_per_tensor + row) * 4);
+      v_scale = *reinterpret_cast<const float*>(cache + block_base + 2 * lay.codes + (lay.scales_per_tensor + row) * 4);
       uint4 kv[kHeadDim / 16];
 #pragma unroll
       for (int i = 0; i < kHeadDim / 16; ++i) kv[i] = *reinterpret_cast<const uint4*>(k_row + i * 16);
@@ -270,6 +269,10 @@ __global__ void kv_fp8_to_bf16_kernel(bf16* __restrict__ dst, const uint8_t* __r
 cudaError_t launch_decode_attention_fp8(const AttentionArgs& args, float* workspace, int32_t num_partitions,
                                         cudaStream_t stream) {
   if (args.num_seqs == 0) return cudaSuccess;
+  // Tensor cores (attention.cu) unless the CUDA-core kernel is asked for (kept as the cross-check).
+  if (args.decode_kernel != DecodeKernel::kCudaCore) {
+    return launch_decode_attention_fp8_tc(args, workspace, num_partitions, stream);
+  }
   if (args.head_dim == 128) return launch_decode_fp8_d<128>(args, workspace, num_partitions, stream);
   return launch_decode_fp8_d<64>(args, workspace, num_partitions, stream);
 }

@@ -1,6 +1,7 @@
 // The dispatch table: every shape check lives here, before any launch.
-// Supported: head_dim in {64, 128}, KV block size 16, GQA group <= 8, row
-// widths that are multiples of 8 (16-byte vectors), hidden <= 16384.
+// Supported: head_dim in {64, 128}, KV block size 16, GQA group <= 16 (decode: <= 8, or
+// 9..16 on the tensor-core ring kernel at head_dim 128), row widths that are multiples of 8
+// (16-byte vectors), hidden <= 16384.
 #include <algorithm>
 #include <atomic>
 
@@ -11,7 +12,7 @@ namespace pd::kernels::cuda {
 namespace {
 
 constexpr int32_t kMaxNormHidden = 16384;
-constexpr int32_t kMaxGqaGroup = 8;
+constexpr int32_t kMaxGqaGroup = 16;
 
 Status check_head_dim(int32_t head_dim, const char* kernel) {
   if (head_dim != 64 && head_dim != 128) {
@@ -64,6 +65,19 @@ Status check_attention(const AttentionArgs& a, const char* kernel) {
 std::atomic<bool> g_programmatic_launch{false};
 
 }  // namespace
+
+// GQA groups of 9..16 run only on the tensor-core ring kernels (16 A rows) at head_dim 128.
+Status check_decode_gqa_group(const AttentionArgs& a, const char* kernel) {
+  const int32_t group = a.num_q_heads / a.num_kv_heads;
+  if (group <= 8) return Status::Ok();
+  if (a.head_dim != 128 || a.decode_kernel != DecodeKernel::kTensorCore) {
+    return unimplemented("{}: GQA group {} needs head_dim 128 and the tensor-core ring kernel (max 8 otherwise)",
+                         kernel, group);
+  }
+  return Status::Ok();
+}
+
+namespace {}  // namespace
 
 namespace detail {
 bool programmatic_launch_enabled() {
@@ -148,6 +162,7 @@ Status decode_attention(const AttentionArgs& args_in, void* workspace, size_t wo
   if (args.decode_kv_stages != 2 && args.decode_kv_stages != 3) {
     return unimplemented("decode_attention: {} K/V ring stages (supported: 2, 3)", args.decode_kv_stages);
   }
+  PD_RETURN_IF_ERROR(check_decode_gqa_group(args, "decode_attention"));
   const size_t need = decode_attention_workspace_bytes(args.num_seqs, args.num_q_heads, args.head_dim,
                                                        args.max_context_len, args.decode_partition_tokens);
   if (workspace_bytes < need) {

@@ -111,8 +111,13 @@ Status decode_attention_fp8(const AttentionArgs& args_in, void* workspace, size_
   if (a.num_q_heads <= 0 || a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0) {
     return invalid_argument("decode_attention_fp8: {} q heads / {} kv heads", a.num_q_heads, a.num_kv_heads);
   }
-  if (a.num_q_heads / a.num_kv_heads > 8) {
-    return unimplemented("decode_attention_fp8: GQA group {} (max 8)", a.num_q_heads / a.num_kv_heads);
+  if (a.num_q_heads / a.num_kv_heads > 16) {
+    return unimplemented("decode_attention_fp8: GQA group {} (max 16)", a.num_q_heads / a.num_kv_heads);
+  }
+  {
+    AttentionArgs g = a;  // the CUDA-core kernel takes groups <= 8; the tensor-core one <= 16 at D128
+    if (g.decode_kernel == DecodeKernel::kTensorCoreSingleBuffer) g.decode_kernel = DecodeKernel::kTensorCore;
+    PD_RETURN_IF_ERROR(check_decode_gqa_group(g, "decode_attention_fp8"));
   }
   if (a.num_seqs < 0 || a.max_context_len < 0 || a.max_context_len > a.max_blocks_per_seq * a.block_size ||
       !(a.scale > 0.0f)) {

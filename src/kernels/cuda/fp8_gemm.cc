@@ -94,6 +94,7 @@ Result<Fp8Gemm::Plan*> Fp8Gemm::plan_for(int32_t m, const Fp8Weight& w, bool acc
   const int32_t main_rows = fp8_cublas_rows(m);
   if (main_rows == 0) {
     plan.path = Fp8GemmPath::kStream;
+    plan.stream_cuda_cores = m <= kCudaCoreStreamMaxM;
     auto [pos, inserted] = plans_.emplace(key, plan);
     return &pos->second;
   }
@@ -167,8 +168,8 @@ Status Fp8Gemm::launch_cublas(Plan& plan, __nv_bfloat16* out, const uint8_t* a_q
 }
 
 Status Fp8Gemm::launch_stream(__nv_bfloat16* out, const __nv_bfloat16* a, int32_t m, const Fp8Weight& w,
-                              cudaStream_t stream, bool accumulate) {
-  if (m <= kTensorCoreStreamMaxM) {
+                              cudaStream_t stream, bool accumulate, bool cuda_cores) {
+  if (m <= kTensorCoreStreamMaxM && !cuda_cores) {
     // Tensor cores (fp8.cu): check_weight guarantees k % 128 == 0 and n % 16 == 0.
     return cuda_status(
         detail::launch_fp8_tc_stream(out, a, w.data, w.scale, w.scale_ld, m, w.n, w.k, accumulate, stream),
@@ -186,13 +187,14 @@ Status Fp8Gemm::launch_stream(__nv_bfloat16* out, const __nv_bfloat16* a, int32_
   args.n = w.n;
   args.k = w.k;
   args.accumulate = accumulate;
+  args.cuda_cores = cuda_cores;
   return stream_gemm(args, m, stream);
 }
 
 Status Fp8Gemm::launch_path(Plan& plan, Fp8GemmPath path, __nv_bfloat16* out, const __nv_bfloat16* a, int32_t m,
                             const Fp8Weight& w, cudaStream_t stream, bool accumulate) {
   last_path_ = path;
-  if (path == Fp8GemmPath::kStream) return launch_stream(out, a, m, w, stream, accumulate);
+  if (path == Fp8GemmPath::kStream) return launch_stream(out, a, m, w, stream, accumulate, plan.stream_cuda_cores);
   if (m > max_m_ || w.k > max_k_) {
     return invalid_argument("fp8 gemm: activations {} x {} exceed the quantization scratch ({} x {})", m, w.k, max_m_,
                             max_k_);
@@ -241,9 +243,17 @@ Status Fp8Gemm::tune(Plan& plan, __nv_bfloat16* out, const __nv_bfloat16* a, int
     return best * 1000.0f / kCallsPerRound;
   };
   if (st.ok()) {
+    plan.stream_cuda_cores = false;
     Result<float> s = time_path(Fp8GemmPath::kStream);
     st = s.status();
     if (st.ok()) t.stream_us = *s;
+  }
+  if (st.ok() && m <= kCudaCoreStreamMaxM) {
+    plan.stream_cuda_cores = true;
+    Result<float> s = time_path(Fp8GemmPath::kStream);
+    st = s.status();
+    if (st.ok()) t.stream_cuda_core_us = *s;
+    plan.stream_cuda_cores = st.ok() && t.stream_cuda_core_us < t.stream_us;
   }
   if (st.ok() && plan.cublas_ok) {
     Result<float> c = time_path(Fp8GemmPath::kCublas);
@@ -257,8 +267,10 @@ Status Fp8Gemm::tune(Plan& plan, __nv_bfloat16* out, const __nv_bfloat16* a, int
                                        c.status().to_string()));
     }
   }
-  plan.path = t.cublas_us >= 0.0f && t.cublas_us < t.stream_us ? Fp8GemmPath::kCublas : Fp8GemmPath::kStream;
+  const float best_stream = plan.stream_cuda_cores ? t.stream_cuda_core_us : t.stream_us;
+  plan.path = t.cublas_us >= 0.0f && t.cublas_us < best_stream ? Fp8GemmPath::kCublas : Fp8GemmPath::kStream;
   t.chose = plan.path;
+  t.chose_cuda_cores = plan.path == Fp8GemmPath::kStream && plan.stream_cuda_cores;
   if (saved != nullptr) {
     const Status restored =
         cuda_status(cudaMemcpyAsync(out, saved, out_bytes, cudaMemcpyDeviceToDevice, stream), "fp8 tuning restore");

@@ -41,9 +41,11 @@ enum class Fp8GemmPath : uint8_t { kCublas, kStream };
 
 struct Fp8GemmTuning {
   int32_t m = 0, n = 0, k = 0;
-  float cublas_us = -1.0f;  // quantize + cuBLASLt (< 0: not available)
-  float stream_us = -1.0f;
+  float cublas_us = -1.0f;            // quantize + cuBLASLt (< 0: not available)
+  float stream_us = -1.0f;            // the tensor-core streaming kernel (M <= 16)
+  float stream_cuda_core_us = -1.0f;  // the CUDA-core streaming kernel (timed for M <= kCudaCoreStreamMaxM)
   Fp8GemmPath chose = Fp8GemmPath::kCublas;
+  bool chose_cuda_cores = false;  // kStream: the CUDA-core kernel won
 };
 
 class Fp8Gemm {
@@ -52,6 +54,11 @@ class Fp8Gemm {
   // The streaming path runs the tensor-core kernel up to this M (fp8.cu), the CUDA-core
   // stream_gemm above it.
   static constexpr int32_t kTensorCoreStreamMaxM = 16;
+  // Up to this M the tuner also times the CUDA-core streaming kernel (lane-strided weight rows,
+  // no mma), and an untuned shape takes it: it won every M = 1 shape of the 32B / 30B-A3B / 235B
+  // FP8 layers (32B qkv 20.1 vs 25.7 us, gate_up 64.5 vs 103.3) and took Qwen3-32B-FP8 decode b1
+  // from 1.90x to 1.28x the floor (docs/perf/engine.md, 2026-12-02 00:01 UTC).
+  static constexpr int32_t kCudaCoreStreamMaxM = 4;
 
   // max_m x max_k: the largest activation the owned quantization scratch holds (run()).
   static Result<std::unique_ptr<Fp8Gemm>> create(int32_t max_m, int32_t max_k,
@@ -86,12 +93,13 @@ class Fp8Gemm {
     cublasLtMatmulAlgo_t algo{};
     bool cublas_ok = false;
     Fp8GemmPath path = Fp8GemmPath::kCublas;
+    bool stream_cuda_cores = false;  // kStream runs the CUDA-core kernel (M <= kCudaCoreStreamMaxM)
   };
   Result<Plan*> plan_for(int32_t m, const Fp8Weight& w, bool accumulate, const uint8_t* a_q, const float* a_scales);
   Status launch_cublas(Plan& plan, __nv_bfloat16* out, const uint8_t* a_q, const float* a_scales, int32_t m,
                        const Fp8Weight& w, cudaStream_t stream, bool accumulate);
   Status launch_stream(__nv_bfloat16* out, const __nv_bfloat16* a, int32_t m, const Fp8Weight& w, cudaStream_t stream,
-                       bool accumulate);
+                       bool accumulate, bool cuda_cores = false);
   Status launch_path(Plan& plan, Fp8GemmPath path, __nv_bfloat16* out, const __nv_bfloat16* a, int32_t m,
                      const Fp8Weight& w, cudaStream_t stream, bool accumulate);
   Status tune(Plan& plan, __nv_bfloat16* out, const __nv_bfloat16* a, int32_t m, const Fp8Weight& w,

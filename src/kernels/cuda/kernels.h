@@ -59,6 +59,9 @@ Status prefill_attention(const AttentionArgs& args, cudaStream_t stream);
 size_t decode_attention_workspace_bytes(int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
                                         int32_t max_context_len, int32_t partition_tokens = kDecodePartitionTokens);
 Status decode_attention(const AttentionArgs& args, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+// Decode attention's GQA groups: <= 8 on every kernel, 9..16 (Qwen3-235B-A22B: 16) on the
+// tensor-core ring kernels at head_dim 128 (bf16 and FP8 KV); UNIMPLEMENTED otherwise.
+Status check_decode_gqa_group(const AttentionArgs& args, const char* kernel);
 
 // Samples one token from each row of fp32 logits [num_rows][vocab] with the
 // CPU sampler's semantics (engine/sampler.h) for greedy, temperature and min-p

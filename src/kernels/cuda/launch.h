@@ -70,6 +70,9 @@ cudaError_t launch_moe_align(const int32_t* topk_ids, int32_t num_tokens, int32_
                              const MoeRouting& routing, cudaStream_t stream);
 cudaError_t launch_moe_combine(bf16* out, const bf16* y, const int32_t* slot_of_choice, const float* weights,
                                int32_t num_tokens, int32_t top_k, int32_t hidden, bool accumulate, cudaStream_t stream);
+// Decode over the FP8 KV cache on tensor cores (attention.cu; GQA group <= 8).
+cudaError_t launch_decode_attention_fp8_tc(const AttentionArgs& args, float* workspace, int32_t num_partitions,
+                                           cudaStream_t stream);
 cudaError_t launch_decode_attention_fp8(const AttentionArgs& args, float* workspace, int32_t num_partitions,
                                         cudaStream_t stream);
 cudaError_t launch_kv_fp8_to_bf16(bf16* dst, const uint8_t* cache, const int32_t* block_ids, int32_t num_blocks,

@@ -383,6 +383,52 @@ TEST_F(ProducerStateTest, DoneCarriesTheFirstTokenToAConsumerThatTookTheWholePro
   EXPECT_FALSE(p_.request_finished(kT, {1, 2, 3}, true, 0)) << "done already sent, nothing in flight";
 }
 
+// The done is settled (KV sealed, destination known, token sampled) while the
+// last writes are still in flight: it is offered once for the completion path to
+// send, and the engine thread's later view of the completions sends nothing more.
+TEST_F(ProducerStateTest, ADoneSettledWhileWritesAreInFlightIsOfferedToTheCompletionPath) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 9, 0, /*kv_tokens=*/9), 64, 0);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  EXPECT_TRUE(p_.take_actions().early_dones.empty()) << "the consumer wants the token: not settled yet";
+  p_.first_token_sampled(kT, 4242, 0xfeed);
+  auto a = p_.take_actions();
+  EXPECT_TRUE(a.sends.empty());
+  ASSERT_EQ(a.early_dones.size(), 1u);
+  EXPECT_EQ(a.early_dones[0].to, consumer().key);
+  EXPECT_TRUE(a.early_dones[0].message.ok);
+  ASSERT_TRUE(a.early_dones[0].message.first_token.has_value());
+  EXPECT_EQ(*a.early_dones[0].message.first_token, 4242);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0)) << "held while writes are in flight";
+  EXPECT_TRUE(p_.take_actions().early_dones.empty()) << "offered once";
+  p_.on_done_sent_early(kT);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  a = p_.take_actions();
+  EXPECT_TRUE(a.sends.empty()) << "the consumer has its done already";
+  EXPECT_EQ(a.num_completed, 1);
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+  EXPECT_EQ(p_.num_active(), 0u);
+}
+
+TEST_F(ProducerStateTest, AnOfferedDoneThatWasNotSentBecauseAWriteFailedEndsAsDoneNotOk) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 9, 0, 9), 64, 0);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  p_.first_token_sampled(kT, 4242, 0xfeed);
+  ASSERT_EQ(p_.take_actions().early_dones.size(), 1u);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  p_.on_write_done(kT, 0, false);
+  p_.on_write_done(kT, 1, true);
+  p_.on_write_done(kT, 2, true);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kDone);
+  EXPECT_FALSE(a.sends[0].message.ok);
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+}
+
 TEST_F(ProducerStateTest, DoneWithoutATokenWhenTheRequestFinishesWithoutOne) {
   ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
   p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 9, 0, 9), 64, 0);

@@ -54,6 +54,7 @@ class LoopbackConnector : public KvConnector {
       }
     }
     events_.finished_recving.push_back(id);
+    polls_at_report_ = num_polls_;
     if (wakeup_) wakeup_();
   }
   // deliver() plus the producer's first output token (first-token hand-over).
@@ -63,6 +64,18 @@ class LoopbackConnector : public KvConnector {
       events_.first_tokens.push_back(HandedOverToken{id, token});
     }
     deliver(id);
+  }
+  // What a connector does on its receive thread when the KV and the producer's
+  // token have both arrived: stream the token now, report them at the next poll.
+  void stream_then_deliver(const std::string& id, int32_t token) {
+    FirstTokenSink sink;
+    {
+      std::lock_guard lock(mutex_);
+      sink = sink_;
+    }
+    ASSERT_TRUE(sink) << "the engine bound no first-token sink";
+    sink(id, token);
+    deliver_with_token(id, token);
   }
   void report_failed(const std::string& id, const std::string& message) {
     std::lock_guard lock(mutex_);
@@ -99,6 +112,10 @@ class LoopbackConnector : public KvConnector {
 
   // Engine-thread side.
   void bind_engine_wakeup(std::function<void()> wakeup) override { wakeup_ = std::move(wakeup); }
+  void bind_first_token_sink(FirstTokenSink sink) override {
+    std::lock_guard lock(mutex_);
+    sink_ = std::move(sink);
+  }
   Result<ExternalMatch> get_num_new_matched_tokens(const Request&, int32_t) override {
     std::lock_guard lock(mutex_);
     if (!refusal.ok()) return refusal;
@@ -142,6 +159,7 @@ class LoopbackConnector : public KvConnector {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::function<void()> wakeup_;
+  FirstTokenSink sink_;
   std::map<std::string, Pending> pending_;
   ConnectorEvents events_;
   int64_t num_polls_ = 0;
@@ -189,6 +207,16 @@ class Outputs {
     return cv_.wait_until(lock, Deadline::after_ms(20'000).when(), [&] {
       auto it = streams_.find(id);
       return it != streams_.end() && !it->second.empty() && it->second.back().finished;
+    });
+  }
+  bool wait_first_token(const std::string& id, int64_t timeout_ms) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_until(lock, Deadline::after_ms(timeout_ms).when(), [&] {
+      auto it = streams_.find(id);
+      if (it == streams_.end()) return false;
+      for (const auto& o : it->second)
+        if (!o.new_token_ids.empty()) return true;
+      return false;
     });
   }
   std::vector<int32_t> tokens(const std::string& id) {
@@ -490,6 +518,73 @@ TEST(EngineConnector, AHandedOverTokenArrivingDuringAStepIsEmittedBeforeTheNextS
   EXPECT_EQ(out.tokens("busy"), reference_greedy(prompt_of(20), 4, kVocab));
   engine->shutdown();
   EXPECT_EQ(engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(EngineConnector, AHandedOverTokenIsStreamedWhileTheStepInFlightStillRuns) {
+  auto owned = std::make_unique<GatedRunner>(64, kBlockSize, kVocab);
+  GatedRunner* runner = owned.get();
+  auto connector = std::make_unique<LoopbackConnector>(runner);
+  connector->match = handover_match();
+  LoopbackConnector* conn = connector.get();
+  EngineConfig config;
+  config.max_num_batched_tokens = 64;
+  config.max_model_len = 128;
+  auto created = Engine::create(config, std::move(owned), nullptr, std::move(connector));
+  ASSERT_TRUE(created.ok()) << created.status().to_string();
+  std::unique_ptr<Engine> engine = std::move(created).value();
+
+  Outputs out;
+  ASSERT_TRUE(engine->add_request(pd_request("c", 26, 4), out.callback()).ok());
+  ASSERT_TRUE(conn->wait_allocated("c"));
+  // Another request's prefill is step 1, held at the gate: the engine thread is busy.
+  ASSERT_TRUE(engine->add_request(pd_request("busy", 20, 3, /*with_params=*/false), out.callback()).ok());
+  ASSERT_TRUE(runner->wait_started(1));
+  const std::vector<int32_t> reference = reference_greedy(prompt_of(26), 4, kVocab);
+  conn->stream_then_deliver("c", reference[0]);
+  // The gate stays shut until the token is out: it must not wait for step 1.
+  const bool streamed = out.wait_first_token("c", 10'000);
+  EXPECT_EQ(runner->num_started(), 1);
+  runner->release(100);
+  ASSERT_TRUE(streamed) << "the handed-over token waited for the step in flight";
+  ASSERT_TRUE(out.wait_finished("c"));
+  ASSERT_TRUE(out.wait_finished("busy"));
+  EXPECT_EQ(out.tokens("c"), reference) << "streamed once, then decoding continued from it";
+  EXPECT_EQ(out.last("c").num_output_tokens, 4);
+  EXPECT_EQ(out.tokens("busy"), reference_greedy(prompt_of(20), 3, kVocab));
+  engine->shutdown();
+  EXPECT_EQ(engine->stats().num_handed_over_tokens, 1);
+  EXPECT_EQ(engine->stats().num_first_tokens_streamed_on_arrival, 1);
+  EXPECT_EQ(engine->stats().num_blocks_in_use, 0);
+}
+
+TEST(EngineConnector, AStreamedTokenForARequestAlreadyFinishedIsDropped) {
+  Rig rig = make_rig(64, handover_match());
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 4), out.callback()).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  rig.engine->abort("c");
+  ASSERT_TRUE(out.wait_finished("c"));
+  rig.connector->stream_then_deliver("c", 5);
+  ASSERT_TRUE(rig.connector->wait_drained());
+  EXPECT_TRUE(out.tokens("c").empty()) << "nothing follows a final output";
+  EXPECT_EQ(out.last("c").finish_reason, FinishReason::kAbort);
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_first_tokens_streamed_on_arrival, 0);
+}
+
+TEST(EngineConnector, AStreamedTokenThatWouldEndTheRequestIsLeftToTheEngineThread) {
+  Rig rig = make_rig(64, handover_match());
+  Outputs out;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 1), out.callback()).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  rig.connector->stream_then_deliver("c", 11);
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_EQ(out.tokens("c"), std::vector<int32_t>{11});
+  EXPECT_EQ(out.last("c").finish_reason, FinishReason::kLength);
+  EXPECT_EQ(out.last("c").new_token_ids, std::vector<int32_t>{11}) << "one output, the final one, carries it";
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_first_tokens_streamed_on_arrival, 0);
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
 }
 
 }  // namespace

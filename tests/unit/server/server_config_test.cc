@@ -120,6 +120,32 @@ TEST(ServerConfigValidation, ContradictoryKvRolesAreRefused) {
   EXPECT_FALSE(validate_server_config(*outcome.config).ok());
 }
 
+TEST(ServerConfigValidation, AProducerWithoutABudgetFlagGetsTheProducerDefault) {
+  for (const char* role : {"kv_producer", "producer"}) {
+    auto outcome = parse({"--kv-role", role});
+    ASSERT_TRUE(outcome.config);
+    ASSERT_TRUE(validate_server_config(*outcome.config).ok());
+    EXPECT_EQ(outcome.config->max_num_batched_tokens, kProducerMaxNumBatchedTokens) << role;
+  }
+  auto from_json = parse({"--kv-transfer-config", R"({"kv_connector":"PdConnector","kv_role":"kv_producer"})"});
+  ASSERT_TRUE(from_json.config);
+  ASSERT_TRUE(validate_server_config(*from_json.config).ok());
+  EXPECT_EQ(from_json.config->max_num_batched_tokens, kProducerMaxNumBatchedTokens);
+}
+
+TEST(ServerConfigValidation, AGivenBudgetAndOtherRolesKeepTheirBudget) {
+  auto given = parse({"--kv-role", "kv_producer", "--max-num-batched-tokens", "8192"});
+  ASSERT_TRUE(given.config);
+  ASSERT_TRUE(validate_server_config(*given.config).ok());
+  EXPECT_EQ(given.config->max_num_batched_tokens, 8192);
+  for (const char* role : {"kv_consumer", "kv_both"}) {
+    auto outcome = parse({"--kv-role", role});
+    ASSERT_TRUE(outcome.config);
+    ASSERT_TRUE(validate_server_config(*outcome.config).ok());
+    EXPECT_EQ(outcome.config->max_num_batched_tokens, kDefaultMaxNumBatchedTokens) << role;
+  }
+}
+
 TEST(ServerCli, MaxConnectionsIsReadWhenGiven) {
   auto outcome = parse({"--max-connections", "4"});
   ASSERT_TRUE(outcome.config);
