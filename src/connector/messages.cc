@@ -144,6 +144,29 @@ Status decode_first_token(MapReader& reader, ControlMessage& msg) {
   return Status::Ok();
 }
 
+// fingerprint.head_map: [begin_0, count_0, begin_1, count_1, ...], one pair per
+// rank; required when tp_size > 1, optional (one rank, every head) at 1.
+Status decode_head_map(MapReader& fpr, KvFingerprint& f) {
+  const auto* map = fpr.find("head_map");
+  if (map == nullptr) {
+    if (f.tp_size > 1) return invalid_argument("fingerprint: 'head_map' is required when tp_size > 1");
+    return Status::Ok();
+  }
+  if (map->type != msgpack::type::ARRAY || map->via.array.size != 2u * static_cast<uint32_t>(f.tp_size)) {
+    return invalid_argument("fingerprint: 'head_map' must be an array of 2 x tp_size ({}) integers", 2 * f.tp_size);
+  }
+  for (uint32_t i = 0; i < map->via.array.size; i += 2) {
+    const auto& begin = map->via.array.ptr[i];
+    const auto& count = map->via.array.ptr[i + 1];
+    if (begin.type != msgpack::type::POSITIVE_INTEGER || count.type != msgpack::type::POSITIVE_INTEGER ||
+        begin.via.u64 > 4096 || count.via.u64 > 4096) {
+      return invalid_argument("fingerprint: 'head_map[{}]' is not a (begin, count) pair of head numbers", i / 2);
+    }
+    f.head_map.push_back(RankHeads{static_cast<int32_t>(begin.via.u64), static_cast<int32_t>(count.via.u64)});
+  }
+  return validate_head_map(f.num_kv_heads, f.head_map).with_context("fingerprint");
+}
+
 Status decode_fields(MapReader& reader, ControlMessage& msg) {
   PD_RETURN_IF_ERROR(reader.str("instance_id", &msg.instance_id, kMaxInstanceIdBytes));
   if (msg.instance_id.empty()) return invalid_argument("'instance_id' is empty");
@@ -163,8 +186,9 @@ Status decode_fields(MapReader& reader, ControlMessage& msg) {
       const auto* layers = reader.find("layer_descs");
       if (layers == nullptr || layers->type != msgpack::type::ARRAY)
         return invalid_argument("'layer_descs' must be an array");
-      if (layers->via.array.size == 0 || layers->via.array.size > kMaxLayers) {
-        return invalid_argument("'layer_descs' has {} entries, expected [1, {}]", layers->via.array.size, kMaxLayers);
+      if (layers->via.array.size == 0 || layers->via.array.size > kMaxLayerDescs) {
+        return invalid_argument("'layer_descs' has {} entries, expected [1, {}]", layers->via.array.size,
+                                kMaxLayerDescs);
       }
       for (uint32_t i = 0; i < layers->via.array.size; ++i) {
         std::vector<uint8_t> desc;
@@ -180,11 +204,13 @@ Status decode_fields(MapReader& reader, ControlMessage& msg) {
       PD_RETURN_IF_ERROR(fpr.i32("head_dim", &f.head_dim, 1, 4096));
       PD_RETURN_IF_ERROR(fpr.str("dtype", &f.dtype, 16));
       PD_RETURN_IF_ERROR(fpr.i32("block_size", &f.block_size, 1, 4096));
-      PD_RETURN_IF_ERROR(fpr.i32("tp_size", &f.tp_size, 1, 1024));
+      PD_RETURN_IF_ERROR(fpr.i32("tp_size", &f.tp_size, 1, kMaxTpSize));
+      PD_RETURN_IF_ERROR(decode_head_map(fpr, f));
       PD_RETURN_IF_ERROR(fpr.no_unknown_keys().with_context("fingerprint"));
-      if (static_cast<size_t>(f.num_layers) != msg.layer_descs.size()) {
-        return invalid_argument("'layer_descs' has {} entries but fingerprint.num_layers is {}", msg.layer_descs.size(),
-                                f.num_layers);
+      // One region per rank per layer, rank-major.
+      if (static_cast<size_t>(f.num_layers) * static_cast<size_t>(f.tp_size) != msg.layer_descs.size()) {
+        return invalid_argument("'layer_descs' has {} entries but fingerprint.num_layers x tp_size is {} x {}",
+                                msg.layer_descs.size(), f.num_layers, f.tp_size);
       }
       PD_RETURN_IF_ERROR(reader.i32("num_blocks", &msg.num_blocks, 1, INT32_MAX));
       break;
@@ -274,9 +300,21 @@ Status check_layout_compatible(const KvFingerprint& local, const KvFingerprint& 
   field("head_dim", local.head_dim, remote.head_dim);
   field("dtype", local.dtype, remote.dtype);
   field("block_size", local.block_size, remote.block_size);
-  field("tp_size", local.tp_size, remote.tp_size);
-  if (diffs.empty()) return Status::Ok();
-  return failed_precondition("KV layout mismatch, refusing the peer: {}", diffs);
+  if (!diffs.empty()) return failed_precondition("KV layout mismatch, refusing the peer: {}", diffs);
+  // Tensor-parallel sizes may differ: the transfer plan maps the head maps onto each other.
+  const std::vector<RankHeads> ranks = remote.ranks();
+  if (ranks.size() != static_cast<size_t>(remote.tp_size)) {
+    return failed_precondition("KV layout of the peer: head map of {} ranks for tp_size {}", ranks.size(),
+                               remote.tp_size);
+  }
+  Status heads = validate_head_map(remote.num_kv_heads, ranks);
+  if (!heads.ok()) return failed_precondition("KV layout of the peer: {}", heads.message());
+  return Status::Ok();
+}
+
+std::vector<RankHeads> KvFingerprint::ranks() const {
+  if (!head_map.empty()) return head_map;
+  return {RankHeads{0, num_kv_heads}};
 }
 
 namespace {
@@ -346,7 +384,7 @@ std::vector<uint8_t> encode_message(const ControlMessage& msg) {
       pk.pack_array(static_cast<uint32_t>(msg.layer_descs.size()));
       for (const auto& desc : msg.layer_descs) pack_bin(pk, desc);
       pack_str(pk, "fingerprint");
-      pk.pack_map(6);
+      pk.pack_map(msg.fingerprint.head_map.empty() ? 6 : 7);
       pack_str(pk, "num_layers");
       pk.pack(static_cast<uint32_t>(msg.fingerprint.num_layers));
       pack_str(pk, "num_kv_heads");
@@ -359,6 +397,14 @@ std::vector<uint8_t> encode_message(const ControlMessage& msg) {
       pk.pack(static_cast<uint32_t>(msg.fingerprint.block_size));
       pack_str(pk, "tp_size");
       pk.pack(static_cast<uint32_t>(msg.fingerprint.tp_size));
+      if (!msg.fingerprint.head_map.empty()) {
+        pack_str(pk, "head_map");
+        pk.pack_array(static_cast<uint32_t>(2 * msg.fingerprint.head_map.size()));
+        for (const RankHeads& h : msg.fingerprint.head_map) {
+          pk.pack(static_cast<uint32_t>(h.begin));
+          pk.pack(static_cast<uint32_t>(h.count));
+        }
+      }
       pack_str(pk, "num_blocks");
       pk.pack(static_cast<uint32_t>(msg.num_blocks));
       break;

@@ -5,8 +5,9 @@
 // types, unknown or missing keys, wrong types, out-of-range sizes and ids are all
 // refused with a message naming the field. Callers count and drop refused frames.
 //
-//   meta / meta_ok  handshake: engine descriptor, per-layer memory descriptors, KV layout
-//                   fingerprint, number of blocks (bounds for block ids)
+//   meta / meta_ok  handshake: engine descriptor, memory descriptors (one per rank per
+//                   layer), KV layout fingerprint with the TP size and head map,
+//                   number of blocks (bounds for block ids)
 //   blocks          consumer -> producer (WRITE): destination block ids of a transfer
 //   read            consumer -> producer (READ): the producer block ids it will read;
 //                   the producer checks they are the ones it holds for that transfer
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "connector/transfer_plan.h"
 #include "contract/transfer_params.h"
 
 namespace pd::connector {
@@ -38,13 +40,18 @@ inline constexpr size_t kMaxFrameBytes = 8u << 20;
 inline constexpr size_t kMaxInstanceIdBytes = contract::kMaxInstanceIdBytes;
 inline constexpr size_t kMaxBlocksPerTransfer = 1u << 20;
 inline constexpr size_t kMaxLayers = 1024;
+// meta / meta_ok carry one region per rank per layer.
+inline constexpr size_t kMaxLayerDescs = kMaxLayers * kMaxTpSize;
 inline constexpr size_t kMaxDescriptorBytes = 64u << 10;
 inline constexpr size_t kMaxTextBytes = 1024;
 
 enum class MessageType : uint8_t { kMeta, kMetaOk, kBlocks, kRead, kReadOk, kDone, kAbort, kRelease, kError };
 const char* message_type_name(MessageType type);
 
-// What must match between producer and consumer for KV bytes to mean the same thing.
+// An instance's KV layout. num_layers, num_kv_heads (the model's), head_dim,
+// dtype and block_size must match between producer and consumer for KV bytes to
+// mean the same thing; tp_size and the head map may differ (transfer_plan.h maps
+// one onto the other).
 struct KvFingerprint {
   int32_t num_layers = 0;
   int32_t num_kv_heads = 0;
@@ -52,9 +59,17 @@ struct KvFingerprint {
   std::string dtype;  // engine::kv_dtype_name: "float32" | "bfloat16" | "float16" | "fp8_e4m3"
   int32_t block_size = 0;
   int32_t tp_size = 1;
+  // Per rank, the KV heads it holds (tp_size entries). Empty: one rank holding
+  // every head (what a peer without tensor parallelism sends; "head_map" is then
+  // left out of the frame, so such frames are those of builds before it).
+  std::vector<RankHeads> head_map;
   bool operator==(const KvFingerprint&) const = default;
+  // head_map, or the one rank holding every head when it is empty.
+  std::vector<RankHeads> ranks() const;
 };
-// Ok when equal; else kFailedPrecondition naming every field that differs (local vs remote).
+// Ok when the model-defined fields are equal and the remote head map is valid
+// (tp_size entries covering every head); else kFailedPrecondition naming every
+// field that differs (local vs remote) or what is wrong with the head map.
 Status check_layout_compatible(const KvFingerprint& local, const KvFingerprint& remote);
 
 // True for exactly 32 hex digits (the router's transfer ids; contract::is_transfer_id).
@@ -69,8 +84,9 @@ struct ControlMessage {
   uint64_t boot_nonce = 0;  // sender
   int32_t tp_rank = 0;
   // meta, meta_ok
-  std::vector<uint8_t> engine_desc;               // xfer::encode(EngineDesc)
-  std::vector<std::vector<uint8_t>> layer_descs;  // xfer::encode(MemDesc), one per layer
+  std::vector<uint8_t> engine_desc;  // xfer::encode(EngineDesc)
+  // xfer::encode(MemDesc): rank r's region of layer l at r * num_layers + l.
+  std::vector<std::vector<uint8_t>> layer_descs;
   KvFingerprint fingerprint;
   int32_t num_blocks = 0;
   // blocks, read, read_ok, done, abort, release, error (error: may be empty)

@@ -170,13 +170,31 @@ Status PdConnector::init() {
   }
   record_.boot_nonce = xfer_->boot_nonce();
   const xfer::MemKind kind = runner_->kv_on_device() ? xfer::MemKind::kCuda : xfer::MemKind::kHost;
-  for (int32_t layer = 0; layer < spec_.num_layers; ++layer) {
-    void* base = runner_->kv_layer_base(layer);
-    if (base == nullptr) return failed_precondition("runner has no KV region for layer {}", layer);
-    PD_ASSIGN_OR_RETURN(xfer::MemDesc desc,
-                        xfer_->register_memory(base, spec_.bytes_per_layer(), kind, runner_->kv_device_index()));
-    local_layers_.push_back(std::move(desc));
+  // Every tensor-parallel rank's KV shard: its heads, and its region of every layer.
+  const int32_t num_ranks = runner_->kv_num_ranks();
+  if (num_ranks < 1 || num_ranks > kMaxTpSize) return failed_precondition("runner has {} KV ranks", num_ranks);
+  engine::KvCacheSpec rank_spec = spec_;
+  rank_spec.num_kv_heads = runner_->kv_heads_per_rank();
+  const uint64_t element_bytes = engine::kv_dtype_bytes(spec_.dtype);
+  const uint64_t row_bytes = static_cast<uint64_t>(spec_.head_dim) * element_bytes;
+  block_layout_.block_size = spec_.block_size;
+  block_layout_.section_row_bytes = {row_bytes, row_bytes};
+  if (spec_.dtype == engine::KvDtype::kFp8E4m3) block_layout_.section_row_bytes = {row_bytes, row_bytes, 4, 4};
+  if (block_layout_.block_bytes(rank_spec.num_kv_heads) != rank_spec.bytes_per_block()) {
+    return internal_error("KV block of {} bytes per rank, the transfer layout says {}", rank_spec.bytes_per_block(),
+                          block_layout_.block_bytes(rank_spec.num_kv_heads));
   }
+  for (int32_t rank = 0; rank < num_ranks; ++rank) {
+    local_heads_.push_back(RankHeads{runner_->kv_rank_head_begin(rank), rank_spec.num_kv_heads});
+    for (int32_t layer = 0; layer < spec_.num_layers; ++layer) {
+      void* base = runner_->kv_rank_layer_base(rank, layer);
+      if (base == nullptr) return failed_precondition("runner has no KV region for rank {} layer {}", rank, layer);
+      PD_ASSIGN_OR_RETURN(xfer::MemDesc desc,
+                          xfer_->register_memory(base, rank_spec.bytes_per_layer(), kind, runner_->kv_device_index()));
+      local_regions_.push_back(std::move(desc));
+    }
+  }
+  PD_RETURN_IF_ERROR(validate_head_map(fingerprint().num_kv_heads, local_heads_).with_context("runner"));
   engine_desc_bytes_ = xfer::encode(xfer_->describe());
 
   producer_ = std::make_unique<ProducerTransfers>(
@@ -206,7 +224,7 @@ Status PdConnector::init() {
   record_.mode =
       contract::mode_name(config_.read_mode ? contract::TransferMode::kRead : contract::TransferMode::kWrite);
   record_.model = options_.served_model_name;
-  record_.tp_size = 1;
+  record_.tp_size = num_ranks;
   record_.dp_size = 1;
   // /pd/info and the registration hold only what the contract accepts (a control address
   // it cannot parse, e.g. an IPv6 kv_ip without brackets, would be refused by the router).
@@ -231,7 +249,7 @@ PdConnector::~PdConnector() {
   for (auto& [key, peer] : producer_side_peers_) peer.sessions.clear();
   for (auto& [key, peer] : consumer_side_peers_) peer.sessions.clear();
   if (xfer_) {
-    for (const auto& desc : local_layers_) {
+    for (const auto& desc : local_regions_) {
       Status s = xfer_->deregister(desc.region_id);
       if (!s.ok()) PD_LOG_WARN("connector: {}", s.to_string());
     }
@@ -283,8 +301,18 @@ Status PdConnector::validate_request(const engine::GenerateRequest& request) con
 }
 
 KvFingerprint PdConnector::fingerprint() const {
-  return KvFingerprint{
-      spec_.num_layers, spec_.num_kv_heads, spec_.head_dim, engine::kv_dtype_name(spec_.dtype), spec_.block_size, 1};
+  // The model's KV heads: the ranks' ranges together (spec_.num_kv_heads counts replicas).
+  int32_t num_kv_heads = 0;
+  for (const RankHeads& h : local_heads_) num_kv_heads = std::max(num_kv_heads, h.begin + h.count);
+  KvFingerprint f{spec_.num_layers,
+                  num_kv_heads,
+                  spec_.head_dim,
+                  engine::kv_dtype_name(spec_.dtype),
+                  spec_.block_size,
+                  static_cast<int32_t>(local_heads_.size()),
+                  {}};
+  if (local_heads_.size() > 1) f.head_map = local_heads_;
+  return f;
 }
 
 ControlMessage PdConnector::meta_message(MessageType type) const {
@@ -293,7 +321,7 @@ ControlMessage PdConnector::meta_message(MessageType type) const {
   m.instance_id = record_.instance_id;
   m.boot_nonce = record_.boot_nonce;
   m.engine_desc = engine_desc_bytes_;
-  for (const auto& desc : local_layers_) m.layer_descs.push_back(xfer::encode(desc));
+  for (const auto& desc : local_regions_) m.layer_descs.push_back(xfer::encode(desc));
   m.fingerprint = fingerprint();
   m.num_blocks = spec_.num_blocks;
   return m;
@@ -609,12 +637,12 @@ engine::ConnectorEvents PdConnector::poll() {
       if (c.ok)
         (c.is_write ? metrics_.bytes_written : metrics_.bytes_read)->inc(static_cast<double>(c.bytes));
       else
-        PD_LOG_WARN("connector: {} of layer {} for transfer {} failed: {}", c.is_write ? "write" : "read", c.layer,
-                    c.transfer_id, c.message);
+        PD_LOG_WARN("connector: {} of layer {} (plan piece {}) for transfer {} failed: {}",
+                    c.is_write ? "write" : "read", c.layer, c.piece, c.transfer_id, c.message);
       if (c.is_write)
-        producer_->on_write_done(c.transfer_id, c.layer, c.ok);
+        producer_->on_write_done(c.transfer_id, c.layer, c.ok, c.piece);
       else
-        consumer_->on_read_done(c.transfer_id, c.layer, c.ok);
+        consumer_->on_read_done(c.transfer_id, c.layer, c.ok, c.piece);
     }
     run_actions();
   }
@@ -688,7 +716,8 @@ void PdConnector::handle_message(const InboundMessage& in, int64_t now) {
         }
         PeerRef ref{in.from, peer->second.instance_id, peer->second.boot_nonce};
         if (msg.type == MessageType::kBlocks)
-          producer_->on_blocks(ref, msg, peer->second.num_blocks, now);
+          producer_->on_blocks(ref, msg, peer->second.num_blocks, now,
+                               static_cast<int32_t>(peer->second.pieces.size()));
         else if (msg.type == MessageType::kRead)
           producer_->on_read(ref, msg, now);
         else if (msg.type == MessageType::kRelease)
@@ -727,8 +756,9 @@ void PdConnector::handle_message(const InboundMessage& in, int64_t now) {
   warn_peer(fmt::format("'{}' from {} is not expected on this side; dropped", message_type_name(msg.type), in.from));
 }
 
-Result<PdConnector::PeerInfo> PdConnector::peer_from_meta(const ControlMessage& msg) {
-  PD_RETURN_IF_ERROR(check_layout_compatible(fingerprint(), msg.fingerprint));
+Result<PdConnector::PeerInfo> PdConnector::peer_from_meta(const ControlMessage& msg, bool local_is_producer) {
+  const KvFingerprint local = fingerprint();
+  PD_RETURN_IF_ERROR(check_layout_compatible(local, msg.fingerprint));
   PD_ASSIGN_OR_RETURN(xfer::EngineDesc desc, xfer::decode_engine_desc(msg.engine_desc));
   if (desc.name != msg.instance_id || desc.boot_nonce != msg.boot_nonce) {
     return invalid_argument("engine descriptor names {} (nonce {}), the message says {} (nonce {})", desc.name,
@@ -738,16 +768,23 @@ Result<PdConnector::PeerInfo> PdConnector::peer_from_meta(const ControlMessage& 
   peer.instance_id = msg.instance_id;
   peer.boot_nonce = msg.boot_nonce;
   peer.num_blocks = msg.num_blocks;
-  const uint64_t layer_bytes = static_cast<uint64_t>(spec_.bytes_per_block()) * static_cast<uint64_t>(msg.num_blocks);
-  for (const auto& bytes : msg.layer_descs) {
-    PD_ASSIGN_OR_RETURN(xfer::MemDesc mem, xfer::decode_mem_desc(bytes));
+  peer.heads = msg.fingerprint.ranks();
+  PD_ASSIGN_OR_RETURN(TransferPlan plan, local_is_producer
+                                             ? plan_transfer(local.num_kv_heads, local_heads_, peer.heads)
+                                             : plan_transfer(local.num_kv_heads, peer.heads, local_heads_));
+  peer.pieces = plan.pieces();
+  // Rank r's regions must hold num_blocks blocks of r's heads: every op of the plan
+  // then lies inside them (xfer checks each batch against the regions again).
+  for (size_t i = 0; i < msg.layer_descs.size(); ++i) {
+    const RankHeads& heads = peer.heads[i / static_cast<size_t>(msg.fingerprint.num_layers)];
+    const uint64_t layer_bytes = block_layout_.block_bytes(heads.count) * static_cast<uint64_t>(msg.num_blocks);
+    PD_ASSIGN_OR_RETURN(xfer::MemDesc mem, xfer::decode_mem_desc(msg.layer_descs[i]));
     if (mem.engine_name != desc.name || mem.boot_nonce != desc.boot_nonce || mem.bytes < layer_bytes) {
-      return invalid_argument("layer region of {} bytes from {} does not cover {} blocks", mem.bytes, mem.engine_name,
-                              msg.num_blocks);
+      return invalid_argument("layer region of {} bytes from {} does not cover {} blocks of {} KV heads", mem.bytes,
+                              mem.engine_name, msg.num_blocks, heads.count);
     }
-    peer.layers.push_back(std::move(mem));
+    peer.regions.push_back(std::move(mem));
   }
-  peer.sessions.resize(peer.layers.size());
   PD_RETURN_IF_ERROR(xfer_->connect(desc));
   return peer;
 }
@@ -757,7 +794,7 @@ void PdConnector::handle_meta(const InboundMessage& in) {
     reply_error(in.from, "", "this instance is not a producer");
     return;
   }
-  auto peer = peer_from_meta(in.message);
+  auto peer = peer_from_meta(in.message, /*local_is_producer=*/true);
   if (!peer.ok()) {
     metrics_.handshakes_refused->inc();
     warn_peer(fmt::format("refused handshake from {}: {}", in.message.instance_id, peer.status().message()));
@@ -781,7 +818,7 @@ void PdConnector::handle_meta(const InboundMessage& in) {
 
 void PdConnector::handle_meta_ok(const InboundMessage& in) {
   const std::string control = in.from.substr(2);
-  auto peer = peer_from_meta(in.message);
+  auto peer = peer_from_meta(in.message, /*local_is_producer=*/false);
   if (!peer.ok()) {
     metrics_.handshakes_refused->inc();
     warn_peer(fmt::format("producer {} at {} refused: {}", in.message.instance_id, control, peer.status().message()));
@@ -791,8 +828,9 @@ void PdConnector::handle_meta_ok(const InboundMessage& in) {
   const std::string instance = peer->instance_id;
   const uint64_t nonce = peer->boot_nonce;
   const int32_t num_blocks = peer->num_blocks;
+  const auto num_pieces = static_cast<int32_t>(peer->pieces.size());
   consumer_side_peers_[control] = std::move(peer).value();
-  consumer_->on_peer_ready(control, instance, nonce, num_blocks);
+  consumer_->on_peer_ready(control, instance, nonce, num_blocks, num_pieces);
 }
 
 void PdConnector::send(OutgoingMessage out) {
@@ -803,15 +841,27 @@ void PdConnector::send(OutgoingMessage out) {
 }
 
 Status PdConnector::post_batch(PeerInfo& peer, bool is_write, const std::string& transfer_id, int32_t layer,
-                               std::vector<xfer::Op> ops) {
-  if (layer < 0 || static_cast<size_t>(layer) >= peer.layers.size()) {
-    return internal_error("layer {} outside the peer's {} layers", layer, peer.layers.size());
+                               int32_t piece, std::vector<xfer::Op> ops) {
+  if (layer < 0 || layer >= spec_.num_layers || piece < 0 || static_cast<size_t>(piece) >= peer.pieces.size()) {
+    return internal_error("layer {} piece {} outside the {} layers and {} plan pieces", layer, piece, spec_.num_layers,
+                          peer.pieces.size());
   }
-  xfer::Session& session = peer.sessions[static_cast<size_t>(layer)];
+  // WRITE: the producer (we) posts from its rank; READ: the consumer (we) pulls into its rank.
+  const PlanPiece& p = peer.pieces[static_cast<size_t>(piece)];
+  const int32_t local_rank = is_write ? p.producer_rank : p.consumer_rank;
+  const int32_t remote_rank = is_write ? p.consumer_rank : p.producer_rank;
+  const auto local_index =
+      static_cast<size_t>(local_rank) * static_cast<size_t>(spec_.num_layers) + static_cast<size_t>(layer);
+  const auto remote_index =
+      static_cast<size_t>(remote_rank) * static_cast<size_t>(spec_.num_layers) + static_cast<size_t>(layer);
+  if (local_index >= local_regions_.size() || remote_index >= peer.regions.size()) {
+    return internal_error("plan piece {} names rank {} here / {} at the peer, outside the registered regions", piece,
+                          local_rank, remote_rank);
+  }
+  xfer::Session& session = peer.sessions[{local_rank, remote_rank, layer}];
   if (!session.valid()) {
     const char* backend = config_.backend == TransferBackend::kAuto ? "auto" : transfer_backend_name(config_.backend);
-    PD_ASSIGN_OR_RETURN(session, xfer_->session(local_layers_[static_cast<size_t>(layer)],
-                                                peer.layers[static_cast<size_t>(layer)], backend));
+    PD_ASSIGN_OR_RETURN(session, xfer_->session(local_regions_[local_index], peer.regions[remote_index], backend));
   }
   uint64_t bytes = 0;
   for (const auto& op : ops) bytes += op.bytes;
@@ -823,7 +873,7 @@ Status PdConnector::post_batch(PeerInfo& peer, bool is_write, const std::string&
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    pending_batches_.push_back(PendingBatch{*id, Completion{is_write, transfer_id, layer, false, bytes, {}}});
+    pending_batches_.push_back(PendingBatch{*id, Completion{is_write, transfer_id, layer, piece, false, bytes, {}}});
     if (is_write) ++write_batches_[transfer_id].num_pending;
   }
   pending_cv_.notify_one();
@@ -869,7 +919,6 @@ void PdConnector::drop_finished_write_batches() {
 }
 
 void PdConnector::run_actions() {
-  const uint64_t bpb = spec_.bytes_per_block();
   for (int round = 0; round < 64; ++round) {
     ProducerActions pa = producer_->take_actions();
     ConsumerActions ca = consumer_->take_actions();
@@ -912,14 +961,17 @@ void PdConnector::run_actions() {
       } else if (static_cast<size_t>(dest->num_skip_blocks) + dest->block_ids.size() > local->size()) {
         status = internal_error("transfer {}: {} local blocks for {} + {} destination blocks", w.transfer_id,
                                 local->size(), dest->num_skip_blocks, dest->block_ids.size());
+      } else if (w.piece < 0 || static_cast<size_t>(w.piece) >= peer->second.pieces.size()) {
+        status = internal_error("transfer {}: plan piece {} of {}", w.transfer_id, w.piece, peer->second.pieces.size());
       } else {
+        // This producer rank's share of the consumer rank's heads, block by block.
+        const PlanPiece& piece = peer->second.pieces[static_cast<size_t>(w.piece)];
         std::vector<xfer::Op> ops;
-        ops.reserve(dest->block_ids.size());
-        for (size_t i = 0; i < dest->block_ids.size(); ++i) {
-          const auto src = static_cast<uint64_t>((*local)[static_cast<size_t>(dest->num_skip_blocks) + i]);
-          ops.push_back(xfer::Op{src * bpb, static_cast<uint64_t>(dest->block_ids[i]) * bpb, bpb});
-        }
-        status = post_batch(peer->second, true, w.transfer_id, w.layer, std::move(ops));
+        append_piece_ops(block_layout_, piece, local_heads_[static_cast<size_t>(piece.producer_rank)],
+                         peer->second.heads[static_cast<size_t>(piece.consumer_rank)],
+                         std::span<const int32_t>(*local).subspan(static_cast<size_t>(dest->num_skip_blocks)),
+                         dest->block_ids, /*local_is_producer=*/true, ops);
+        status = post_batch(peer->second, true, w.transfer_id, w.layer, w.piece, std::move(ops));
       }
       if (!status.ok()) {
         PD_LOG_WARN("connector: cannot post write: {}", status.to_string());
@@ -927,7 +979,7 @@ void PdConnector::run_actions() {
           std::lock_guard<std::mutex> lock(mutex_);
           write_batches_[w.transfer_id].failed = true;  // an early done must not go out for it
         }
-        producer_->on_write_done(w.transfer_id, w.layer, false);
+        producer_->on_write_done(w.transfer_id, w.layer, false, w.piece);
       }
     }
     // After the writes of this round are posted (and counted): a done settled in the same
@@ -939,17 +991,20 @@ void PdConnector::run_actions() {
       auto peer = view ? consumer_side_peers_.find(view->remote_control) : consumer_side_peers_.end();
       if (!view || peer == consumer_side_peers_.end()) {
         status = unavailable("transfer {}: producer peer gone", r.transfer_id);
+      } else if (r.piece < 0 || static_cast<size_t>(r.piece) >= peer->second.pieces.size()) {
+        status = internal_error("transfer {}: plan piece {} of {}", r.transfer_id, r.piece, peer->second.pieces.size());
       } else {
+        // This consumer rank pulls the heads it owns from the producer rank the plan picked.
+        const PlanPiece& piece = peer->second.pieces[static_cast<size_t>(r.piece)];
         std::vector<xfer::Op> ops;
-        for (size_t i = 0; i < view->local_block_ids.size(); ++i) {
-          ops.push_back(xfer::Op{static_cast<uint64_t>(view->local_block_ids[i]) * bpb,
-                                 static_cast<uint64_t>(view->remote_block_ids[i]) * bpb, bpb});
-        }
-        status = post_batch(peer->second, false, r.transfer_id, r.layer, std::move(ops));
+        append_piece_ops(block_layout_, piece, peer->second.heads[static_cast<size_t>(piece.producer_rank)],
+                         local_heads_[static_cast<size_t>(piece.consumer_rank)], view->remote_block_ids,
+                         view->local_block_ids, /*local_is_producer=*/false, ops);
+        status = post_batch(peer->second, false, r.transfer_id, r.layer, r.piece, std::move(ops));
       }
       if (!status.ok()) {
         PD_LOG_WARN("connector: cannot post read: {}", status.to_string());
-        consumer_->on_read_done(r.transfer_id, r.layer, false);
+        consumer_->on_read_done(r.transfer_id, r.layer, false, r.piece);
       }
     }
     for (auto& id : pa.released_request_ids) events_.finished_sending.push_back(std::move(id));

@@ -25,6 +25,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <variant>
 #include <vector>
@@ -37,6 +38,7 @@
 #include "connector/heartbeat.h"
 #include "connector/messages.h"
 #include "connector/transfer_params.h"
+#include "connector/transfer_plan.h"
 #include "connector/transfer_state.h"
 #include "engine/kv_connector.h"
 #include "engine/model_runner.h"
@@ -101,6 +103,7 @@ class PdConnector final : public engine::KvConnector {
     bool is_write = false;
     std::string transfer_id;
     int32_t layer = 0;
+    int32_t piece = 0;
     bool ok = false;
     uint64_t bytes = 0;
     std::string message;
@@ -139,13 +142,17 @@ class PdConnector final : public engine::KvConnector {
     xfer::XferId id = 0;
     Completion completion;
   };
-  // A peer we exchanged meta with: its identity, pool size and layer regions.
+  // A peer we exchanged meta with: its identity, pool size, KV shards (head map,
+  // one region per rank per layer) and the transfer plan between its ranks and ours.
   struct PeerInfo {
     std::string instance_id;
     uint64_t boot_nonce = 0;
     int32_t num_blocks = 0;
-    std::vector<xfer::MemDesc> layers;
-    std::vector<xfer::Session> sessions;  // per layer, opened on first use
+    std::vector<RankHeads> heads;        // per rank
+    std::vector<xfer::MemDesc> regions;  // rank r, layer l at r * num_layers + l
+    std::vector<PlanPiece> pieces;       // the plan's pieces: what a write / read action's `piece` indexes
+    // (local rank, remote rank, layer) -> session, opened on first use.
+    std::map<std::tuple<int32_t, int32_t, int32_t>, xfer::Session> sessions;
   };
   struct ConsumerRequest {
     int32_t num_local_computed_tokens = 0;
@@ -173,11 +180,14 @@ class PdConnector final : public engine::KvConnector {
   void handle_message(const InboundMessage& in, int64_t now_ms);
   void handle_meta(const InboundMessage& in);
   void handle_meta_ok(const InboundMessage& in);
-  Result<PeerInfo> peer_from_meta(const ControlMessage& msg);
+  // local_is_producer: the plan maps our ranks (producer) to the peer's, or the
+  // peer's (producer) to ours.
+  Result<PeerInfo> peer_from_meta(const ControlMessage& msg, bool local_is_producer);
   void reply_error(const PeerKey& to, const std::string& transfer_id, const std::string& text);
   void run_actions();
   void send(OutgoingMessage out);
-  Status post_batch(PeerInfo& peer, bool is_write, const std::string& transfer_id, int32_t layer,
+  // One xfer batch: `layer` of the plan piece `piece` of `peer` (a pair of ranks).
+  Status post_batch(PeerInfo& peer, bool is_write, const std::string& transfer_id, int32_t layer, int32_t piece,
                     std::vector<xfer::Op> ops);
   void note_refused(int32_t count);
   void warn_peer(const std::string& what);
@@ -189,7 +199,11 @@ class PdConnector final : public engine::KvConnector {
   RegistrationRecord record_;
 
   std::unique_ptr<xfer::Engine> xfer_;
-  std::vector<xfer::MemDesc> local_layers_;
+  // Our KV shards: per tensor-parallel rank its heads, and its region of every
+  // layer (rank r, layer l at r * num_layers + l).
+  std::vector<RankHeads> local_heads_;
+  std::vector<xfer::MemDesc> local_regions_;
+  KvBlockLayout block_layout_;
   std::vector<uint8_t> engine_desc_bytes_;
   std::unique_ptr<ControlPlane> control_;
   std::unique_ptr<RegistrationHeartbeat> heartbeat_;

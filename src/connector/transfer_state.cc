@@ -36,7 +36,7 @@ Status ProducerTransfers::start(const std::string& transfer_id, const std::strin
   if (early != early_blocks_.end()) {
     EarlyBlocks buffered = std::move(early->second);
     erase_early(early);
-    on_blocks(buffered.from, buffered.msg, buffered.peer_num_blocks, now_ms);
+    on_blocks(buffered.from, buffered.msg, buffered.peer_num_blocks, now_ms, buffered.pieces_per_layer);
   }
   return Status::Ok();
 }
@@ -59,7 +59,8 @@ void ProducerTransfers::send(const PeerRef& to, MessageType type, const std::str
 }
 
 Status ProducerTransfers::attach_destination(Transfer& t, const std::string& transfer_id, const PeerRef& from,
-                                             const ControlMessage& msg, int32_t peer_num_blocks) {
+                                             const ControlMessage& msg, int32_t peer_num_blocks,
+                                             int32_t pieces_per_layer) {
   if (msg.num_tokens != t.num_prompt_tokens) {
     return invalid_argument("transfer {}: blocks for {} tokens, the prompt has {}", transfer_id, msg.num_tokens,
                             t.num_prompt_tokens);
@@ -84,12 +85,12 @@ Status ProducerTransfers::attach_destination(Transfer& t, const std::string& tra
     }
     if (!seen.insert(id).second) return invalid_argument("transfer {}: destination block {} repeated", transfer_id, id);
   }
-  t.dest = Destination{from, msg.block_ids, msg.num_skip_blocks, msg.kv_tokens};
+  t.dest = Destination{from, msg.block_ids, msg.num_skip_blocks, msg.kv_tokens, std::max(1, pieces_per_layer)};
   return Status::Ok();
 }
 
 void ProducerTransfers::on_blocks(const PeerRef& from, const ControlMessage& msg, int32_t peer_num_blocks,
-                                  int64_t now_ms) {
+                                  int64_t now_ms, int32_t pieces_per_layer) {
   auto it = transfers_.find(msg.transfer_id);
   if (it == transfers_.end() && closed_set_.count(msg.transfer_id)) {
     send(from, MessageType::kAbort, msg.transfer_id, "transfer already ended on the producer");
@@ -106,8 +107,8 @@ void ProducerTransfers::on_blocks(const PeerRef& from, const ControlMessage& msg
       return;
     }
     early_block_ids_ += msg.block_ids.size();
-    early_blocks_[msg.transfer_id] =
-        EarlyBlocks{from, msg, peer_num_blocks, now_ms + timeouts_.defer_timeout_ms, msg.block_ids.size()};
+    early_blocks_[msg.transfer_id] = EarlyBlocks{
+        from, msg, peer_num_blocks, now_ms + timeouts_.defer_timeout_ms, msg.block_ids.size(), pieces_per_layer};
     return;
   }
   Transfer& t = it->second;
@@ -123,7 +124,7 @@ void ProducerTransfers::on_blocks(const PeerRef& from, const ControlMessage& msg
     send(from, MessageType::kAbort, msg.transfer_id, "transfer already failed on the producer");
     return;
   }
-  Status status = attach_destination(t, msg.transfer_id, from, msg, peer_num_blocks);
+  Status status = attach_destination(t, msg.transfer_id, from, msg, peer_num_blocks, pieces_per_layer);
   if (!status.ok()) {
     ++actions_.num_refused;
     t.failed = true;
@@ -142,8 +143,10 @@ void ProducerTransfers::post_ready_layers(const std::string& transfer_id, Transf
     if (!t.layer_ready[layer] || t.layer_posted[layer]) continue;
     t.layer_posted[layer] = true;
     if (t.dest->block_ids.empty()) continue;  // the consumer had every block already
-    ++t.num_in_flight;
-    actions_.writes.push_back({transfer_id, layer});
+    for (int32_t piece = 0; piece < t.dest->pieces_per_layer; ++piece) {
+      ++t.num_in_flight;
+      actions_.writes.push_back({transfer_id, layer, piece});
+    }
   }
 }
 
@@ -201,13 +204,13 @@ bool ProducerTransfers::request_finished(const std::string& transfer_id, const s
   return true;
 }
 
-void ProducerTransfers::on_write_done(const std::string& transfer_id, int32_t layer, bool ok) {
+void ProducerTransfers::on_write_done(const std::string& transfer_id, int32_t layer, bool ok, int32_t piece) {
   auto it = transfers_.find(transfer_id);
   if (it == transfers_.end()) return;
   Transfer& t = it->second;
   if (t.num_in_flight > 0) --t.num_in_flight;
   if (!ok)
-    fail(transfer_id, t, fmt::format("write of layer {} failed", layer));
+    fail(transfer_id, t, fmt::format("write of layer {} (plan piece {}) failed", layer, piece));
   else
     maybe_finish(transfer_id);
 }
@@ -663,12 +666,13 @@ void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, con
 }
 
 void ConsumerTransfers::on_peer_ready(const std::string& control, const std::string& instance_id, uint64_t boot_nonce,
-                                      int32_t peer_num_blocks) {
+                                      int32_t peer_num_blocks, int32_t pieces_per_layer) {
   Peer& peer = peers_[control];
   const std::string previous_instance = std::exchange(peer.instance_id, instance_id);
   const uint64_t previous_nonce = std::exchange(peer.boot_nonce, boot_nonce);
   peer.phase = PeerPhase::kReady;
   peer.num_blocks = peer_num_blocks;
+  peer.pieces_per_layer = std::max(1, pieces_per_layer);
   if (previous_nonce != 0 && (previous_instance != instance_id || previous_nonce != boot_nonce)) {
     fail_orphans(control, previous_instance, previous_nonce,
                  fmt::format("producer at {} restarted (nonce {} -> {}) during the transfer", control, previous_nonce,
@@ -810,18 +814,23 @@ void ConsumerTransfers::on_read_ok(const PeerRef& from, const ControlMessage& ms
   take_first_token(t, msg);
   t.phase = Phase::kReading;
   t.data_may_move = true;
-  t.num_in_flight = num_layers_;
-  for (int32_t layer = 0; layer < num_layers_; ++layer) actions_.reads.push_back({msg.transfer_id, layer});
+  // Every consumer rank pulls the heads it owns: one read per layer per plan piece.
+  auto peer = peers_.find(t.params.remote_control);
+  const int32_t pieces = peer == peers_.end() ? 1 : peer->second.pieces_per_layer;
+  t.num_in_flight = num_layers_ * pieces;
+  for (int32_t layer = 0; layer < num_layers_; ++layer) {
+    for (int32_t piece = 0; piece < pieces; ++piece) actions_.reads.push_back({msg.transfer_id, layer, piece});
+  }
 }
 
-void ConsumerTransfers::on_read_done(const std::string& transfer_id, int32_t layer, bool ok) {
+void ConsumerTransfers::on_read_done(const std::string& transfer_id, int32_t layer, bool ok, int32_t piece) {
   auto it = transfers_.find(transfer_id);
   if (it == transfers_.end()) return;
   Transfer& t = it->second;
   if (t.num_in_flight > 0) --t.num_in_flight;
   if (!ok && !t.failed) {
     t.failed = true;
-    t.failure = fmt::format("read of layer {} failed", layer);
+    t.failure = fmt::format("read of layer {} (plan piece {}) failed", layer, piece);
   }
   if (t.num_in_flight > 0) return;
   send(t.params.remote_control, MessageType::kRelease, transfer_id);

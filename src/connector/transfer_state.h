@@ -5,17 +5,21 @@
 //
 // Producer, WRITE:   Prefilling --forward done--> KvReady --request_finished--> Held
 //   blocks may arrive in any phase (even before the request: buffered up to
-//   defer_timeout); each layer's write is posted as soon as both that layer's KV
-//   and the destination ids exist; once all layers are posted and complete: done
+//   defer_timeout); each layer's writes (one per piece of the transfer plan with
+//   that consumer, transfer_plan.h: one per pair of tensor-parallel ranks that
+//   exchange heads) are posted as soon as both that layer's KV and the
+//   destination ids exist; once all layers are posted and complete: done
 //   (ok) to the consumer, hold released. Held without destination ids past
-//   defer_timeout: released, counted. A failure or consumer abort stops new writes;
-//   the hold is released only when no write is in flight.
+//   defer_timeout: released, counted. A failure (of any rank's write) or consumer
+//   abort stops new writes; the hold is released only when no write of any rank is
+//   in flight.
 // Producer, READ:    Prefilling --> Held (transfer_timeout) --read(ids checked)--> Held
 //   (deadline extended) --release from the same peer--> freed; timeout: freed, counted.
 // Consumer:          Admitted --alloc--> AwaitingPeer (handshake_timeout) -->
 //   WRITE: WaitingDone --done ok--> finished | done !ok / abort / error --> load error
-//   READ:  AwaitingReadOk --read_ok--> Reading (per-layer reads) --all ok--> release + finished
-//                                                             |-- a read failed --> release + load error
+//   READ:  AwaitingReadOk --read_ok--> Reading (per layer, one read per plan piece)
+//            --all ok--> release + finished
+//            |-- any rank's read failed --> (every read ended) release + load error
 //   request finished while data may still move into its blocks: abort sent, blocks
 //   held until the producer answers or transfer_timeout passes.
 #pragma once
@@ -60,6 +64,7 @@ struct ProducerActions {
   struct PostWrite {
     std::string transfer_id;
     int32_t layer = 0;
+    int32_t piece = 0;  // index into the plan's pieces with the destination peer
   };
   std::vector<PostWrite> writes;
   std::vector<std::string> released_request_ids;  // -> finished_sending
@@ -84,6 +89,7 @@ class ProducerTransfers {
     std::vector<int32_t> block_ids;  // consumer blocks, in prompt order
     int32_t num_skip_blocks = 0;     // leading prompt blocks the consumer already has
     int32_t kv_tokens = 0;           // prompt tokens it takes; all of them = it wants the first token
+    int32_t pieces_per_layer = 1;    // writes per layer: the transfer plan's pieces with this peer
   };
 
   // A do_remote_decode request was admitted.
@@ -99,7 +105,9 @@ class ProducerTransfers {
   // kv_complete: the whole prompt's KV was computed.
   bool request_finished(const std::string& transfer_id, const std::vector<int32_t>& block_ids, bool kv_complete,
                         int64_t now_ms);
-  void on_write_done(const std::string& transfer_id, int32_t layer, bool ok);
+  // One write (layer, piece) ended. A failed one fails the whole transfer; done
+  // and the release wait until every other piece's write has ended too.
+  void on_write_done(const std::string& transfer_id, int32_t layer, bool ok, int32_t piece = 0);
   // The request's first output token (first-token hand-over): sent with done /
   // read_ok to a consumer that took the whole prompt's KV. A WRITE done to such
   // a consumer waits for it (or for request_finished).
@@ -109,8 +117,10 @@ class ProducerTransfers {
   void on_done_sent_early(const std::string& transfer_id);
 
   // Control messages (already decoded and validated for shape). peer_num_blocks:
-  // the consumer's pool size from its meta (bounds for its block ids).
-  void on_blocks(const PeerRef& from, const ControlMessage& msg, int32_t peer_num_blocks, int64_t now_ms);
+  // the consumer's pool size from its meta (bounds for its block ids);
+  // pieces_per_layer: the transfer plan's pieces with that consumer (>= 1).
+  void on_blocks(const PeerRef& from, const ControlMessage& msg, int32_t peer_num_blocks, int64_t now_ms,
+                 int32_t pieces_per_layer = 1);
   void on_read(const PeerRef& from, const ControlMessage& msg, int64_t now_ms);
   void on_release(const PeerRef& from, const ControlMessage& msg);
   void on_abort(const PeerRef& from, const ControlMessage& msg);
@@ -166,10 +176,11 @@ class ProducerTransfers {
     int32_t peer_num_blocks = 0;
     int64_t deadline_ms = 0;
     size_t num_ids = 0;  // msg.block_ids.size() when buffered: what erase_early gives back, moved or not
+    int32_t pieces_per_layer = 1;
   };
 
   Status attach_destination(Transfer& t, const std::string& transfer_id, const PeerRef& from, const ControlMessage& msg,
-                            int32_t peer_num_blocks);
+                            int32_t peer_num_blocks, int32_t pieces_per_layer);
   void post_ready_layers(const std::string& transfer_id, Transfer& t);
   void fail(const std::string& transfer_id, Transfer& t, const std::string& reason);
   void maybe_finish(const std::string& transfer_id);
@@ -226,6 +237,7 @@ struct ConsumerActions {
   struct PostRead {
     std::string transfer_id;
     int32_t layer = 0;
+    int32_t piece = 0;  // index into the plan's pieces with the producer
   };
   std::vector<PostRead> reads;
   std::vector<std::string> finished_recving;
@@ -268,8 +280,10 @@ class ConsumerTransfers {
                  int32_t num_local_computed_tokens, int32_t num_external_tokens, int64_t now_ms);
 
   // Handshake results (the adapter checked the layout fingerprint).
+  // pieces_per_layer: the transfer plan's pieces with that producer (>= 1), the
+  // reads per layer of a READ transfer.
   void on_peer_ready(const std::string& control, const std::string& instance_id, uint64_t boot_nonce,
-                     int32_t peer_num_blocks);
+                     int32_t peer_num_blocks, int32_t pieces_per_layer = 1);
   void on_peer_failed(const std::string& control, const std::string& reason);
   // Any other message on the connection to `control` names its sender's identity: a
   // new one there (the producer restarted) fails the transfers waiting on the old
@@ -279,7 +293,9 @@ class ConsumerTransfers {
   void on_done(const PeerRef& from, const ControlMessage& msg);
   void on_read_ok(const PeerRef& from, const ControlMessage& msg);
   void on_abort_or_error(const PeerRef& from, const ControlMessage& msg);
-  void on_read_done(const std::string& transfer_id, int32_t layer, bool ok);
+  // One read (layer, piece) ended. A failed one fails the load; release and the
+  // load error wait until every piece's read has ended.
+  void on_read_done(const std::string& transfer_id, int32_t layer, bool ok, int32_t piece = 0);
 
   // Returns delay_free.
   bool request_finished(const std::string& request_id, int64_t now_ms);
@@ -341,6 +357,7 @@ class ConsumerTransfers {
     std::string instance_id;
     uint64_t boot_nonce = 0;
     int32_t num_blocks = 0;
+    int32_t pieces_per_layer = 1;
   };
 
   void ensure_peer(const std::string& transfer_id, Transfer& t, int64_t now_ms);

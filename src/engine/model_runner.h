@@ -110,6 +110,14 @@ class ModelRunner {
   virtual bool kv_on_device() const = 0;
   // CUDA device ordinal holding the KV regions; -1 for host memory.
   virtual int32_t kv_device_index() const { return kv_on_device() ? 0 : -1; }
+  // Tensor-parallel KV shards, for the connector: each rank holds its own region
+  // per layer with KV heads [kv_rank_head_begin, + kv_heads_per_rank) of the
+  // model in every block (KvCacheSpec's layout with kv_heads_per_rank heads).
+  // One rank by default: the whole cache (kv_layer_base).
+  virtual int32_t kv_num_ranks() const { return 1; }
+  virtual int32_t kv_heads_per_rank() const { return kv_cache_spec().num_kv_heads; }
+  virtual int32_t kv_rank_head_begin(int32_t) const { return 0; }
+  virtual void* kv_rank_layer_base(int32_t rank, int32_t layer) { return rank == 0 ? kv_layer_base(layer) : nullptr; }
 };
 
 }  // namespace pd::engine

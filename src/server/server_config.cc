@@ -150,18 +150,13 @@ Status validate_server_config(ServerConfig& config) {
     return invalid_argument("--kv-role must be kv_producer, kv_consumer or kv_both, got '{}'", kv.kv_role);
   if (!config.max_num_batched_tokens_given && (kv.kv_role == "kv_producer" || kv.kv_role == "producer"))
     config.max_num_batched_tokens = kProducerMaxNumBatchedTokens;
-  // On cuda the ranks' KV shards live on several GPUs, which the connector does not register.
+  // Each rank holds its own shard of every KV block; the connector moves every
+  // rank's shards (any producer TP to any consumer TP) from the CPU runner's
+  // per-rank regions. The CUDA runner exposes one region (its ranks' shards live on several GPUs).
   if (config.tensor_parallel_size > 1 && config.device == "cuda" && (!kv.config_json.empty() || !kv.kv_role.empty()))
     return unimplemented(
         "--tensor-parallel-size {} with --device cuda and --kv-transfer-config / --kv-role: P/D transfer of "
         "tensor-parallel KV shards on GPUs is not supported; use --tensor-parallel-size 1 on cuda P/D instances",
-        config.tensor_parallel_size);
-  // Each rank holds its own shard of every KV block; the connector moves one
-  // region per layer, so P/D instances stay at one rank for now.
-  if (config.tensor_parallel_size > 1 && (!kv.config_json.empty() || !kv.kv_role.empty()))
-    return unimplemented(
-        "--tensor-parallel-size {} with --kv-transfer-config / --kv-role: P/D transfer of tensor-parallel KV shards "
-        "is not supported yet; use --tensor-parallel-size 1 on P/D instances",
         config.tensor_parallel_size);
   return Status::Ok();
 }

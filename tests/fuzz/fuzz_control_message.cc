@@ -85,7 +85,8 @@ ControlMessage build_message(FuzzedDataProvider& in) {
       m.engine_desc = some_bytes(in, 256);
       if (m.engine_desc.empty()) m.engine_desc = {0};
       const int layers = in.ConsumeIntegralInRange<int>(1, 8);
-      for (int i = 0; i < layers; ++i) {
+      const int tp = in.ConsumeIntegralInRange<int>(1, 4);
+      for (int i = 0; i < layers * tp; ++i) {  // one region per rank per layer
         auto desc = some_bytes(in, 64);
         if (desc.empty()) desc = {0};
         m.layer_descs.push_back(std::move(desc));
@@ -95,7 +96,17 @@ ControlMessage build_message(FuzzedDataProvider& in) {
                        in.ConsumeIntegralInRange<int32_t>(1, 4096),
                        in.ConsumeRandomLengthString(16),
                        in.ConsumeIntegralInRange<int32_t>(1, 4096),
-                       in.ConsumeIntegralInRange<int32_t>(1, 1024)};
+                       tp,
+                       {}};
+      // A valid head map (rank 0 holds every head, the others any range), required when tp > 1.
+      if (tp > 1 || in.ConsumeBool()) {
+        const int32_t heads = m.fingerprint.num_kv_heads;
+        m.fingerprint.head_map.push_back({0, heads});
+        for (int r = 1; r < tp; ++r) {
+          const int32_t begin = in.ConsumeIntegralInRange<int32_t>(0, heads - 1);
+          m.fingerprint.head_map.push_back({begin, in.ConsumeIntegralInRange<int32_t>(1, heads - begin)});
+        }
+      }
       m.num_blocks = in.ConsumeIntegralInRange<int32_t>(1, INT32_MAX);
       break;
     }

@@ -37,10 +37,14 @@ class CpuModelRunner final : public ModelRunner {
   int32_t vocab_size() const override { return config_.vocab_size; }
   Result<StepOutput> execute(const StepInput& input) override;
   // The layer's KV region at tensor_parallel_size 1; null with more ranks (each
-  // rank has its own region: kv_layer_base(rank, layer); P/D transfers of
-  // sharded KV are not supported yet).
+  // rank has its own region: kv_layer_base(rank, layer), the connector's
+  // kv_rank_layer_base).
   void* kv_layer_base(int32_t layer) override;
   void* kv_layer_base(int32_t rank, int32_t layer);
+  int32_t kv_num_ranks() const override { return split_.tp_size; }
+  int32_t kv_heads_per_rank() const override { return split_.kv_heads_per_rank; }
+  int32_t kv_rank_head_begin(int32_t rank) const override { return split_.kv_head_begin(rank, config_.num_kv_heads); }
+  void* kv_rank_layer_base(int32_t rank, int32_t layer) override { return kv_layer_base(rank, layer); }
   int32_t tensor_parallel_size() const { return split_.tp_size; }
   const model::TpSplit& tp_split() const { return split_; }
   bool kv_on_device() const override { return false; }

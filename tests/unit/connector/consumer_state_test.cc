@@ -513,5 +513,72 @@ TEST_F(ConsumerStateTest, ANewIdentityOnAConnectionStillHandshakingIsLeftToTheHa
   EXPECT_EQ(c_.num_active(), 1u);
 }
 
+// ---- tensor parallelism: every consumer rank pulls its heads (plan pieces) ---------------
+
+TEST_F(ConsumerStateTest, ReadPostsEveryPieceOfEveryLayerAndFinishesAfterAll) {
+  admit_and_allocate(true);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64, /*pieces_per_layer=*/3);
+  c_.take_actions();
+  c_.on_read_ok(producer(), msg(MessageType::kReadOk));
+  auto a = c_.take_actions();
+  ASSERT_EQ(a.reads.size(), static_cast<size_t>(3 * kLayers));
+  for (size_t i = 0; i < a.reads.size(); ++i) {
+    EXPECT_EQ(a.reads[i].layer, static_cast<int32_t>(i / 3));
+    EXPECT_EQ(a.reads[i].piece, static_cast<int32_t>(i % 3));
+  }
+  for (size_t i = 0; i + 1 < a.reads.size(); ++i) {
+    c_.on_read_done(kT, a.reads[i].layer, true, a.reads[i].piece);
+    EXPECT_TRUE(c_.take_actions().finished_recving.empty()) << "finished before every rank's read";
+  }
+  c_.on_read_done(kT, a.reads.back().layer, true, a.reads.back().piece);
+  a = c_.take_actions();
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"});
+  EXPECT_TRUE(a.load_failures.empty());
+  EXPECT_EQ(a.num_completed, 1);
+}
+
+TEST_F(ConsumerStateTest, OneRanksFailedReadFailsTheWholeLoadOnceEveryRanksReadEnded) {
+  admit_and_allocate(true);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64, /*pieces_per_layer=*/2);
+  c_.on_read_ok(producer(), msg(MessageType::kReadOk));
+  auto reads = c_.take_actions().reads;
+  ASSERT_EQ(reads.size(), static_cast<size_t>(2 * kLayers));
+  c_.on_read_done(kT, 0, false, 1);
+  auto a = c_.take_actions();
+  EXPECT_TRUE(a.sends.empty()) << "no release while other ranks still read the producer's blocks";
+  EXPECT_TRUE(a.load_failures.empty()) << "no recompute while reads still land in our blocks";
+  c_.on_read_done(kT, 0, true, 0);
+  c_.on_read_done(kT, 1, true, 0);
+  EXPECT_TRUE(c_.take_actions().load_failures.empty());
+  c_.on_read_done(kT, 1, true, 1);
+  a = c_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kRelease);
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_EQ(a.load_failures[0].block_ids, (std::vector<int32_t>{4, 5, 6})) << "every block recomputes";
+  EXPECT_NE(a.load_failures[0].reason.find("plan piece 1"), std::string::npos) << a.load_failures[0].reason;
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"});
+  EXPECT_EQ(c_.num_active(), 0u);
+}
+
+TEST_F(ConsumerStateTest, AbortWhileRanksReadWaitsForEveryRanksRead) {
+  admit_and_allocate(true);
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64, /*pieces_per_layer=*/2);
+  c_.on_read_ok(producer(), msg(MessageType::kReadOk));
+  c_.take_actions();
+  c_.on_abort_or_error(producer(), msg(MessageType::kAbort));
+  EXPECT_TRUE(c_.take_actions().load_failures.empty());
+  EXPECT_TRUE(c_.request_finished("req", 10)) << "the blocks stay held while reads are in flight";
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    for (int32_t piece = 0; piece < 2; ++piece) {
+      EXPECT_TRUE(c_.take_actions().finished_recving.empty());
+      c_.on_read_done(kT, layer, true, piece);
+    }
+  }
+  auto a = c_.take_actions();
+  EXPECT_EQ(a.finished_recving, std::vector<std::string>{"req"}) << "the hold ends with the last rank's read";
+  EXPECT_EQ(c_.num_active(), 0u);
+}
+
 }  // namespace
 }  // namespace pd::connector

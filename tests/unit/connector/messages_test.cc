@@ -24,7 +24,7 @@ ControlMessage meta() {
   m.transfer_id.clear();
   m.engine_desc = {1, 2, 3};
   m.layer_descs = {{4, 5}, {6}};
-  m.fingerprint = KvFingerprint{2, 4, 64, "float32", 16, 1};
+  m.fingerprint = KvFingerprint{2, 4, 64, "float32", 16, 1, {}};
   m.num_blocks = 512;
   return m;
 }
@@ -250,7 +250,7 @@ TEST(ControlMessages, RandomMutationsNeverCrashTheDecoder) {
 }
 
 TEST(KvFingerprint, MismatchNamesEveryDifferingField) {
-  KvFingerprint local{32, 8, 128, "bfloat16", 16, 1};
+  KvFingerprint local{32, 8, 128, "bfloat16", 16, 1, {}};
   KvFingerprint remote = local;
   EXPECT_TRUE(check_layout_compatible(local, remote).ok());
   remote.head_dim = 64;
@@ -261,6 +261,70 @@ TEST(KvFingerprint, MismatchNamesEveryDifferingField) {
   EXPECT_NE(status.message().find("head_dim 128 here vs 64 at the peer"), std::string::npos) << status.message();
   EXPECT_NE(status.message().find("dtype bfloat16 here vs float32"), std::string::npos);
   EXPECT_EQ(status.message().find("num_layers"), std::string::npos);
+}
+
+TEST(KvFingerprint, DifferentTpSizesAreCompatibleAndTheModelShapeMustStillMatch) {
+  const KvFingerprint tp1{2, 2, 32, "float32", 16, 1, {}};
+  const KvFingerprint tp4{2, 2, 32, "float32", 16, 4, {{0, 1}, {0, 1}, {1, 1}, {1, 1}}};
+  EXPECT_TRUE(check_layout_compatible(tp1, tp4).ok());
+  EXPECT_TRUE(check_layout_compatible(tp4, tp1).ok());
+  EXPECT_EQ(tp1.ranks(), (std::vector<RankHeads>{{0, 2}}));
+  KvFingerprint other_model = tp4;
+  other_model.num_kv_heads = 4;
+  other_model.head_map = {{0, 1}, {1, 1}, {2, 1}, {3, 1}};
+  other_model.block_size = 32;
+  Status status = check_layout_compatible(tp1, other_model);
+  EXPECT_EQ(status.code(), ErrorCode::kFailedPrecondition);
+  EXPECT_NE(status.message().find("num_kv_heads 2 here vs 4 at the peer"), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find("block_size 16 here vs 32"), std::string::npos) << status.message();
+  // A head map that leaves a head out, or does not have tp_size ranks, is refused.
+  KvFingerprint hole = tp4;
+  hole.head_map = {{0, 1}, {0, 1}, {0, 1}, {0, 1}};
+  status = check_layout_compatible(tp1, hole);
+  EXPECT_EQ(status.code(), ErrorCode::kFailedPrecondition);
+  EXPECT_NE(status.message().find("KV head 1 is held by no rank"), std::string::npos) << status.message();
+  KvFingerprint short_map = tp4;
+  short_map.head_map.pop_back();
+  EXPECT_FALSE(check_layout_compatible(tp1, short_map).ok());
+}
+
+TEST(ControlMessages, MetaCarriesTheHeadMapAndOneRegionPerRankPerLayer) {
+  auto m = meta();
+  m.fingerprint = KvFingerprint{2, 2, 64, "float32", 16, 2, {{0, 1}, {1, 1}}};
+  m.layer_descs = {{1}, {2}, {3}, {4}};
+  auto decoded = decode_message(encode_message(m));
+  ASSERT_TRUE(decoded.ok()) << decoded.status().to_string();
+  EXPECT_EQ(decoded->fingerprint, m.fingerprint);
+  EXPECT_EQ(decoded->layer_descs, m.layer_descs);
+  // Regions for one rank only.
+  auto too_few = m;
+  too_few.layer_descs.resize(2);
+  decoded = decode_message(encode_message(too_few));
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_NE(decoded.status().message().find("num_layers x tp_size"), std::string::npos);
+  // tp_size > 1 without a head map.
+  auto no_map = m;
+  no_map.fingerprint.head_map.clear();
+  decoded = decode_message(encode_message(no_map));
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_NE(decoded.status().message().find("'head_map' is required"), std::string::npos);
+  // A head map naming heads the model does not have.
+  auto outside = m;
+  outside.fingerprint.head_map = {{0, 1}, {1, 2}};
+  decoded = decode_message(encode_message(outside));
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_NE(decoded.status().message().find("rank 1 holds heads [1, 3)"), std::string::npos)
+      << decoded.status().message();
+  // A TP-1 fingerprint leaves the head map out, as frames of builds without it.
+  auto tp1 = meta();
+  const auto frame = encode_message(tp1);
+  const std::string bytes(frame.begin(), frame.end());
+  EXPECT_EQ(bytes.find("head_map"), std::string::npos);
+  auto too_many = m;
+  too_many.fingerprint.tp_size = kMaxTpSize + 1;
+  too_many.fingerprint.head_map.assign(kMaxTpSize + 1, RankHeads{0, 2});
+  too_many.layer_descs.assign(2 * (kMaxTpSize + 1), {1});
+  EXPECT_FALSE(decode_message(encode_message(too_many)).ok());
 }
 
 TEST(TransferIds, AreExactly32HexDigits) {

@@ -552,5 +552,94 @@ TEST_F(ProducerStateTest, AnAbortFromAnotherPeerCannotDropBufferedBlocks) {
   ASSERT_NE(p_.destination(kT), nullptr);
 }
 
+// ---- tensor parallelism: several plan pieces (rank pairs) per layer ----------------------
+
+TEST_F(ProducerStateTest, EveryRankPairOfEveryLayerIsWrittenBeforeDone) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0, /*pieces_per_layer=*/3);
+  p_.begin_final_step(kT, {1, 2, 3});
+  p_.on_layer_saved(kT, 0);
+  auto a = p_.take_actions();
+  ASSERT_EQ(a.writes.size(), 3u) << "one write per plan piece, right after the layer's attention";
+  for (int32_t piece = 0; piece < 3; ++piece) {
+    EXPECT_EQ(a.writes[piece].layer, 0);
+    EXPECT_EQ(a.writes[piece].piece, piece);
+  }
+  for (int32_t layer = 1; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  EXPECT_EQ(p_.take_actions().writes.size(), static_cast<size_t>(3 * (kLayers - 1)));
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 10));
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    for (int32_t piece = 0; piece < 3; ++piece) {
+      EXPECT_TRUE(p_.take_actions().sends.empty()) << "done before layer " << layer << " piece " << piece;
+      p_.on_write_done(kT, layer, true, piece);
+    }
+  }
+  a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kDone);
+  EXPECT_TRUE(a.sends[0].message.ok);
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+}
+
+TEST_F(ProducerStateTest, OneRankFailingFailsTheTransferAfterEveryRanksWritesDrained) {
+  // Layer 0's write of piece 1 fails while the other pieces' writes are in flight:
+  // no more layers are posted, done{ok:false} and the release wait for all of them.
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0, /*pieces_per_layer=*/2);
+  p_.begin_final_step(kT, {1, 2, 3});
+  p_.on_layer_saved(kT, 0);
+  ASSERT_EQ(p_.take_actions().writes.size(), 2u);
+  p_.on_write_done(kT, 0, false, 1);
+  p_.on_layer_saved(kT, 1);
+  p_.on_forward_done(kT, true);
+  auto a = p_.take_actions();
+  EXPECT_TRUE(a.writes.empty()) << "a failed transfer posts nothing more";
+  EXPECT_TRUE(a.sends.empty()) << "rank 0's write of layer 0 is still in flight";
+  EXPECT_EQ(a.num_failed, 1);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 10)) << "blocks held while a rank's write is in flight";
+  EXPECT_EQ(p_.num_blocks_held(), 3u);
+  EXPECT_TRUE(p_.take_actions().released_request_ids.empty());
+  p_.on_write_done(kT, 0, true, 0);
+  a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_EQ(a.sends[0].message.type, MessageType::kDone);
+  EXPECT_FALSE(a.sends[0].message.ok);
+  EXPECT_NE(a.sends[0].message.text.find("plan piece 1"), std::string::npos) << a.sends[0].message.text;
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+  EXPECT_EQ(p_.num_active(), 0u);
+  EXPECT_EQ(p_.num_blocks_held(), 0u);
+}
+
+TEST_F(ProducerStateTest, AnAbortDrainsEveryRanksWritesBeforeTheRelease) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0, /*pieces_per_layer=*/4);
+  p_.begin_final_step(kT, {1, 2, 3});
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  ASSERT_EQ(p_.take_actions().writes.size(), static_cast<size_t>(4 * kLayers));
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 10));
+  p_.on_abort(consumer(), simple(MessageType::kAbort));
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    for (int32_t piece = 0; piece < 4; ++piece) {
+      EXPECT_TRUE(p_.take_actions().released_request_ids.empty());
+      p_.on_write_done(kT, layer, true, piece);
+    }
+  }
+  auto a = p_.take_actions();
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_FALSE(a.sends[0].message.ok);
+}
+
+TEST_F(ProducerStateTest, BufferedBlocksKeepTheirPieceCount) {
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 10), 64, 0, /*pieces_per_layer=*/2);
+  ASSERT_TRUE(p_.start(kT, "req", false, 10, 5).ok());
+  ASSERT_NE(p_.destination(kT), nullptr);
+  EXPECT_EQ(p_.destination(kT)->pieces_per_layer, 2);
+  p_.on_layer_saved(kT, 0);
+  EXPECT_EQ(p_.take_actions().writes.size(), 2u);
+}
+
 }  // namespace
 }  // namespace pd::connector
