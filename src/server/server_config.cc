@@ -89,11 +89,6 @@ CliOutcome parse_server_cli(int argc, const char* const* argv) {
 Status validate_server_config(ServerConfig& config) {
   if (config.tensor_parallel_size < 1)
     return invalid_argument("--tensor-parallel-size must be >= 1, got {}", config.tensor_parallel_size);
-  if (config.tensor_parallel_size > 1 && config.device != "cpu")
-    return unimplemented(
-        "--tensor-parallel-size {} with --device {}: tensor parallelism runs on --device cpu only in this build (the "
-        "NCCL path is not built yet)",
-        config.tensor_parallel_size, config.device);
   if (config.enable_expert_parallel && config.device != "cpu")
     return unimplemented(
         "--enable-expert-parallel with --device {}: expert parallelism runs on --device cpu only in "
@@ -157,12 +152,12 @@ Status validate_server_config(ServerConfig& config) {
     config.max_num_batched_tokens = kProducerMaxNumBatchedTokens;
   // Each rank holds its own shard of every KV block; the connector moves every
   // rank's shards (any producer TP to any consumer TP) from the CPU runner's
-  // per-rank regions. Other runners expose one region.
-  if (config.tensor_parallel_size > 1 && config.device != "cpu" && (!kv.config_json.empty() || !kv.kv_role.empty()))
+  // per-rank regions. The CUDA runner exposes one region (its ranks' shards live on several GPUs).
+  if (config.tensor_parallel_size > 1 && config.device == "cuda" && (!kv.config_json.empty() || !kv.kv_role.empty()))
     return unimplemented(
-        "--tensor-parallel-size {} with --kv-transfer-config / --kv-role on --device {}: P/D transfer of "
-        "tensor-parallel KV shards runs on --device cpu only in this build",
-        config.tensor_parallel_size, config.device);
+        "--tensor-parallel-size {} with --device cuda and --kv-transfer-config / --kv-role: P/D transfer of "
+        "tensor-parallel KV shards on GPUs is not supported; use --tensor-parallel-size 1 on cuda P/D instances",
+        config.tensor_parallel_size);
   return Status::Ok();
 }
 

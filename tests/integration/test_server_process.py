@@ -32,7 +32,8 @@ def test_help_lists_vllm_flags():
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--tensor-parallel-size", "2", "--device", "cuda"], "--tensor-parallel-size 2 with --device cuda"),
+    (["--tensor-parallel-size", "2", "--device", "cuda", "--kv-role", "kv_producer"],
+     "--tensor-parallel-size 2 with --device cuda and --kv-transfer-config"),
     (["--tensor-parallel-size", "3"], "must divide the number of attention heads (4)"),
     (["--kv-transfer-config", "{not json"], "--kv-transfer-config must be a JSON object"),
     (["--model", "/nonexistent/model/dir"], "/nonexistent/model/dir"),

@@ -1,7 +1,7 @@
 """pdserve --tensor-parallel-size N on the cpu device serves the same greedy completions as one rank, through the
 OpenAI API: builtin:tiny (4 heads, 2 KV heads: TP 4 replicates each KV head on two ranks) and the tiny Qwen3-MoE
 checkpoint; prompts past block boundaries and prompts sharing a prefix (prefix-cache hits); the MoE checkpoint with
---enable-expert-parallel (whole experts per rank). Start-up refusals: TP that does not divide the heads, TP on cuda,
+--enable-expert-parallel (whole experts per rank). Start-up refusals: TP that does not divide the heads, P/D with TP on cuda,
 expert parallelism on a dense model or off the cpu device."""
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def test_tensor_parallel_text_prompt_matches_one_rank(procs):
 
 @pytest.mark.parametrize("flags, needle", [
     (["--tensor-parallel-size", "8"], "must divide the number of attention heads (4)"),
-    (["--tensor-parallel-size", "2", "--device", "cuda"], "tensor parallelism runs on --device cpu only"),
+    (["--tensor-parallel-size", "2", "--device", "cuda", "--kv-role", "kv_consumer"],
+     "P/D transfer of tensor-parallel KV shards on GPUs is not supported"),
     (["--tensor-parallel-size", "2", "--enable-expert-parallel"], "enable_expert_parallel needs a MoE model"),
     (["--enable-expert-parallel", "--device", "cuda"], "expert parallelism runs on --device cpu only"),
 ])

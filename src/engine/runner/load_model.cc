@@ -61,11 +61,6 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
     return invalid_argument("device must be cpu or cuda, got '{}'", options.device);
   if (options.tensor_parallel_size < 1)
     return invalid_argument("tensor_parallel_size must be >= 1, got {}", options.tensor_parallel_size);
-  if (options.tensor_parallel_size > 1 && options.device != "cpu")
-    return unimplemented(
-        "tensor_parallel_size {} on device '{}': tensor parallelism runs on the cpu device only in this build (the "
-        "NCCL path is not built yet)",
-        options.tensor_parallel_size, options.device);
   if (options.enable_expert_parallel && options.device != "cpu")
     return unimplemented(
         "enable_expert_parallel on device '{}': expert parallelism runs on the cpu device only in "
@@ -136,11 +131,13 @@ Result<LoadedModel> load_model(const ModelLoadOptions& options) {
     request.options.max_num_batched_tokens = options.max_num_batched_tokens;
     request.options.dummy_seed = options.seed;
     request.options.device = options.cuda_device;
+    request.tensor_parallel_size = split.tp_size;
     loaded.architecture = config.architecture;
     loaded.eos_token_ids = config.eos_token_ids;
     loaded.max_model_len = max_model_len;
     PD_ASSIGN_OR_RETURN(loaded.runner, load_cuda_runner(request));
-    PD_LOG_INFO("loaded {} ({}) on cuda, max_model_len {}", options.model, loaded.architecture, max_model_len);
+    PD_LOG_INFO("loaded {} ({}) on cuda, max_model_len {}, tensor_parallel_size {}", options.model, loaded.architecture,
+                max_model_len, split.tp_size);
     return loaded;
   }
 #endif

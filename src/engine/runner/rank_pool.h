@@ -2,7 +2,8 @@
 // num_ranks - 1 threads plus the calling thread (rank 0). run(fn) executes
 // fn(rank) on every rank and returns when all have finished (fork-join); no
 // thread is created per step. The functions run compute only (no I/O, no
-// waits of their own), so every run() finishes. An exception thrown on any
+// waits of their own), so every run() finishes; the CUDA runner's ranks also
+// wait for each other's collectives, each wait bounded (cuda_tp_runner.h). An exception thrown on any
 // rank is rethrown by run() after every rank has finished (the first one
 // caught), so fn is never used after run() returns.
 #pragma once

@@ -4,9 +4,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "engine/decode_graph_buckets.h"
 #include "engine/kv_memory_budget.h"
+#include "engine/runner_cuda/nccl_comm.h"
 #include "engine/sampler.h"
 #include "kernels/cpu/cpu_kernels.h"
 
@@ -16,7 +18,6 @@ namespace {
 namespace kc = pd::kernels::cuda;
 using bf16 = __nv_bfloat16;
 
-constexpr float kDummyStdDev = 0.02f;
 int32_t ceil_div(int32_t a, int32_t b) {
   return (a + b - 1) / b;
 }
@@ -59,10 +60,51 @@ int32_t CudaModelRunner::decode_kv_stages_for(int32_t num_seqs, int32_t num_kv_h
 
 Result<std::unique_ptr<CudaModelRunner>> CudaModelRunner::create(model::ModelConfig config,
                                                                  const model::ModelWeights* host_weights,
-                                                                 CudaRunnerOptions options) {
-  std::unique_ptr<CudaModelRunner> runner(new CudaModelRunner());
-  PD_RETURN_IF_ERROR(runner->init(std::move(config), host_weights, options));
+                                                                 CudaRunnerOptions options, CudaTpRank tp) {
+  PD_ASSIGN_OR_RETURN(auto runner, create_unprepared(std::move(config), host_weights, options, tp));
+  PD_ASSIGN_OR_RETURN(const int64_t blocks, runner->fit_kv_blocks());
+  PD_RETURN_IF_ERROR(runner->finish_init(blocks));
   return runner;
+}
+
+Result<std::unique_ptr<CudaModelRunner>> CudaModelRunner::create_unprepared(model::ModelConfig config,
+                                                                            const model::ModelWeights* host_weights,
+                                                                            CudaRunnerOptions options, CudaTpRank tp) {
+  std::unique_ptr<CudaModelRunner> runner(new CudaModelRunner());
+  PD_RETURN_IF_ERROR(runner->init(std::move(config), host_weights, options, tp));
+  return runner;
+}
+
+Status CudaModelRunner::finish_init(int64_t num_blocks) {
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
+  PD_RETURN_IF_ERROR(allocate_kv_pool(num_blocks));
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "init sync"));
+  return prepare_decode_buckets();
+}
+
+Status CudaModelRunner::sync_stream(const char* what) {
+  if (tp_.tp_size == 1) return kc::cuda_status(cudaStreamSynchronize(stream_), what);
+  // A peer that failed mid-step never joins the collective this stream may wait in:
+  // poll, and give up when the group is marked failed or the deadline passes.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(tp_.wait_timeout_ms);
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(stream_);
+    if (e == cudaSuccess) return Status::Ok();
+    if (e != cudaErrorNotReady) return kc::cuda_status(e, what);
+    if (tp_.group_failed != nullptr && tp_.group_failed->load(std::memory_order_acquire)) {
+      return aborted("cuda runner rank {}: {}: another tensor-parallel rank failed", tp_.rank, what);
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      return deadline_exceeded("cuda runner rank {}: {}: the step did not finish within {} ms", tp_.rank, what,
+                               tp_.wait_timeout_ms);
+    }
+    std::this_thread::yield();
+  }
+}
+
+Status CudaModelRunner::all_reduce(bf16* data, int64_t count) {
+  if (tp_.tp_size == 1) return Status::Ok();
+  return tp_.comms->all_reduce_bf16(tp_.rank, data, static_cast<size_t>(count), stream_);
 }
 
 CudaModelRunner::~CudaModelRunner() {
@@ -87,21 +129,33 @@ size_t CudaModelRunner::kv_bytes_per_token() const {
 }
 
 Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeights* host_weights,
-                             CudaRunnerOptions options) {
+                             CudaRunnerOptions options, CudaTpRank tp) {
   PD_RETURN_IF_ERROR(config.validate());
   config_ = std::move(config);
   options_ = options;
+  tp_ = tp;
+  if (tp_.tp_size < 1 || tp_.rank < 0 || tp_.rank >= tp_.tp_size ||
+      (tp_.tp_size > 1 && (tp_.comms == nullptr || tp_.group_failed == nullptr))) {
+    return invalid_argument("cuda runner: rank {} of {} (ranks need the group's communicators)", tp_.rank, tp_.tp_size);
+  }
+  PD_ASSIGN_OR_RETURN(split_, model::plan_tensor_parallel(config_, tp_.tp_size));
+  heads_ = split_.heads_per_rank;
+  kv_heads_ = split_.kv_heads_per_rank;
+  inter_ = split_.intermediate_per_rank > 0 ? split_.intermediate_per_rank : config_.intermediate_size;
+  moe_inter_ =
+      split_.moe_intermediate_per_rank > 0 ? split_.moe_intermediate_per_rank : config_.moe.moe_intermediate_size;
   if (options_.block_size != kc::kKvBlockSize) {
     return unimplemented("cuda runner: block size {} (supported: {})", options_.block_size, kc::kKvBlockSize);
   }
   if (config_.head_dim != 64 && config_.head_dim != 128) {
     return unimplemented("cuda runner: head_dim {} has no kernels (supported: 64, 128)", config_.head_dim);
   }
-  const int32_t gqa_group = config_.num_heads / config_.num_kv_heads;
+  const int32_t gqa_group = heads_ / kv_heads_;  // per rank
   if (gqa_group > 16 ||
       (gqa_group > 8 && (config_.head_dim != 128 || options_.decode_kernel != kc::DecodeKernel::kTensorCore))) {
     return unimplemented(
-        "cuda runner: GQA group {} (max 8; up to 16 at head_dim 128 with the tensor-core decode kernel)", gqa_group);
+        "cuda runner: GQA group {} per rank (max 8; up to 16 at head_dim 128 with the tensor-core decode kernel)",
+        gqa_group);
   }
   if (options_.max_num_seqs <= 0 || options_.max_num_batched_tokens < options_.max_num_seqs ||
       options_.max_model_len <= 0) {
@@ -134,10 +188,7 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
     PD_ASSIGN_OR_RETURN(fp8_gemm_, kc::Fp8Gemm::create(options_.max_num_batched_tokens, max_k));
   }
   PD_RETURN_IF_ERROR(upload_weights(host_weights));
-  PD_RETURN_IF_ERROR(allocate_buffers());
-  PD_RETURN_IF_ERROR(allocate_kv_pool());
-  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "init sync"));
-  return prepare_decode_buckets();
+  return allocate_buffers();
 }
 
 Status CudaModelRunner::prepare_decode_buckets() {
@@ -169,7 +220,7 @@ Status CudaModelRunner::prepare_decode_buckets() {
       PD_RETURN_IF_ERROR(forward(shape, nullptr));
     }
   }
-  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "bucket preparation sync"));
+  PD_RETURN_IF_ERROR(sync_stream("bucket preparation sync"));
   gemm_->set_tuning(false);
   if (fp8_gemm_ != nullptr) fp8_gemm_->set_tuning(false);
   bucket_preparation_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -196,277 +247,12 @@ Status CudaModelRunner::copy_step_inputs(size_t offset, size_t count) {
       "step input copy");
 }
 
-Status CudaModelRunner::upload_weights(const model::ModelWeights* host_weights) {
-  const auto& c = config_;
-  const int64_t h = c.hidden_size, d = c.head_dim, hq = c.num_heads, hkv = c.num_kv_heads, inter = c.intermediate_size,
-                vocab = c.vocab_size;
-  const int64_t qkv_rows = (hq + 2 * hkv) * d;
-  uint64_t tensor_index = 0;
-
-  auto device_tensor = [&](int64_t count) -> Result<bf16*> {
-    auto* p = static_cast<bf16*>(alloc(static_cast<size_t>(count) * sizeof(bf16)));
-    if (p == nullptr) return resource_exhausted("cuda runner: out of device memory for weights ({} elements)", count);
-    weight_bytes_ += static_cast<size_t>(count) * sizeof(bf16);
-    return p;
-  };
-  std::vector<bf16> staging;
-  // Uploads the concatenation of the named host tensors (each checked against its element count).
-  auto upload = [&](bf16* dst, std::initializer_list<std::pair<std::string, int64_t>> parts) -> Status {
-    staging.clear();
-    for (const auto& [name, count] : parts) {
-      const model::Tensor* t = host_weights->find(name);
-      if (t == nullptr) return not_found("cuda runner: weight {} missing", name);
-      if (static_cast<int64_t>(t->data.size()) != count) {
-        return invalid_argument("cuda runner: weight {} has {} elements, expected {}", name, t->data.size(), count);
-      }
-      for (float v : t->data) staging.push_back(__float2bfloat16(v));
-    }
-    return kc::cuda_status(cudaMemcpy(dst, staging.data(), staging.size() * sizeof(bf16), cudaMemcpyHostToDevice),
-                           "weight upload");
-  };
-  const float uniform_scale = kDummyStdDev * std::sqrt(3.0f);  // uniform with the same std dev
-  auto dummy = [&](bf16* dst, int64_t count) {
-    return kc::fill_uniform(dst, static_cast<size_t>(count), options_.dummy_seed * 1000003ull + tensor_index++,
-                            uniform_scale, stream_);
-  };
-  auto ones = [&](bf16* dst, int64_t count) {
-    std::vector<bf16> v(static_cast<size_t>(count), __float2bfloat16(1.0f));
-    return kc::cuda_status(cudaMemcpy(dst, v.data(), v.size() * sizeof(bf16), cudaMemcpyHostToDevice), "ones");
-  };
-  const bool real = host_weights != nullptr;
-  const bool fp8 = c.quant.fp8();
-
-  // Block-FP8 linear: the named parts' e4m3 codes stacked by rows ([rows][k] each, rows a
-  // multiple of 128 except the last part's, so the 128 x 128 scale blocks stay aligned), and
-  // their weight_scale_inv rows padded to fp8_weight_scale_ld(k). Dummy: uniform codes, one
-  // scale for the whole tensor (values uniform with the bf16 dummies' std dev).
-  // codes_at / scales_at: where to put it (an expert inside its layer's packed tensors), else allocated here.
-  auto fp8_linear = [&](kc::Fp8Weight* out, std::initializer_list<std::pair<std::string, int64_t>> parts, int64_t k,
-                        uint8_t* codes_at = nullptr, float* scales_at = nullptr) -> Status {
-    int64_t rows = 0;
-    int64_t i = 0;
-    for (const auto& part : parts) {
-      if (i + 1 < static_cast<int64_t>(parts.size()) && part.second % kc::kFp8Block != 0) {
-        return unimplemented(
-            "cuda runner: FP8 weight {} has {} rows, not a multiple of {} (its scale blocks would "
-            "straddle the fused tensor)",
-            part.first, part.second, kc::kFp8Block);
-      }
-      rows += part.second;
-      ++i;
-    }
-    const int32_t ld = kc::fp8_weight_scale_ld(static_cast<int32_t>(k));
-    const int64_t scale_rows = (rows + kc::kFp8Block - 1) / kc::kFp8Block;
-    uint8_t* codes = codes_at;
-    float* scales = scales_at;
-    if (codes == nullptr) {
-      codes = static_cast<uint8_t*>(alloc(static_cast<size_t>(rows * k)));
-      scales = static_cast<float*>(alloc(static_cast<size_t>(scale_rows * ld) * sizeof(float)));
-      if (codes == nullptr || scales == nullptr) {
-        return resource_exhausted("cuda runner: out of device memory (FP8 weights)");
-      }
-      weight_bytes_ += static_cast<size_t>(rows * k) + static_cast<size_t>(scale_rows * ld) * sizeof(float);
-    }
-    out->data = codes;
-    out->scale = scales;
-    out->n = static_cast<int32_t>(rows);
-    out->k = static_cast<int32_t>(k);
-    out->scale_ld = ld;
-    if (!real) {
-      PD_RETURN_IF_ERROR(kc::fill_uniform_fp8(codes, static_cast<size_t>(rows * k),
-                                              options_.dummy_seed * 1000003ull + tensor_index++, 1.0f, stream_));
-      const std::vector<float> v(static_cast<size_t>(scale_rows * ld), uniform_scale);
-      return kc::cuda_status(cudaMemcpy(scales, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice),
-                             "fp8 scale upload");
-    }
-    std::vector<uint8_t> code_staging;
-    std::vector<float> scale_staging;
-    for (const auto& [name, part_rows] : parts) {
-      const model::Tensor* t = host_weights->find(name + ".weight");
-      const model::Tensor* si = host_weights->find(name + ".weight_scale_inv");
-      if (t == nullptr || si == nullptr) return not_found("cuda runner: FP8 weight {} or its scale missing", name);
-      if (t->dtype != model::WeightDtype::kF8E4M3 || static_cast<int64_t>(t->fp8.size()) != part_rows * k) {
-        return invalid_argument("cuda runner: weight {} is not {} x {} e4m3 codes", name, part_rows, k);
-      }
-      const int64_t kb = (k + kc::kFp8Block - 1) / kc::kFp8Block, rb = (part_rows + kc::kFp8Block - 1) / kc::kFp8Block;
-      if (static_cast<int64_t>(si->data.size()) != rb * kb) {
-        return invalid_argument("cuda runner: {}.weight_scale_inv has {} entries, expected {}", name, si->data.size(),
-                                rb * kb);
-      }
-      code_staging.insert(code_staging.end(), t->fp8.begin(), t->fp8.end());
-      const std::vector<float> padded =
-          kc::pad_fp8_weight_scales(si->data, static_cast<int32_t>(part_rows), static_cast<int32_t>(k));
-      scale_staging.insert(scale_staging.end(), padded.begin(), padded.end());
-    }
-    PD_RETURN_IF_ERROR(kc::cuda_status(
-        cudaMemcpy(codes, code_staging.data(), code_staging.size(), cudaMemcpyHostToDevice), "fp8 weight upload"));
-    return kc::cuda_status(
-        cudaMemcpy(scales, scale_staging.data(), scale_staging.size() * sizeof(float), cudaMemcpyHostToDevice),
-        "fp8 scale upload");
-  };
-
-  PD_ASSIGN_OR_RETURN(embed_, device_tensor(vocab * h));
-  PD_RETURN_IF_ERROR(real ? upload(embed_, {{"model.embed_tokens.weight", vocab * h}}) : dummy(embed_, vocab * h));
-  PD_ASSIGN_OR_RETURN(final_norm_, device_tensor(h));
-  PD_RETURN_IF_ERROR(real ? upload(final_norm_, {{"model.norm.weight", h}}) : ones(final_norm_, h));
-  if (c.tie_word_embeddings) {
-    lm_head_ = embed_;
-  } else {
-    PD_ASSIGN_OR_RETURN(lm_head_, device_tensor(vocab * h));
-    PD_RETURN_IF_ERROR(real ? upload(lm_head_, {{"lm_head.weight", vocab * h}}) : dummy(lm_head_, vocab * h));
-  }
-  layers_.resize(static_cast<size_t>(c.num_layers));
-  const int64_t num_experts = c.moe.num_experts, moe_inter = c.moe.moe_intermediate_size;
-  for (int32_t l = 0; l < c.num_layers; ++l) {
-    LayerWeights& w = layers_[static_cast<size_t>(l)];
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    const bool sparse = c.family == model::ModelFamily::kQwen3Moe && c.is_moe_layer(l);
-    PD_ASSIGN_OR_RETURN(w.input_norm, device_tensor(h));
-    PD_ASSIGN_OR_RETURN(w.post_norm, device_tensor(h));
-    if (!fp8) {
-      PD_ASSIGN_OR_RETURN(w.qkv, device_tensor(qkv_rows * h));
-      PD_ASSIGN_OR_RETURN(w.o_proj, device_tensor(h * hq * d));
-      if (!sparse) {
-        PD_ASSIGN_OR_RETURN(w.gate_up, device_tensor(2 * inter * h));
-        PD_ASSIGN_OR_RETURN(w.down, device_tensor(h * inter));
-      }
-    }
-    if (c.qkv_bias) {
-      PD_ASSIGN_OR_RETURN(w.qkv_bias, device_tensor(qkv_rows));
-    }
-    if (c.o_bias) {
-      PD_ASSIGN_OR_RETURN(w.o_bias, device_tensor(h));
-    }
-    if (c.qk_norm) {
-      PD_ASSIGN_OR_RETURN(w.q_norm, device_tensor(d));
-      PD_ASSIGN_OR_RETURN(w.k_norm, device_tensor(d));
-    }
-    if (fp8) {
-      PD_RETURN_IF_ERROR(fp8_linear(
-          &w.qkv8,
-          {{p + "self_attn.q_proj", hq * d}, {p + "self_attn.k_proj", hkv * d}, {p + "self_attn.v_proj", hkv * d}}, h));
-      PD_RETURN_IF_ERROR(fp8_linear(&w.o_proj8, {{p + "self_attn.o_proj", h}}, hq * d));
-      if (!sparse) {
-        PD_RETURN_IF_ERROR(fp8_linear(&w.gate_up8, {{p + "mlp.gate_proj", inter}, {p + "mlp.up_proj", inter}}, h));
-        PD_RETURN_IF_ERROR(fp8_linear(&w.down8, {{p + "mlp.down_proj", h}}, inter));
-      }
-    }
-    if (sparse) {
-      PD_ASSIGN_OR_RETURN(w.router, device_tensor(num_experts * h));
-      PD_RETURN_IF_ERROR(real ? upload(w.router, {{p + "mlp.gate.weight", num_experts * h}})
-                              : dummy(w.router, num_experts * h));
-      kc::MoeWeights& e = w.experts;
-      e.num_experts = static_cast<int32_t>(num_experts);
-      e.hidden = static_cast<int32_t>(h);
-      e.inter = static_cast<int32_t>(moe_inter);
-      e.fp8 = fp8;
-      if (fp8) {
-        // Experts back to back: each expert's gate|up (and down) fused like a dense MLP's.
-        auto packed = [&](int64_t n, int64_t k, uint8_t** codes, float** scales, int64_t* codes_per,
-                          int64_t* scales_per) -> Status {
-          *codes_per = n * k;
-          *scales_per = (n + kc::kFp8Block - 1) / kc::kFp8Block * kc::fp8_weight_scale_ld(static_cast<int32_t>(k));
-          *codes = static_cast<uint8_t*>(alloc(static_cast<size_t>(*codes_per * num_experts)));
-          *scales = static_cast<float*>(alloc(static_cast<size_t>(*scales_per * num_experts) * sizeof(float)));
-          if (*codes == nullptr || *scales == nullptr)
-            return resource_exhausted("cuda runner: out of device memory (experts)");
-          weight_bytes_ += static_cast<size_t>(*codes_per * num_experts) +
-                           static_cast<size_t>(*scales_per * num_experts) * sizeof(float);
-          return Status::Ok();
-        };
-        uint8_t *gu_codes = nullptr, *dn_codes = nullptr;
-        float *gu_scales = nullptr, *dn_scales = nullptr;
-        int64_t gu_cp = 0, gu_sp = 0, dn_cp = 0, dn_sp = 0;
-        PD_RETURN_IF_ERROR(packed(2 * moe_inter, h, &gu_codes, &gu_scales, &gu_cp, &gu_sp));
-        PD_RETURN_IF_ERROR(packed(h, moe_inter, &dn_codes, &dn_scales, &dn_cp, &dn_sp));
-        for (int64_t x = 0; x < num_experts; ++x) {
-          const std::string ep = p + "mlp.experts." + std::to_string(x) + ".";
-          kc::Fp8Weight unused;
-          PD_RETURN_IF_ERROR(fp8_linear(&unused, {{ep + "gate_proj", moe_inter}, {ep + "up_proj", moe_inter}}, h,
-                                        gu_codes + x * gu_cp, gu_scales + x * gu_sp));
-          PD_RETURN_IF_ERROR(
-              fp8_linear(&unused, {{ep + "down_proj", h}}, moe_inter, dn_codes + x * dn_cp, dn_scales + x * dn_sp));
-        }
-        e.gate_up = gu_codes;
-        e.gate_up_scale = gu_scales;
-        e.down = dn_codes;
-        e.down_scale = dn_scales;
-      } else {
-        PD_ASSIGN_OR_RETURN(bf16 * gate_up, device_tensor(num_experts * 2 * moe_inter * h));
-        PD_ASSIGN_OR_RETURN(bf16 * down, device_tensor(num_experts * h * moe_inter));
-        for (int64_t x = 0; x < num_experts; ++x) {
-          const std::string ep = p + "mlp.experts." + std::to_string(x) + ".";
-          bf16* gu = gate_up + x * 2 * moe_inter * h;
-          bf16* dn = down + x * h * moe_inter;
-          PD_RETURN_IF_ERROR(
-              real ? upload(gu, {{ep + "gate_proj.weight", moe_inter * h}, {ep + "up_proj.weight", moe_inter * h}})
-                   : dummy(gu, 2 * moe_inter * h));
-          PD_RETURN_IF_ERROR(real ? upload(dn, {{ep + "down_proj.weight", h * moe_inter}}) : dummy(dn, h * moe_inter));
-        }
-        e.gate_up = gate_up;
-        e.down = down;
-      }
-    }
-    if (real) {
-      PD_RETURN_IF_ERROR(upload(w.input_norm, {{p + "input_layernorm.weight", h}}));
-      PD_RETURN_IF_ERROR(upload(w.post_norm, {{p + "post_attention_layernorm.weight", h}}));
-      if (!fp8) {
-        PD_RETURN_IF_ERROR(upload(w.qkv, {{p + "self_attn.q_proj.weight", hq * d * h},
-                                          {p + "self_attn.k_proj.weight", hkv * d * h},
-                                          {p + "self_attn.v_proj.weight", hkv * d * h}}));
-        PD_RETURN_IF_ERROR(upload(w.o_proj, {{p + "self_attn.o_proj.weight", h * hq * d}}));
-        if (!sparse) {
-          PD_RETURN_IF_ERROR(
-              upload(w.gate_up, {{p + "mlp.gate_proj.weight", inter * h}, {p + "mlp.up_proj.weight", inter * h}}));
-          PD_RETURN_IF_ERROR(upload(w.down, {{p + "mlp.down_proj.weight", h * inter}}));
-        }
-      }
-      if (w.qkv_bias != nullptr) {
-        PD_RETURN_IF_ERROR(upload(w.qkv_bias, {{p + "self_attn.q_proj.bias", hq * d},
-                                               {p + "self_attn.k_proj.bias", hkv * d},
-                                               {p + "self_attn.v_proj.bias", hkv * d}}));
-      }
-      if (w.o_bias != nullptr) PD_RETURN_IF_ERROR(upload(w.o_bias, {{p + "self_attn.o_proj.bias", h}}));
-      if (w.q_norm != nullptr) {
-        PD_RETURN_IF_ERROR(upload(w.q_norm, {{p + "self_attn.q_norm.weight", d}}));
-        PD_RETURN_IF_ERROR(upload(w.k_norm, {{p + "self_attn.k_norm.weight", d}}));
-      }
-    } else {
-      PD_RETURN_IF_ERROR(ones(w.input_norm, h));
-      PD_RETURN_IF_ERROR(ones(w.post_norm, h));
-      if (w.qkv != nullptr) PD_RETURN_IF_ERROR(dummy(w.qkv, qkv_rows * h));
-      if (w.o_proj != nullptr) PD_RETURN_IF_ERROR(dummy(w.o_proj, h * hq * d));
-      if (w.gate_up != nullptr) PD_RETURN_IF_ERROR(dummy(w.gate_up, 2 * inter * h));
-      if (w.down != nullptr) PD_RETURN_IF_ERROR(dummy(w.down, h * inter));
-      if (w.qkv_bias != nullptr) PD_RETURN_IF_ERROR(dummy(w.qkv_bias, qkv_rows));
-      if (w.o_bias != nullptr) PD_RETURN_IF_ERROR(dummy(w.o_bias, h));
-      if (w.q_norm != nullptr) {
-        PD_RETURN_IF_ERROR(ones(w.q_norm, d));
-        PD_RETURN_IF_ERROR(ones(w.k_norm, d));
-      }
-    }
-  }
-  kernels::cpu::RopeScalingParams scaling;
-  if (c.rope_scaling.type == model::RopeScalingType::kLlama3) {
-    scaling.llama3 = true;
-    scaling.factor = c.rope_scaling.factor;
-    scaling.low_freq_factor = c.rope_scaling.low_freq_factor;
-    scaling.high_freq_factor = c.rope_scaling.high_freq_factor;
-    scaling.original_max_position_embeddings = c.rope_scaling.original_max_position_embeddings;
-  }
-  const std::vector<float> inv_freq = kernels::cpu::rope_inv_freq(c.head_dim, c.rope_theta, scaling);
-  inv_freq_ = static_cast<float*>(alloc(inv_freq.size() * sizeof(float)));
-  if (inv_freq_ == nullptr) return resource_exhausted("cuda runner: out of device memory (rope table)");
-  return kc::cuda_status(
-      cudaMemcpy(inv_freq_, inv_freq.data(), inv_freq.size() * sizeof(float), cudaMemcpyHostToDevice), "rope upload");
-}
-
 Status CudaModelRunner::allocate_buffers() {
   const auto& c = config_;
   const size_t t = static_cast<size_t>(options_.max_num_batched_tokens);
   const size_t s = static_cast<size_t>(options_.max_num_seqs);
-  const size_t h = c.hidden_size, qd = static_cast<size_t>(c.num_heads) * c.head_dim,
-               qkv = static_cast<size_t>(c.num_heads + 2 * c.num_kv_heads) * c.head_dim, inter = c.intermediate_size;
+  const size_t h = c.hidden_size, qd = static_cast<size_t>(heads_) * c.head_dim,
+               qkv = static_cast<size_t>(heads_ + 2 * kv_heads_) * c.head_dim, inter = static_cast<size_t>(inter_);
   auto bf = [&](size_t n) { return static_cast<bf16*>(alloc(n * sizeof(bf16))); };
   residual_ = bf(t * h);
   x_ = bf(t * h);
@@ -476,21 +262,25 @@ Status CudaModelRunner::allocate_buffers() {
   gate_up_buf_ = bf(t * 2 * inter);
   act_buf_ = bf(t * inter);
   sample_hidden_ = bf(s * h);
+  if (tp_.tp_size > 1) {
+    tp_out_ = bf(t * h);
+    if (tp_out_ == nullptr) return resource_exhausted("cuda runner: out of device memory for activation buffers");
+  }
   if (c.family == model::ModelFamily::kQwen3Moe && c.moe.num_experts > 0) {
     PD_ASSIGN_OR_RETURN(moe_, kc::MoeLayer::create(options_.max_num_batched_tokens, c.moe.num_experts_per_tok,
-                                                   c.moe.num_experts, c.hidden_size, c.moe.moe_intermediate_size));
+                                                   c.moe.num_experts, c.hidden_size, moe_inter_));
     router_logits_ = static_cast<float*>(alloc(t * static_cast<size_t>(c.moe.num_experts) * sizeof(float)));
   }
   logits_ = static_cast<float*>(alloc(s * c.vocab_size * sizeof(float)));
   // Largest workspace over every decode batch size (the partition depends on it).
   decode_ws_bytes_ = 0;
   for (int32_t seqs = 1; seqs <= options_.max_num_seqs; ++seqs) {
-    decode_ws_bytes_ = std::max(
-        decode_ws_bytes_, kc::decode_attention_workspace_bytes(seqs, c.num_heads, c.head_dim, options_.max_model_len,
-                                                               decode_partition_tokens(seqs)));
+    decode_ws_bytes_ = std::max(decode_ws_bytes_,
+                                kc::decode_attention_workspace_bytes(seqs, heads_, c.head_dim, options_.max_model_len,
+                                                                     decode_partition_tokens(seqs)));
   }
   decode_ws_ = alloc(decode_ws_bytes_);
-  const size_t num_merge_counters = s * static_cast<size_t>(c.num_kv_heads);
+  const size_t num_merge_counters = s * static_cast<size_t>(kv_heads_);
   decode_merge_counters_ = static_cast<uint32_t*>(alloc(num_merge_counters * sizeof(uint32_t)));
   max_blocks_per_seq_ = ceil_div(options_.max_model_len, options_.block_size);
   size_t off = 0;
@@ -532,9 +322,10 @@ Status CudaModelRunner::allocate_buffers() {
   return kc::cuda_status(cudaMemset(d_ints_, 0, ints_count_ * sizeof(int32_t)), "memset step inputs");
 }
 
-Status CudaModelRunner::allocate_kv_pool() {
+Result<int64_t> CudaModelRunner::fit_kv_blocks() {
+  PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
   spec_.num_layers = config_.num_layers;
-  spec_.num_kv_heads = config_.num_kv_heads;
+  spec_.num_kv_heads = kv_heads_;
   spec_.head_dim = config_.head_dim;
   spec_.block_size = options_.block_size;
   spec_.dtype = options_.kv_fp8 ? KvDtype::kFp8E4m3 : KvDtype::kBFloat16;
@@ -557,6 +348,11 @@ Status CudaModelRunner::allocate_kv_pool() {
     blocks = *fitted;
   }
   if (blocks > INT32_MAX / options_.block_size) blocks = INT32_MAX / options_.block_size;
+  return blocks;
+}
+
+Status CudaModelRunner::allocate_kv_pool(int64_t blocks) {
+  const size_t per_block_all_layers = spec_.bytes_per_block() * static_cast<size_t>(config_.num_layers);
   spec_.num_blocks = static_cast<int32_t>(blocks);
   kv_pool_ = alloc(per_block_all_layers * static_cast<size_t>(blocks));
   if (kv_pool_ == nullptr) {
@@ -625,13 +421,13 @@ Status CudaModelRunner::validate(const StepInput& input) const {
 
 int32_t CudaModelRunner::decode_partition_tokens(int32_t num_decode) const {
   if (options_.decode_partition_tokens > 0) return options_.decode_partition_tokens;
-  return decode_partition_tokens_for(num_decode, config_.num_kv_heads);
+  return decode_partition_tokens_for(num_decode, kv_heads_);
 }
 
 Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   const auto& c = config_;
   const int32_t t = shape.num_tokens;
-  const int32_t h = c.hidden_size, hq = c.num_heads, hkv = c.num_kv_heads, d = c.head_dim;
+  const int32_t h = c.hidden_size, hq = heads_, hkv = kv_heads_, d = c.head_dim, inter = inter_;
   const int32_t qkv_width = (hq + 2 * hkv) * d;
   int32_t* ints = d_ints_;
   // Read at launch (and so at graph capture): each bucket's graph keeps the setting of its size.
@@ -673,7 +469,11 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   // into it, and the qkv and gate_up GEMMs normalize it on the way in (x_ is the norm's scratch
   // when it runs as its own kernel). Unfused: o_proj and down write x_, and an add + norm kernel
   // folds it into residual_ and writes the normalized rows to x_.
-  const bool fused = options_.fuse_norms_into_gemms;
+  // With tensor parallelism each rank's o_proj / MLP / MoE output is a partial sum: it goes to
+  // tp_out_, is all-reduced there, and the add + norm kernel folds it into residual_ (the
+  // unfused layout with tp_out_ in x_'s place); one GPU keeps the fused layout.
+  const bool tp = tp_.tp_size > 1;
+  const bool fused = options_.fuse_norms_into_gemms && !tp;
   auto normed = [&](const bf16* norm_weight) {
     kc::GemmFusion f;
     f.norm_weight = norm_weight;
@@ -683,7 +483,13 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   };
   kc::GemmFusion accumulate;
   accumulate.accumulate = true;
-  bf16* const block_out = fused ? residual_ : x_;  // where o_proj and the down projection write
+  bf16* const block_out = fused ? residual_ : (tp ? tp_out_ : x_);  // where o_proj and the MLP write
+  // The norm after attention: from residual_ (fused: o_proj added into it), else the add +
+  // norm of block_out into residual_.
+  auto post_norm = [&](const bf16* weight) {
+    return fused ? kc::rmsnorm(x_, residual_, nullptr, weight, t, h, c.rms_norm_eps, stream_)
+                 : kc::rmsnorm(x_, block_out, residual_, weight, t, h, c.rms_norm_eps, stream_);
+  };
 
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = layers_[static_cast<size_t>(l)];
@@ -698,9 +504,13 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
       if (l == 0) {
         PD_RETURN_IF_ERROR(kc::rmsnorm(x_, residual_, nullptr, w.input_norm, t, h, c.rms_norm_eps, stream_));
       } else {
-        PD_RETURN_IF_ERROR(kc::rmsnorm(x_, x_, residual_, w.input_norm, t, h, c.rms_norm_eps, stream_));
+        PD_RETURN_IF_ERROR(kc::rmsnorm(x_, block_out, residual_, w.input_norm, t, h, c.rms_norm_eps, stream_));
       }
-      PD_RETURN_IF_ERROR(gemm_->run(qkv_buf_, kc::GemmOut::kBFloat16, x_, w.qkv, t, qkv_width, h, stream_));
+      if (w.qkv8.data != nullptr) {
+        PD_RETURN_IF_ERROR(fp8_gemm_->run(qkv_buf_, x_, t, w.qkv8, stream_));
+      } else {
+        PD_RETURN_IF_ERROR(gemm_->run(qkv_buf_, kc::GemmOut::kBFloat16, x_, w.qkv, t, qkv_width, h, stream_));
+      }
     }
     if (w.qkv_bias != nullptr) PD_RETURN_IF_ERROR(kc::add_bias(qkv_buf_, w.qkv_bias, t, qkv_width, stream_));
     kc::RopeKvArgs rope;
@@ -737,45 +547,50 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
       hooks->save_layer(l);
     }
     if (w.o_proj8.data != nullptr) {
-      PD_RETURN_IF_ERROR(fp8_gemm_->run(block_out, attn_buf_, t, w.o_proj8, stream_, /*accumulate=*/true));
+      PD_RETURN_IF_ERROR(fp8_gemm_->run(block_out, attn_buf_, t, w.o_proj8, stream_, /*accumulate=*/fused));
     } else {
       PD_RETURN_IF_ERROR(gemm_->run(block_out, kc::GemmOut::kBFloat16, attn_buf_, w.o_proj, t, h, hq * d, stream_,
                                     fused ? accumulate : kc::GemmFusion{}));
     }
+    if (tp) PD_RETURN_IF_ERROR(all_reduce(block_out, static_cast<int64_t>(t) * h));
     if (w.o_bias != nullptr) PD_RETURN_IF_ERROR(kc::add_bias(block_out, w.o_bias, t, h, stream_));
     if (w.router != nullptr) {
       // Qwen3-MoE sparse layer (fused only): router logits from the normalized rows, then the
       // experts' weighted sum added into the residual stream. Decode passes (graphs) stream the
       // routed experts' weights; passes with prefill rows run one GEMM per active expert.
-      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, residual_, nullptr, w.post_norm, t, h, c.rms_norm_eps, stream_));
+      PD_RETURN_IF_ERROR(post_norm(w.post_norm));
       PD_RETURN_IF_ERROR(
           gemm_->run(router_logits_, kc::GemmOut::kFloat32, x_, w.router, t, c.moe.num_experts, h, stream_));
       const kc::MoePath path =
           shape.num_prefill > 0 || hooks != nullptr ? kc::MoePath::kPerExpert : kc::MoePath::kStream;
-      PD_RETURN_IF_ERROR(moe_->forward(residual_, x_, router_logits_, t, w.experts, c.moe.norm_topk_prob, path, stream_,
-                                       /*accumulate=*/true, gemm_.get(), fp8_gemm_.get()));
+      PD_RETURN_IF_ERROR(moe_->forward(block_out, x_, router_logits_, t, w.experts, c.moe.norm_topk_prob, path, stream_,
+                                       /*accumulate=*/fused, gemm_.get(), fp8_gemm_.get()));
+      if (tp) PD_RETURN_IF_ERROR(all_reduce(block_out, static_cast<int64_t>(t) * h));
       continue;
     }
     if (w.gate_up8.data != nullptr) {
-      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, residual_, nullptr, w.post_norm, t, h, c.rms_norm_eps, stream_));
+      PD_RETURN_IF_ERROR(post_norm(w.post_norm));
       PD_RETURN_IF_ERROR(fp8_gemm_->run(gate_up_buf_, x_, t, w.gate_up8, stream_));
-      PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
-      PD_RETURN_IF_ERROR(fp8_gemm_->run(residual_, act_buf_, t, w.down8, stream_, /*accumulate=*/true));
+      PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, inter, stream_));
+      PD_RETURN_IF_ERROR(fp8_gemm_->run(block_out, act_buf_, t, w.down8, stream_, /*accumulate=*/fused));
+      if (tp) PD_RETURN_IF_ERROR(all_reduce(block_out, static_cast<int64_t>(t) * h));
       continue;
     }
     if (fused) {
-      PD_RETURN_IF_ERROR(gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, residual_, w.gate_up, t,
-                                    2 * c.intermediate_size, h, stream_, normed(w.post_norm)));
+      PD_RETURN_IF_ERROR(gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, residual_, w.gate_up, t, 2 * inter, h,
+                                    stream_, normed(w.post_norm)));
     } else {
-      PD_RETURN_IF_ERROR(kc::rmsnorm(x_, x_, residual_, w.post_norm, t, h, c.rms_norm_eps, stream_));
-      PD_RETURN_IF_ERROR(
-          gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, x_, w.gate_up, t, 2 * c.intermediate_size, h, stream_));
+      PD_RETURN_IF_ERROR(post_norm(w.post_norm));
+      PD_RETURN_IF_ERROR(gemm_->run(gate_up_buf_, kc::GemmOut::kBFloat16, x_, w.gate_up, t, 2 * inter, h, stream_));
     }
-    PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, c.intermediate_size, stream_));
-    PD_RETURN_IF_ERROR(gemm_->run(block_out, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, c.intermediate_size,
-                                  stream_, fused ? accumulate : kc::GemmFusion{}));
+    PD_RETURN_IF_ERROR(kc::silu_mul(act_buf_, gate_up_buf_, t, inter, stream_));
+    PD_RETURN_IF_ERROR(gemm_->run(block_out, kc::GemmOut::kBFloat16, act_buf_, w.down, t, h, inter, stream_,
+                                  fused ? accumulate : kc::GemmFusion{}));
+    if (tp) PD_RETURN_IF_ERROR(all_reduce(block_out, static_cast<int64_t>(t) * h));
   }
-  if (shape.num_sample == 0) return Status::Ok();
+  // Only rank 0 computes logits: every rank holds the same residual stream after the last
+  // reduction, and the lm_head is replicated (README: why not vocabulary-parallel).
+  if (shape.num_sample == 0 || tp_.rank != 0) return Status::Ok();
   // Final (residual add and) norm only for the rows that are sampled.
   if (fused) {
     PD_RETURN_IF_ERROR(
@@ -785,7 +600,7 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   } else {
     bf16* residual_rows = gate_up_buf_;  // scratch: [num_sample][H] fits in [T][2I]
     PD_RETURN_IF_ERROR(
-        kc::embedding_lookup(sample_hidden_, x_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
+        kc::embedding_lookup(sample_hidden_, block_out, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
     PD_RETURN_IF_ERROR(
         kc::embedding_lookup(residual_rows, residual_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
     PD_RETURN_IF_ERROR(kc::rmsnorm(sample_hidden_, sample_hidden_, residual_rows, final_norm_, shape.num_sample, h,
@@ -948,8 +763,8 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
     PD_RETURN_IF_ERROR(forward(shape, input.layer_hooks));
   }
   StepOutput out;
-  if (num_sample == 0) {
-    PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "step sync"));
+  if (num_sample == 0 || tp_.rank != 0) {  // ranks other than 0 compute no logits
+    PD_RETURN_IF_ERROR(sync_stream("step sync"));
     return out;
   }
   // Raw logits of the rows the CPU sampler handles, before the GPU kernel edits rows.
@@ -970,7 +785,7 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
   PD_RETURN_IF_ERROR(kc::cuda_status(
       cudaMemcpyAsync(h_logprobs_, d_logprobs_, num_sample * sizeof(float), cudaMemcpyDeviceToHost, stream_),
       "logprob copy"));
-  PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "step sync"));
+  PD_RETURN_IF_ERROR(sync_stream("step sync"));
   out.sampled.resize(static_cast<size_t>(num_sample));
   for (int32_t r = 0; r < num_sample; ++r) {
     out.sampled[static_cast<size_t>(r)].token_id = h_ints_[off_out_tokens_ + static_cast<size_t>(r)];

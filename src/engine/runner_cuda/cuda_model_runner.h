@@ -1,8 +1,7 @@
 // The CUDA model runner: bf16 forward pass of the Llama / Qwen2 / Qwen3
-// decoder on one GPU over a paged KV cache (cuBLASLt GEMMs, kernels from
-// kernels/cuda), sampling on the GPU (greedy / temperature / min-p; rows with
-// top-k, top-p or top-n logprobs go through the CPU sampler on their logits
-// row). Decode-only steps run as CUDA graphs captured per batch-size bucket;
+// decoder on one GPU (or one tensor-parallel rank of a CudaTpRunner) over a paged KV cache (cuBLASLt GEMMs, kernels
+// from kernels/cuda), sampling on the GPU (greedy / temperature / min-p; rows with top-k, top-p or top-n logprobs go
+// through the CPU sampler on their logits row). Decode-only steps run as CUDA graphs captured per batch-size bucket;
 // padding rows of a bucket write no KV (slot -1) and read no context.
 //
 // Threads: execute() is called from the engine thread only; the runner owns
@@ -13,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <vector>
@@ -24,6 +24,7 @@
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/moe_layer.h"
 #include "model/config.h"
+#include "model/tp_shard.h"
 #include "model/weights.h"
 
 namespace pd::engine {
@@ -75,14 +76,29 @@ struct CudaRunnerOptions {
   uint64_t dummy_seed = 0;
 };
 
+class NcclGroup;
+
+// One tensor-parallel rank of a CudaTpRunner (cuda_tp_runner.h). The default is
+// the whole model on one GPU: tp_size 1, no collectives.
+struct CudaTpRank {
+  int32_t rank = 0;
+  int32_t tp_size = 1;
+  NcclGroup* comms = nullptr;                       // required when tp_size > 1
+  const std::atomic<bool>* group_failed = nullptr;  // set when a rank failed a step: its peers stop waiting
+  int64_t wait_timeout_ms = 120000;                 // a rank's wait for its step (tp_size > 1)
+};
+
 class CudaModelRunner final : public ModelRunner {
  public:
   // host_weights: fp32 tensors (safetensors or model::dummy_weights), converted
   // to bf16 on upload; null = dummy weights generated on the GPU from
   // options.dummy_seed (N(0, 0.02)-scaled uniform matrices, unit norms).
+  // tp: which rank of a tensor-parallel group this runner is (default: the whole
+  // model); a rank holds its slices of the weights (model::plan_tensor_parallel)
+  // and of every KV block, and only rank 0 computes logits and samples.
   static Result<std::unique_ptr<CudaModelRunner>> create(model::ModelConfig config,
                                                          const model::ModelWeights* host_weights,
-                                                         CudaRunnerOptions options);
+                                                         CudaRunnerOptions options, CudaTpRank tp = {});
   ~CudaModelRunner() override;
 
   const KvCacheSpec& kv_cache_spec() const override { return spec_; }
@@ -94,7 +110,8 @@ class CudaModelRunner final : public ModelRunner {
 
   const model::ModelConfig& config() const { return config_; }
   size_t weight_bytes() const { return weight_bytes_; }
-  // Bytes of K and V one token occupies over all layers (FP8 KV: codes and scales).
+  const model::TpSplit& tp_split() const { return split_; }
+  // Bytes of K and V one token occupies over all layers (this rank's KV heads; FP8 KV: codes and scales).
   size_t kv_bytes_per_token() const;
   // Fills the whole KV pool with seeded random values (benchmarks read real data, not zeros).
   Status fill_kv_random(uint64_t seed);
@@ -118,6 +135,8 @@ class CudaModelRunner final : public ModelRunner {
   static int32_t decode_kv_stages_for(int32_t num_seqs, int32_t num_kv_heads);
 
  private:
+  friend class CudaTpRunner;  // builds its ranks in phases (create_unprepared, fit_kv_blocks, finish_init)
+
   struct LayerWeights {
     __nv_bfloat16* input_norm = nullptr;
     __nv_bfloat16* qkv = nullptr;       // [(Hq + 2 Hkv) D][H]: q, k, v rows stacked
@@ -148,10 +167,26 @@ class CudaModelRunner final : public ModelRunner {
   };
 
   CudaModelRunner() = default;
-  Status init(model::ModelConfig config, const model::ModelWeights* host_weights, CudaRunnerOptions options);
-  Status upload_weights(const model::ModelWeights* host_weights);
+  // Weights and buffers, no KV pool yet. A tensor-parallel group builds every rank this
+  // far, gives all of them the smallest rank's KV block count, then finishes them together
+  // (finish_init runs forward passes, whose collectives need every rank).
+  static Result<std::unique_ptr<CudaModelRunner>> create_unprepared(model::ModelConfig config,
+                                                                    const model::ModelWeights* host_weights,
+                                                                    CudaRunnerOptions options, CudaTpRank tp);
+  Status init(model::ModelConfig config, const model::ModelWeights* host_weights, CudaRunnerOptions options,
+              CudaTpRank tp);
+  // KV blocks that fit this rank's device (options.num_kv_blocks when set).
+  Result<int64_t> fit_kv_blocks();
+  // Allocates num_blocks KV blocks and prepares the decode buckets.
+  Status finish_init(int64_t num_blocks);
+  Status upload_weights(const model::ModelWeights* host_weights);  // cuda_weights.cc
   Status allocate_buffers();
-  Status allocate_kv_pool();
+  Status allocate_kv_pool(int64_t num_blocks);
+  // Waits for stream_: cudaStreamSynchronize on one GPU; with ranks, a poll that gives up
+  // when another rank failed (tp_.group_failed) or after tp_.wait_timeout_ms.
+  Status sync_stream(const char* what);
+  // With ranks: data[0, count) = the sum over the ranks (on stream_); nothing on one GPU.
+  Status all_reduce(__nv_bfloat16* data, int64_t count);
   // kv_fp8 (fp8_kv_runner.cc): the prefill staging area, and seeded random codes + scales.
   Status create_fp8_kv_prefill();
   Status fill_fp8_kv_random(uint64_t seed);
@@ -175,6 +210,10 @@ class CudaModelRunner final : public ModelRunner {
 
   model::ModelConfig config_;
   CudaRunnerOptions options_;
+  CudaTpRank tp_;
+  model::TpSplit split_;
+  // This rank's share of the model (the whole model's at tp_size 1).
+  int32_t heads_ = 0, kv_heads_ = 0, inter_ = 0, moe_inter_ = 0;
   KvCacheSpec spec_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<kernels::cuda::Gemm> gemm_;
@@ -199,6 +238,7 @@ class CudaModelRunner final : public ModelRunner {
   __nv_bfloat16* attn_buf_ = nullptr;
   __nv_bfloat16* gate_up_buf_ = nullptr;
   __nv_bfloat16* act_buf_ = nullptr;
+  __nv_bfloat16* tp_out_ = nullptr;  // tp_size > 1: [T][H] the rank's partial of o_proj / MLP / MoE, reduced in place
   __nv_bfloat16* sample_hidden_ = nullptr;  // [max_num_seqs][H]
   float* logits_ = nullptr;                 // [max_num_seqs][V]
   void* decode_ws_ = nullptr;

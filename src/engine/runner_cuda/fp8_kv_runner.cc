@@ -13,10 +13,9 @@ Status CudaModelRunner::create_fp8_kv_prefill() {
   // contexts need more runs its prefill attention in several groups (any one sequence fits).
   const int32_t pass_blocks =
       (options_.max_num_batched_tokens + options_.block_size - 1) / options_.block_size + options_.max_num_seqs;
-  PD_ASSIGN_OR_RETURN(
-      fp8_kv_prefill_,
-      Fp8KvPrefill::create(std::max(max_blocks_per_seq_, pass_blocks), options_.max_num_seqs, max_blocks_per_seq_,
-                           options_.block_size, config_.num_kv_heads, config_.head_dim));
+  PD_ASSIGN_OR_RETURN(fp8_kv_prefill_,
+                      Fp8KvPrefill::create(std::max(max_blocks_per_seq_, pass_blocks), options_.max_num_seqs,
+                                           max_blocks_per_seq_, options_.block_size, kv_heads_, config_.head_dim));
   return Status::Ok();
 }
 

@@ -4,6 +4,7 @@
 #include <string_view>
 
 #include "common/log.h"
+#include "engine/runner_cuda/cuda_tp_runner.h"
 #include "model/weights.h"
 
 namespace pd::engine {
@@ -24,7 +25,8 @@ Result<CudaRunnerOptions> with_attention_override(CudaRunnerOptions options) {
   return options;
 }
 
-void log_prepared(const CudaModelRunner& runner) {
+void log_prepared(CudaTpRunner& tp_runner) {
+  const CudaModelRunner& runner = tp_runner.rank(0);
   PD_LOG_INFO("cuda runner: {} decode buckets (up to {} seqs) tuned{} at load in {:.2f} s; GEMM tuning now off",
               runner.decode_buckets().size(), runner.decode_buckets().empty() ? 0 : runner.decode_buckets().back(),
               runner.num_graphs_captured() > 0 ? " and captured" : "", runner.bucket_preparation_seconds());
@@ -39,12 +41,14 @@ Result<std::unique_ptr<ModelRunner>> load_cuda_runner(const CudaLoadRequest& ori
     return invalid_argument("load_format must be auto, safetensors or dummy, got '{}'", request.load_format);
   }
   if (request.load_format == "dummy") {
-    PD_ASSIGN_OR_RETURN(auto runner, CudaModelRunner::create(request.config, nullptr, request.options));
+    PD_ASSIGN_OR_RETURN(auto runner,
+                        CudaTpRunner::create(request.config, nullptr, request.options, request.tensor_parallel_size));
     log_prepared(*runner);
     return std::unique_ptr<ModelRunner>(std::move(runner));
   }
   PD_ASSIGN_OR_RETURN(auto weights, model::load_safetensors_weights(request.config, request.model_dir));
-  PD_ASSIGN_OR_RETURN(auto runner, CudaModelRunner::create(request.config, &weights, request.options));
+  PD_ASSIGN_OR_RETURN(auto runner,
+                      CudaTpRunner::create(request.config, &weights, request.options, request.tensor_parallel_size));
   log_prepared(*runner);
   return std::unique_ptr<ModelRunner>(std::move(runner));
 }

@@ -60,16 +60,21 @@ TEST(ServerCli, UnknownFlagIsAnErrorAndHelpExitsZero) {
   EXPECT_NE(help.message.find("--max-model-len"), std::string::npos);
 }
 
-TEST(ServerConfigValidation, TensorParallelRunsOnCpuOnlyWithPdOnCpu) {
+TEST(ServerConfigValidation, TensorParallelRunsOnCpuAndCudaPdOnCpuOnly) {
   auto cpu = parse({"--tensor-parallel-size", "2"});
   ASSERT_TRUE(cpu.config);
   EXPECT_TRUE(validate_server_config(*cpu.config).ok());
 
   auto cuda = parse({"--tensor-parallel-size", "2", "--device", "cuda"});
   ASSERT_TRUE(cuda.config);
-  auto status = validate_server_config(*cuda.config);
+  EXPECT_TRUE(validate_server_config(*cuda.config).ok());
+
+  auto cuda_pd = parse({"--tensor-parallel-size", "2", "--device", "cuda", "--kv-role", "kv_consumer"});
+  ASSERT_TRUE(cuda_pd.config);
+  auto status = validate_server_config(*cuda_pd.config);
   EXPECT_EQ(status.code(), ErrorCode::kUnimplemented);
-  EXPECT_NE(status.message().find("--tensor-parallel-size 2 with --device cuda"), std::string::npos)
+  EXPECT_NE(status.message().find("--tensor-parallel-size 2 with --device cuda and --kv-transfer-config"),
+            std::string::npos)
       << status.to_string();
 
   // P/D moves every rank's KV shards on cpu.
