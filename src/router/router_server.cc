@@ -679,8 +679,8 @@ awaitable<void> RouterServer::Impl::producer_task(std::shared_ptr<Leg> producer,
   const bool cancelled_by_us = producer->cancelled();
   producer->release();
   state->done = true;
-  if (state->done_signal) state->done_signal->cancel();
   state->result = std::move(result);
+  if (state->done_signal) state->done_signal->cancel();
   if (state->release_when_done) {
     net::co_spawn(co_await net::this_coro::executor, release_transfer(state->release), net::detached);
   }
