@@ -553,6 +553,7 @@ class EngineImpl final : public Engine {
       status = internal_error("runner returned {} sampled tokens for {} sampling sequences", result->sampled.size(),
                               num_samples);
     }
+    if (status.ok()) status = check_prompt_logprobs(input, result->prompt_logprobs);
     if (connector_ != nullptr) connector_->after_step(plan, status);
     ++num_steps_;
     if (!status.ok()) {
@@ -568,6 +569,7 @@ class EngineImpl final : public Engine {
     poll_connector(&moved_back);
     scheduler_.complete_step(plan, moved_back);
 
+    store_prompt_logprobs(plan, moved_back, result->prompt_logprobs);
     const int64_t now = now_ns();
     size_t sample_index = 0;
     for (const ScheduledSeq& s : plan.seqs) {
@@ -576,6 +578,48 @@ class EngineImpl final : public Engine {
       Request& r = *s.request;
       if (moved_back.contains(r.request_id())) continue;  // sampled on KV that failed to load
       process_token(r, token, now);
+    }
+  }
+
+  // The runner returned exactly the prompt logprobs rows the step asked for.
+  static Status check_prompt_logprobs(const StepInput& input, const std::vector<PromptLogprobsChunk>& chunks) {
+    size_t next = 0;
+    for (size_t i = 0; i < input.seqs.size(); ++i) {
+      const int32_t wanted = num_prompt_logprob_rows(input.seqs[i]);
+      if (wanted == 0) continue;
+      if (next >= chunks.size() || chunks[next].seq_index != static_cast<int32_t>(i) ||
+          chunks[next].first_position != input.seqs[i].num_computed_tokens ||
+          static_cast<int32_t>(chunks[next].rows.size()) != wanted) {
+        return internal_error("runner did not return the {} prompt logprobs rows of step sequence {}", wanted, i);
+      }
+      ++next;
+    }
+    if (next != chunks.size())
+      return internal_error("runner returned {} unrequested prompt logprobs chunks", chunks.size() - next);
+    return Status::Ok();
+  }
+
+  // Keeps each request's prompt logprobs rows until its first token goes out.
+  static void store_prompt_logprobs(const StepPlan& plan, const std::unordered_set<std::string>& moved_back,
+                                    std::vector<PromptLogprobsChunk>& chunks) {
+    for (PromptLogprobsChunk& chunk : chunks) {
+      if (chunk.seq_index < 0 || static_cast<size_t>(chunk.seq_index) >= plan.seqs.size()) continue;
+      Request& r = *plan.seqs[static_cast<size_t>(chunk.seq_index)].request;
+      if (moved_back.contains(r.request_id()) || r.num_output_tokens() > 0) continue;
+      const auto num_entries = static_cast<size_t>(r.num_prompt_tokens() - 1);
+      r.prompt_logprobs.resize(num_entries);
+      for (size_t i = 0; i < chunk.rows.size(); ++i) {
+        const size_t position = static_cast<size_t>(chunk.first_position) + i;
+        if (position >= num_entries) break;
+        PromptPositionLogprobs& row = chunk.rows[i];
+        PromptTokenLogprob& entry = r.prompt_logprobs[position];
+        entry.token_id = row.token_id;
+        entry.logprob = row.logprob;
+        entry.rank = row.rank;
+        entry.top.clear();
+        entry.top.reserve(row.top_logprobs.size());
+        for (const auto& [id, value] : row.top_logprobs) entry.top.push_back(TopLogprob{id, value});
+      }
     }
   }
 
@@ -638,6 +682,8 @@ class EngineImpl final : public Engine {
       for (const auto& [id, value] : token.top_logprobs) lp.top.push_back(TopLogprob{id, value});
       out.logprobs.push_back(std::move(lp));
     }
+    if (r.num_output_tokens() == 1 && r.sampling().prompt_logprobs >= 0)
+      out.prompt_logprobs = std::move(r.prompt_logprobs);
     if (streamed) {
       // The client has this token and its text already.
       out.new_token_ids.clear();

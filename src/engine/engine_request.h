@@ -86,6 +86,9 @@ class Request {
   int64_t first_token_ns = 0;
   int64_t last_token_ns = 0;
   FinishReason finish_reason = FinishReason::kNone;
+  // Prompt logprobs computed so far, entry i for prompt token i + 1 (sized on the
+  // first chunk; a recompute after preemption overwrites); sent with the first token.
+  std::vector<PromptTokenLogprob> prompt_logprobs;
 
  private:
   std::string request_id_;

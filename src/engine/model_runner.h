@@ -68,6 +68,11 @@ struct SeqStep {
   // into the engine's request, valid during execute(); empty when unused.
   std::span<const int32_t> prompt_token_ids;
   std::span<const int32_t> output_token_ids;
+  // >= 0: the runner returns prompt logprobs (StepOutput::prompt_logprobs) for
+  // each new position p < prompt_token_ids.size() - 1: the log-softmax of p's
+  // raw logits at prompt_token_ids[p + 1], its rank and this many top entries.
+  // prompt_token_ids is set whenever this is.
+  int32_t prompt_logprobs = -1;
 };
 
 // Worker-side P/D connector hooks (DESIGN.md §3.3), called by a runner inside
@@ -94,9 +99,27 @@ struct SampledToken {
   std::vector<std::pair<int32_t, float>> top_logprobs;  // when sampling.logprobs > 0
 };
 
+// The distribution at one prompt position, seen from the prompt token that follows it.
+struct PromptPositionLogprobs {
+  int32_t token_id = -1;                                // the prompt token at position + 1
+  float logprob = 0.0f;                                 // its log-softmax over the raw logits
+  int32_t rank = 0;                                     // 1 + the number of ids with a strictly larger logit
+  std::vector<std::pair<int32_t, float>> top_logprobs;  // descending, ties by lower id
+};
+
+// Prompt logprobs of one SeqStep: rows[i] belongs to position first_position + i.
+struct PromptLogprobsChunk {
+  int32_t seq_index = 0;  // into StepInput::seqs
+  int32_t first_position = 0;
+  std::vector<PromptPositionLogprobs> rows;
+};
+
 struct StepOutput {
   // One entry per SeqStep with sample == true, in StepInput::seqs order.
   std::vector<SampledToken> sampled;
+  // One entry per SeqStep with prompt_logprobs >= 0 that computes a position
+  // before the last prompt token, in StepInput::seqs order.
+  std::vector<PromptLogprobsChunk> prompt_logprobs;
 };
 
 class ModelRunner {

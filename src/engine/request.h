@@ -51,6 +51,14 @@ struct TokenLogprob {
   std::vector<TopLogprob> top;  // descending by logprob, length = SamplingParams::logprobs
 };
 
+// One prompt token's logprob given the tokens before it (vLLM's prompt_logprobs entry).
+struct PromptTokenLogprob {
+  int32_t token_id = -1;
+  float logprob = 0.0f;
+  int32_t rank = 0;             // 1 + the ids the model found strictly more likely there
+  std::vector<TopLogprob> top;  // descending by logprob, length = SamplingParams::prompt_logprobs
+};
+
 // A delta for one request. Outputs for one request arrive in order; the last
 // has finished = true and nothing arrives after it.
 struct RequestOutput {
@@ -58,6 +66,9 @@ struct RequestOutput {
   std::vector<int32_t> new_token_ids;
   std::string text_delta;              // detokenized, never a broken UTF-8 sequence
   std::vector<TokenLogprob> logprobs;  // parallel to new_token_ids when requested
+  // With SamplingParams::prompt_logprobs >= 0, on the output that carries the first
+  // token: one entry per prompt token after the first (the first has no context).
+  std::vector<PromptTokenLogprob> prompt_logprobs;
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
   // The stop string or token id that ended the request, if any (OpenAI "stop_reason").

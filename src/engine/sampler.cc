@@ -27,20 +27,32 @@ bool ranks_before(const Candidate& a, const Candidate& b) {
   return a.id < b.id;
 }
 
-void fill_logprobs(std::span<const float> logits, int32_t num_top, int32_t sampled_id, SampledToken* out) {
+// log(sum(exp(logits))), shifted by the max so no term overflows.
+float log_normalizer(std::span<const float> logits) {
   float max_logit = kNegInf;
   for (float v : logits) max_logit = std::max(max_logit, v);
   double sum = 0.0;
   for (float v : logits) sum += std::exp(static_cast<double>(v) - max_logit);
-  const float log_norm = max_logit + static_cast<float>(std::log(sum));
-  out->logprob = logits[static_cast<size_t>(sampled_id)] - log_norm;
-  if (num_top <= 0) return;
+  return max_logit + static_cast<float>(std::log(sum));
+}
+
+// The num_top best ids of a row as (id, logit - log_norm), in rank order.
+std::vector<std::pair<int32_t, float>> top_entries(std::span<const float> logits, int32_t num_top, float log_norm) {
+  std::vector<std::pair<int32_t, float>> out;
+  if (num_top <= 0) return out;
   const size_t k = std::min(static_cast<size_t>(num_top), logits.size());
   std::vector<Candidate> all(logits.size());
   for (size_t i = 0; i < logits.size(); ++i) all[i] = {static_cast<int32_t>(i), logits[i]};
   std::partial_sort(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(k), all.end(), ranks_before);
-  out->top_logprobs.reserve(k);
-  for (size_t i = 0; i < k; ++i) out->top_logprobs.emplace_back(all[i].id, all[i].value - log_norm);
+  out.reserve(k);
+  for (size_t i = 0; i < k; ++i) out.emplace_back(all[i].id, all[i].value - log_norm);
+  return out;
+}
+
+void fill_logprobs(std::span<const float> logits, int32_t num_top, int32_t sampled_id, SampledToken* out) {
+  const float log_norm = log_normalizer(logits);
+  out->logprob = logits[static_cast<size_t>(sampled_id)] - log_norm;
+  out->top_logprobs = top_entries(logits, num_top, log_norm);
 }
 
 int32_t argmax(std::span<const float> logits) {
@@ -205,6 +217,26 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& params,
 
   if (params.logprobs >= 0) fill_logprobs(raw, params.logprobs, out.token_id, &out);
   return out;
+}
+
+PromptPositionLogprobs prompt_position_logprobs(std::span<const float> logits, int32_t next_token_id, int32_t num_top) {
+  PromptPositionLogprobs out;
+  out.token_id = next_token_id;
+  if (logits.empty() || next_token_id < 0 || static_cast<size_t>(next_token_id) >= logits.size()) return out;
+  const float log_norm = log_normalizer(logits);
+  const float value = logits[static_cast<size_t>(next_token_id)];
+  out.logprob = value - log_norm;
+  out.rank =
+      1 + static_cast<int32_t>(std::count_if(logits.begin(), logits.end(), [value](float v) { return v > value; }));
+  out.top_logprobs = top_entries(logits, num_top, log_norm);
+  return out;
+}
+
+int32_t num_prompt_logprob_rows(const SeqStep& step) {
+  if (step.prompt_logprobs < 0) return 0;
+  const auto last_predicting = static_cast<int32_t>(step.prompt_token_ids.size()) - 1;
+  const int32_t end = std::min(step.num_computed_tokens + step.num_new_tokens, last_predicting);
+  return std::max(0, end - step.num_computed_tokens);
 }
 
 SampledToken sample_step_token(std::span<float> logits, const SeqStep& step) {

@@ -49,6 +49,16 @@ void apply_logits_processing(std::span<float> logits, const SamplingParams& para
 SampledToken sample_token(std::span<float> logits, const SamplingParams& params, uint64_t rng_seed,
                           std::span<const int32_t> suppressed_token_ids, const SamplingHistory& history = {});
 
+// Prompt logprobs at one position from its raw logits row: the log-softmax at
+// next_token_id (the prompt token that follows), its rank (1 + the ids with a
+// strictly larger logit) and the top num_top entries (ranking as above).
+PromptPositionLogprobs prompt_position_logprobs(std::span<const float> logits, int32_t next_token_id, int32_t num_top);
+
+// How many of a step's new positions need prompt logprobs: those before the
+// last prompt token (its logits predict an output token, not a prompt token),
+// counted from the step's first new position. 0 when the step does not ask.
+int32_t num_prompt_logprob_rows(const SeqStep& step);
+
 // sample_token for one sequence of a step: its params, seed, suppressed ids
 // and token history. What every runner calls for a row it samples on the host.
 SampledToken sample_step_token(std::span<float> logits, const SeqStep& step);

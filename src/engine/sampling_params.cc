@@ -42,6 +42,9 @@ Status SamplingParams::validate(int32_t vocab_size) const {
   if (logprobs < -1 || logprobs > kMaxLogprobs) {
     return invalid_argument("logprobs must be in [0, {}], got {}", kMaxLogprobs, logprobs);
   }
+  if (prompt_logprobs < -1 || prompt_logprobs > kMaxLogprobs) {
+    return invalid_argument("prompt_logprobs must be in [0, {}], got {}", kMaxLogprobs, prompt_logprobs);
+  }
   if (stop.size() > kMaxStopStrings) {
     return invalid_argument("at most {} stop strings, got {}", kMaxStopStrings, stop.size());
   }

@@ -25,6 +25,10 @@ struct SamplingParams {
   std::vector<int32_t> stop_token_ids;  // extra stop ids besides EOS
   bool include_stop_str_in_output = false;
   int32_t logprobs = -1;  // -1 = none; n >= 0 = sampled token's logprob + top-n (n <= 20)
+  // -1 = none; n >= 0 = for every prompt token after the first, its logprob and
+  // rank given the tokens before it, plus the top-n there (n <= 20). Computed by
+  // the prefill: such a request never reads the prefix cache for its prompt.
+  int32_t prompt_logprobs = -1;
   bool skip_special_tokens = true;
 
   // Logits processing before temperature (vLLM's order, see sampler.h).

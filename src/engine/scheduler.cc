@@ -23,6 +23,12 @@ void check_pool(const Status& status, const char* what) {
     assert(false && "block pool invariant broken");
   }
 }
+
+// Prompt logprobs are still owed: asked for, and no output token emitted yet
+// (they go out with the first one).
+bool wants_prompt_logprobs(const Request& request) {
+  return request.sampling().prompt_logprobs >= 0 && request.num_output_tokens() == 0;
+}
 }  // namespace
 
 Scheduler::Scheduler(SchedulerConfig config, KvConnector* connector)
@@ -172,7 +178,8 @@ Scheduler::Admit Scheduler::try_admit(Request& request, int32_t* budget, StepPla
     const size_t max_hit_blocks = static_cast<size_t>((request.num_tokens() - 1) / bs);
     const std::span<const BlockHash> hashes(request.block_hashes.data(),
                                             std::min(max_hit_blocks, request.block_hashes.size()));
-    hit_blocks = pool_.find_cached_prefix(hashes);
+    // Prompt logprobs come from computing every prompt position: no prefix hits (vLLM v1 does the same).
+    if (!wants_prompt_logprobs(request)) hit_blocks = pool_.find_cached_prefix(hashes);
     const int32_t num_local = static_cast<int32_t>(hit_blocks.size()) * bs;
     if (connector_ != nullptr && request.external_kv_eligible) {
       // Asked on every admission attempt (the connector answers idempotently);
@@ -371,6 +378,10 @@ StepInput Scheduler::build_step_input(const StepPlan& plan) const {
     const size_t num_table_blocks = static_cast<size_t>(blocks_for_tokens(s.num_computed_tokens + s.num_new_tokens));
     step.block_table.assign(r.block_ids.begin(), r.block_ids.begin() + static_cast<std::ptrdiff_t>(num_table_blocks));
     step.sample = s.sample;
+    if (wants_prompt_logprobs(r) && s.num_computed_tokens < r.num_prompt_tokens() - 1) {
+      step.prompt_logprobs = r.sampling().prompt_logprobs;
+      step.prompt_token_ids = std::span<const int32_t>(r.token_ids()).first(static_cast<size_t>(r.num_prompt_tokens()));
+    }
     if (s.sample) {
       step.sampling = r.sampling();
       step.num_output_tokens = r.num_output_tokens();

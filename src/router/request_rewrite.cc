@@ -64,6 +64,7 @@ nlohmann::ordered_json make_producer_body(const nlohmann::ordered_json& body, st
 nlohmann::ordered_json make_write_consumer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
                                                 const InstanceInfo& producer) {
   nlohmann::ordered_json leg = body;
+  leg.erase("prompt_logprobs");
   leg["kv_transfer_params"] = contract::encode_write_consumer_leg(
       contract::WriteConsumerLeg{std::string(transfer_id), contract::producer_location(producer)});
   return leg;
@@ -83,8 +84,45 @@ Result<nlohmann::ordered_json> make_read_consumer_body(const nlohmann::ordered_j
   PD_ASSIGN_OR_RETURN(nlohmann::ordered_json consumer_params,
                       contract::make_read_consumer_params(*params_it, transfer_id, expected_producer_id));
   nlohmann::ordered_json leg = body;
+  leg.erase("prompt_logprobs");
   leg["kv_transfer_params"] = std::move(consumer_params);
   return leg;
+}
+
+bool wants_prompt_logprobs(const nlohmann::ordered_json& body) {
+  auto it = body.find("prompt_logprobs");
+  return it != body.end() && !it->is_null();
+}
+
+Result<std::string> add_producer_prompt_logprobs(std::string_view consumer_answer, std::string_view producer_answer,
+                                                 bool chat) {
+  Result<nlohmann::ordered_json> producer = parse_json_bounded(producer_answer);
+  if (!producer.ok()) return invalid_argument("producer answer: {}", producer.status().message());
+  const nlohmann::ordered_json* logprobs = nullptr;
+  if (producer->is_object() && chat) {
+    if (auto it = producer->find("prompt_logprobs"); it != producer->end()) logprobs = &*it;
+  } else if (producer->is_object()) {
+    auto choices = producer->find("choices");
+    if (choices != producer->end() && choices->is_array() && !choices->empty() && (*choices)[0].is_object()) {
+      if (auto it = (*choices)[0].find("prompt_logprobs"); it != (*choices)[0].end()) logprobs = &*it;
+    }
+  }
+  if (logprobs == nullptr || !logprobs->is_array())
+    return invalid_argument("producer answer has no prompt_logprobs list");
+  Result<nlohmann::ordered_json> consumer = parse_json_bounded(consumer_answer);
+  if (!consumer.ok()) return invalid_argument("consumer answer: {}", consumer.status().message());
+  if (!consumer->is_object()) return invalid_argument("consumer answer is not a JSON object");
+  if (chat) {
+    (*consumer)["prompt_logprobs"] = *logprobs;
+  } else {
+    auto choices = consumer->find("choices");
+    if (choices == consumer->end() || !choices->is_array()) return invalid_argument("consumer answer has no choices");
+    for (auto& choice : *choices) {
+      if (!choice.is_object()) return invalid_argument("consumer answer has a choice that is not an object");
+      choice["prompt_logprobs"] = *logprobs;
+    }
+  }
+  return consumer->dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 }  // namespace pd::router

@@ -62,7 +62,7 @@ inline bool is_transfer_id(std::string_view text) {
 nlohmann::ordered_json make_producer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
                                           TransferMode mode);
 
-// WRITE consumer leg: the body as the client sent it plus the producer's address.
+// WRITE consumer leg: the body as the client sent it (less prompt_logprobs, below) plus the producer's address.
 // Precondition: producer.control is set (a P/D producer always has one).
 nlohmann::ordered_json make_write_consumer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
                                                 const InstanceInfo& producer);
@@ -77,5 +77,16 @@ nlohmann::ordered_json make_write_consumer_body(const nlohmann::ordered_json& bo
 Result<nlohmann::ordered_json> make_read_consumer_body(const nlohmann::ordered_json& body, std::string_view transfer_id,
                                                        std::string_view producer_response,
                                                        std::string_view expected_producer_id);
+
+// prompt_logprobs through P/D (docs/pd_contract.md): the producer leg keeps the
+// client's field and computes them during its prefill; both consumer legs above
+// drop it (the consumer receives the prompt's KV and computes none of it). The
+// request is not streamed (the engine's validation refuses prompt_logprobs with
+// stream), so the consumer's answer is one JSON object: its prompt_logprobs
+// (null) are replaced with the producer's, in every choice for completions, at
+// the top for chat. The result keeps the consumer's key order.
+bool wants_prompt_logprobs(const nlohmann::ordered_json& body);
+Result<std::string> add_producer_prompt_logprobs(std::string_view consumer_answer, std::string_view producer_answer,
+                                                 bool chat);
 
 }  // namespace pd::router

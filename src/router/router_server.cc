@@ -67,10 +67,24 @@ void count_decision(const char* flow, DecisionReason reason) {
       .inc();
 }
 
-void count_leg_failure(const char* leg, const char* reason) {
+// A failed leg: in the per-leg total and in the failing instance's own count.
+void count_leg_failure(const std::string& instance, const char* leg, const char* reason) {
   cached_counter("pd_router_leg_failures_total", "Backend legs that failed, by leg and reason",
                  {{"leg", leg}, {"reason", reason}})
       .inc();
+  cached_counter("pd_router_instance_leg_failures_total", "Backend legs that failed, by instance, leg and reason",
+                 {{"instance", instance}, {"leg", leg}, {"reason", reason}})
+      .inc();
+}
+
+// A leg that got its whole answer: from its request's first byte to its answer's last
+// (for a relayed stream, the last event), per instance and leg (prefill, decode, collocated).
+void observe_leg_latency(const std::string& instance, const char* leg, int64_t started_ns) {
+  static const std::vector<double> buckets = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25,  0.5,  1.0,
+                                              2.5,   5.0,  10.0,  30.0, 60.0, 120.0, 300.0};
+  cached_histogram("pd_router_leg_latency_seconds", "Backend legs that were answered: time to their answer's end",
+                   {{"instance", instance}, {"leg", leg}}, buckets)
+      .observe(static_cast<double>(now_ns() - started_ns) * 1e-9);
 }
 
 const char* failure_reason(const LegResult& result) {
@@ -156,6 +170,9 @@ struct Exchange {
   int64_t received_ns = 0;
   int64_t response_start_ns = 0;
   int64_t backend_wait_ns = 0;
+  // The leg that answers the client: "decode" in P/D, "collocated" for a single-leg generation.
+  const char* answering_leg = "decode";
+  int64_t answering_leg_started_ns = 0;
   std::vector<std::shared_ptr<Leg>> legs;
 
   std::shared_ptr<Leg> new_leg(const std::shared_ptr<Backend>& backend) {
@@ -247,6 +264,9 @@ struct ProducerState {
   bool release_when_done = false;   // the attempt ended without the consumer taking the KV
   ReleaseTarget release;
   LegResult result;
+  // Cancelled when the producer leg ends: a WRITE request that needs the producer's answer
+  // (prompt_logprobs) waits on it after the consumer answered.
+  std::optional<net::steady_timer> done_signal;
 };
 
 // Releases the attempt's transfer once the producer leg has ended (so the release follows whatever the
@@ -258,6 +278,24 @@ void release_after_producer(ProducerState& state, const net::any_io_executor& ex
 }
 
 enum class FlowOutcome { kAnswered, kConnectFailed };
+
+// prompt_logprobs in P/D: the consumer's complete answer gets the producer's (request_rewrite.h).
+// False (counted against the producer) when the producer's answer has none to give.
+bool add_prompt_logprobs(LegResult& consumer_answer, const std::string& producer_answer, bool chat,
+                         const std::string& producer_id) {
+  Result<std::string> merged = add_producer_prompt_logprobs(consumer_answer.body, producer_answer, chat);
+  if (!merged.ok()) {
+    PD_LOG_WARN("pdrouter: prompt_logprobs from producer {}: {}", producer_id, merged.status().message());
+    count_leg_failure(producer_id, "prefill", "bad_prompt_logprobs");
+    return false;
+  }
+  consumer_answer.body = std::move(merged).value();
+  return true;
+}
+
+server::ApiError bad_prompt_logprobs_error(const std::string& producer_id) {
+  return upstream_error(fmt::format("producer {} did not answer with the prompt's logprobs", producer_id), false);
+}
 
 }  // namespace
 
@@ -530,7 +568,8 @@ awaitable<void> RouterServer::Impl::relay_stream(Exchange& ex, Leg& leg, LegResu
     if (!read.ok()) {
       if (!ex.client_gone) {
         PD_LOG_WARN("pdrouter: stream from {} broke: {}", leg.backend().info().instance_id, read.message());
-        count_leg_failure("decode", read.code() == ErrorCode::kDeadlineExceeded ? "deadline" : "transport");
+        count_leg_failure(leg.backend().info().instance_id, ex.answering_leg,
+                          read.code() == ErrorCode::kDeadlineExceeded ? "deadline" : "transport");
       }
       backend_failed = true;
       break;
@@ -550,6 +589,7 @@ awaitable<void> RouterServer::Impl::relay_stream(Exchange& ex, Leg& leg, LegResu
     leg.cancel();
     co_return;
   }
+  observe_leg_latency(leg.backend().info().instance_id, ex.answering_leg, ex.answering_leg_started_ns);
   leg.release();
 }
 
@@ -557,6 +597,7 @@ awaitable<LegResult> RouterServer::Impl::start_consumer(Exchange& ex, Leg& leg, 
                                                         const std::string& body, bool stream, TimePoint deadline,
                                                         std::string& head_bytes) {
   const int64_t started_ns = now_ns();
+  ex.answering_leg_started_ns = started_ns;
   LegResult result = co_await leg.start(target, body, config_.connect_timeout_ms, deadline);
   const bool is_event_stream = result.content_type.find("text/event-stream") != std::string::npos;
   if (result.transport.ok() && (!stream || result.http_status != 200 || !is_event_stream)) {
@@ -596,7 +637,7 @@ awaitable<void> RouterServer::Impl::answer_from_consumer(Exchange& ex, Leg& leg,
     co_return;
   }
   if (!result.transport.ok()) {
-    count_leg_failure("decode", failure_reason(result));
+    count_leg_failure(leg.backend().info().instance_id, ex.answering_leg, failure_reason(result));
     leg.cancel();
     const server::ApiError error = transport_error(
         result.transport,
@@ -608,7 +649,10 @@ awaitable<void> RouterServer::Impl::answer_from_consumer(Exchange& ex, Leg& leg,
     co_await relay_stream(ex, leg, result, std::move(head_bytes), deadline);
     co_return;
   }
-  if (result.http_status != 200) count_leg_failure("decode", "http_status");
+  if (result.http_status != 200) count_leg_failure(leg.backend().info().instance_id, ex.answering_leg, "http_status");
+  if (result.http_status == 200 && result.complete) {
+    observe_leg_latency(leg.backend().info().instance_id, ex.answering_leg, ex.answering_leg_started_ns);
+  }
   if (result.complete) {
     leg.release();
   } else {
@@ -634,15 +678,18 @@ awaitable<LegResult> RouterServer::Impl::run_full_leg(Exchange* ex, Leg& leg, co
 awaitable<void> RouterServer::Impl::producer_task(std::shared_ptr<Leg> producer, std::shared_ptr<Leg> consumer,
                                                   std::shared_ptr<ProducerState> state, std::string target,
                                                   std::string body, int64_t connect_timeout_ms, TimePoint deadline) {
+  const int64_t started_ns = now_ns();
   LegResult result = co_await producer->start(target, body, connect_timeout_ms, deadline);
   if (result.transport.ok()) {
     Status read = co_await producer->read_rest(result, deadline);
     if (!read.ok()) result.transport = read;
   }
+  if (result.ok()) observe_leg_latency(producer->backend().info().instance_id, "prefill", started_ns);
   const bool cancelled_by_us = producer->cancelled();
   producer->release();
   state->done = true;
   state->result = std::move(result);
+  if (state->done_signal) state->done_signal->cancel();
   if (state->release_when_done) {
     net::co_spawn(co_await net::this_coro::executor, release_transfer(state->release), net::detached);
   }
@@ -658,7 +705,7 @@ awaitable<FlowOutcome> RouterServer::Impl::run_single(std::shared_ptr<Exchange> 
   if (Status connected = co_await leg->connect(config_.connect_timeout_ms); !connected.ok()) {
     if (ex->client_gone) co_return FlowOutcome::kAnswered;
     PD_LOG_WARN("pdrouter: {}", connected.message());
-    count_leg_failure("decode", "connect");
+    count_leg_failure(leg->backend().info().instance_id, ex->answering_leg, "connect");
     co_return FlowOutcome::kConnectFailed;
   }
   const TimePoint deadline = SteadyClock::now() + std::chrono::milliseconds(config_.decode_timeout_ms);
@@ -678,7 +725,7 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
   if (Status connected = co_await consumer_leg->connect(config_.connect_timeout_ms); !connected.ok()) {
     if (ex->client_gone) co_return FlowOutcome::kAnswered;
     PD_LOG_WARN("pdrouter: {}", connected.message());
-    count_leg_failure("decode", "connect");
+    count_leg_failure(consumer->info().instance_id, "decode", "connect");
     co_return FlowOutcome::kConnectFailed;
   }
   auto next_producer = [&]() {
@@ -686,6 +733,8 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
                          thread_random());
   };
   std::optional<size_t> producer_index = plan.producer;
+  const bool prompt_logprobs = wants_prompt_logprobs(request.body) && !request.stream;
+  const bool chat = target == "/v1/chat/completions";
   const TimePoint decode_deadline = SteadyClock::now() + std::chrono::milliseconds(config_.decode_timeout_ms);
 
   for (int attempt = 0; producer_index; ++attempt) {
@@ -707,7 +756,9 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
       producer_result.transport = connected;
       producer_failed = true;
     } else if (mode == TransferMode::kRead) {
+      const int64_t prefill_started_ns = now_ns();
       producer_result = co_await run_full_leg(ex.get(), *producer_leg, target, producer_body, prefill_deadline);
+      if (producer_result.ok()) observe_leg_latency(producer->info().instance_id, "prefill", prefill_started_ns);
       // From here on every way out without a consumer that took the KV releases the transfer; a READ
       // producer would otherwise hold it until its transfer timeout.
       const net::any_io_executor executor = co_await net::this_coro::executor;
@@ -724,7 +775,7 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
             make_read_consumer_body(request.body, transfer_id, producer_result.body, producer->info().instance_id);
         if (!consumer_body.ok()) {
           // The contract: a producer answer that does not carry our transfer fails the request.
-          count_leg_failure("prefill", "bad_kv_transfer_params");
+          count_leg_failure(producer->info().instance_id, "prefill", "bad_kv_transfer_params");
           consumer_leg->cancel();
           release();
           const server::ApiError error =
@@ -740,6 +791,12 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
                                                    decode_deadline, head_bytes);
         const bool consumer_took_kv = !ex->client_gone && result.transport.ok() && result.http_status == 200;
         if (!consumer_took_kv) release();
+        if (consumer_took_kv && prompt_logprobs &&
+            !add_prompt_logprobs(result, producer_result.body, chat, producer->info().instance_id)) {
+          consumer_leg->cancel();
+          co_await respond_error(*ex, bad_prompt_logprobs_error(producer->info().instance_id));
+          co_return FlowOutcome::kAnswered;
+        }
         co_await answer_from_consumer(*ex, *consumer_leg, result, std::move(head_bytes), decode_deadline);
         co_return FlowOutcome::kAnswered;
       }
@@ -750,6 +807,7 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
       auto state = std::make_shared<ProducerState>();
       state->release = release_target(producer, *ex, transfer_id);
       const net::any_io_executor executor = co_await net::this_coro::executor;
+      state->done_signal.emplace(executor);
       const std::string consumer_body = make_write_consumer_body(request.body, transfer_id, producer->info()).dump();
       net::co_spawn(co_await net::this_coro::executor,
                     producer_task(producer_leg, consumer_leg, state, target, producer_body, config_.connect_timeout_ms,
@@ -772,6 +830,32 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
           if (!state->done) producer_leg->cancel();
           release_after_producer(*state, executor);
         }
+        if (consumer_ok && prompt_logprobs) {
+          // The answer needs the producer's: wait for its leg (bounded by its deadline; a client that
+          // leaves cancels it), then take its prompt logprobs.
+          while (!state->done) {
+            state->done_signal->expires_at(prefill_deadline);
+            beast::error_code ec;
+            co_await state->done_signal->async_wait(with_ec(ec));
+            if (!ec) break;
+          }
+          if (ex->client_gone) {
+            ex->cancel_legs();
+            co_return FlowOutcome::kAnswered;
+          }
+          if (!state->done) {
+            producer_leg->cancel();
+            count_leg_failure(producer->info().instance_id, "prefill", "deadline");
+          } else if (!state->result.ok()) {
+            count_leg_failure(producer->info().instance_id, "prefill", failure_reason(state->result));
+          }
+          if (!state->done || !state->result.ok() ||
+              !add_prompt_logprobs(result, state->result.body, chat, producer->info().instance_id)) {
+            consumer_leg->cancel();
+            co_await respond_error(*ex, bad_prompt_logprobs_error(producer->info().instance_id));
+            co_return FlowOutcome::kAnswered;
+          }
+        }
         // A producer still answering finishes on its own (bounded by its deadline) so its
         // keep-alive connection goes back to the pool; a client disconnect still cancels it.
         co_await answer_from_consumer(*ex, *consumer_leg, result, std::move(head_bytes), decode_deadline);
@@ -790,7 +874,7 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
       co_return FlowOutcome::kAnswered;
     }
     if (producer_failed) {
-      count_leg_failure("prefill", failure_reason(producer_result));
+      count_leg_failure(producer->info().instance_id, "prefill", failure_reason(producer_result));
       PD_LOG_WARN("pdrouter: prefill on {} failed (transfer {}): {}", producer->info().instance_id, transfer_id,
                   producer_result.transport.ok() ? fmt::format("HTTP {}", producer_result.http_status)
                                                  : producer_result.transport.message());
@@ -803,7 +887,7 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
     if (consumer_leg->cancelled() || consumer_leg->released()) {
       consumer_leg = ex->new_leg(consumer);
       if (Status connected = co_await consumer_leg->connect(config_.connect_timeout_ms); !connected.ok()) {
-        count_leg_failure("decode", "connect");
+        count_leg_failure(consumer->info().instance_id, "decode", "connect");
         const server::ApiError error =
             transport_error(connected, fmt::format("decode instance unreachable: {}", connected.message()));
         co_await respond_error(*ex, error);
@@ -964,6 +1048,8 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
       if (plan.kind != FlowKind::kCollocated && batched) flow = "batched_prompts";
       count_decision(flow, plan.reason);
     }
+    ex->answering_leg =
+        plan.kind == FlowKind::kCollocated || batched || several_choices || !generation ? "collocated" : "decode";
     if (!generation) {
       std::shared_ptr<Leg> leg = ex->new_leg(snapshot->backends[*plan.consumer]);
       outcome = co_await run_single(ex, leg, target, request.body.dump(), false);

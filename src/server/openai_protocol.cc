@@ -252,9 +252,6 @@ struct UnsupportedField {
 constexpr UnsupportedField kUnsupportedFields[] = {
     {"use_beam_search", "false", "beam search is not supported by this server"},
     {"length_penalty", "1.0", "'length_penalty' applies to beam search, which this server does not support"},
-    {"prompt_logprobs", nullptr,
-     "'prompt_logprobs' is not supported: the engine does not compute logprobs of prompt tokens (in P/D the "
-     "producer's prefill would have to supply them)"},
     {"guided_json", nullptr, "structured output (guided_json) is not supported by this server"},
     {"guided_regex", nullptr, "structured output (guided_regex) is not supported by this server"},
     {"guided_choice", nullptr, "structured output (guided_choice) is not supported by this server"},
@@ -409,6 +406,18 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
       reader.type_error("kv_transfer_params", "an object", *params);
     else
       fields.kv_transfer_params = *params;
+  }
+  if (auto k = reader.integer("prompt_logprobs", 0, limits.max_logprobs)) {
+    sampling.prompt_logprobs = static_cast<int32_t>(*k);
+    // As vLLM: a stream has no place for them (they would precede every token).
+    if (fields.stream)
+      reader.fail(bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs"));
+    const ojson* prefill = fields.kv_transfer_params ? &*fields.kv_transfer_params : nullptr;
+    if (prefill && prefill->contains("do_remote_prefill") && (*prefill)["do_remote_prefill"] == true)
+      reader.fail(
+          bad_request("'prompt_logprobs' cannot be computed by a P/D consumer: its prompt's KV comes from the "
+                      "producer, which computes them (the router sends them to the producer)",
+                      "prompt_logprobs"));
   }
   fields.return_tokens_as_token_ids = reader.boolean("return_tokens_as_token_ids").value_or(false);
   fields.return_token_ids = reader.boolean("return_token_ids").value_or(false);
@@ -849,6 +858,24 @@ ResponseJson chat_logprobs_json(const std::vector<engine::TokenLogprob>& logprob
   return {{"content", std::move(content)}};
 }
 
+ResponseJson prompt_logprobs_json(const std::vector<engine::PromptTokenLogprob>& logprobs,
+                                  const TokenTextFn& token_text) {
+  ResponseJson out = ResponseJson::array();
+  out.push_back(nullptr);
+  for (const auto& entry : logprobs) {
+    ResponseJson position = ResponseJson::object();
+    auto put = [&](int32_t id, float logprob, int32_t rank) {
+      position[std::to_string(id)] = {
+          {"logprob", json_logprob(logprob)}, {"rank", rank}, {"decoded_token", token_text(id)}};
+    };
+    put(entry.token_id, entry.logprob, entry.rank);
+    for (size_t i = 0; i < entry.top.size(); ++i)
+      put(entry.top[i].token_id, entry.top[i].logprob, static_cast<int32_t>(i + 1));
+    out.push_back(std::move(position));
+  }
+  return out;
+}
+
 ResponseJson finish_reason_json(engine::FinishReason reason) {
   switch (reason) {
     case engine::FinishReason::kNone:
@@ -886,7 +913,8 @@ ResponseJson completion_response(const ResponseHeader& header, const std::vector
                            {"text", c.text},
                            {"logprobs", c.logprobs},
                            {"finish_reason", finish_reason_json(c.finish_reason)},
-                           {"stop_reason", c.stop_reason}});
+                           {"stop_reason", c.stop_reason},
+                           {"prompt_logprobs", c.prompt_logprobs ? *c.prompt_logprobs : ResponseJson(nullptr)}});
     if (c.token_ids) out_choices.back()["token_ids"] = *c.token_ids;
   }
   return {{"id", header.id},
@@ -922,6 +950,8 @@ ResponseJson chat_response(const ResponseHeader& header, const std::vector<Choic
           {"model", header.model},
           {"choices", std::move(out_choices)},
           {"usage", usage_json(usage)},
+          {"prompt_logprobs",
+           choices.empty() || !choices[0].prompt_logprobs ? ResponseJson(nullptr) : *choices[0].prompt_logprobs},
           {"kv_transfer_params", kv_params_or_null(kv_transfer_params)}};
 }
 

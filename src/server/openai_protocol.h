@@ -154,6 +154,13 @@ ResponseJson completion_logprobs_json(const std::vector<engine::TokenLogprob>& l
 // Chat logprobs object {"content": [...]} for a run of tokens.
 ResponseJson chat_logprobs_json(const std::vector<engine::TokenLogprob>& logprobs, const TokenTextFn& token_text);
 
+// vLLM's prompt_logprobs list: null for the first prompt token (nothing
+// precedes it), then per prompt token an object keyed by token id (as a string)
+// holding {logprob, rank, decoded_token} for the prompt token itself (first, with
+// its vocabulary rank) and for the top-n there (ranks 1..n, in rank order).
+ResponseJson prompt_logprobs_json(const std::vector<engine::PromptTokenLogprob>& logprobs,
+                                  const TokenTextFn& token_text);
+
 // finish_reason / stop_reason as OpenAI and vLLM spell them.
 ResponseJson finish_reason_json(engine::FinishReason reason);
 ResponseJson stop_reason_json(const std::optional<std::string>& stop_string, const std::optional<int32_t>& stop_id);
@@ -181,6 +188,9 @@ struct ChoiceResult {
   std::optional<std::vector<int32_t>> token_ids;  // return_token_ids
   bool content_is_null = false;                   // chat: "content": null (a reply of tool calls only)
   std::vector<ToolCall> tool_calls{};             // chat: finish_reason becomes "tool_calls" when any
+  // prompt_logprobs_json of the choice's prompt when asked for: per choice in
+  // completions, once at the top of a chat response (from its first choice).
+  std::optional<ResponseJson> prompt_logprobs{};
 };
 
 ResponseJson completion_response(const ResponseHeader& header, const std::vector<ChoiceResult>& choices,

@@ -75,6 +75,8 @@ struct OpenAiService::Generation {
     bool sent_role = false;  // chat streams open each choice with the role
     std::string text;
     std::vector<engine::TokenLogprob> logprobs;
+    // Its prompt's logprobs (prompt_logprobs): computed by the prompt's first choice only.
+    std::vector<engine::PromptTokenLogprob> prompt_logprobs;
     std::vector<int32_t> token_ids;  // return_token_ids
     int64_t text_offset = 0;
     engine::FinishReason finish_reason = engine::FinishReason::kNone;
@@ -502,6 +504,8 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     request.sampling.max_tokens = choice.max_tokens;
     // vLLM's parallel sampling: choice j of a prompt draws from seed + j.
     if (request.sampling.seed) *request.sampling.seed += static_cast<uint64_t>(choice.sample_index);
+    // The siblings share the first choice's prompt logprobs (and so may read its prompt from the prefix cache).
+    if (choice.sample_index > 0) request.sampling.prompt_logprobs = -1;
     if (g.fields.kv_transfer_params) request.kv_transfer_params = kv_params_to_json(g.fields.kv_transfer_params);
     request.arrival_ns = now_ns();
     std::string id = request.request_id;
@@ -628,6 +632,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
       if (g.fields.return_token_ids)
         choice.token_ids.insert(choice.token_ids.end(), out.new_token_ids.begin(), out.new_token_ids.end());
       if (want_logprobs) choice.logprobs.insert(choice.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
+      if (!out.prompt_logprobs.empty()) choice.prompt_logprobs = std::move(out.prompt_logprobs);
       continue;
     }
     if (!choice.error.empty()) {
@@ -774,6 +779,11 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
   std::vector<ChoiceResult> results;
   for (auto& choice : g.choices) {
     ChoiceResult result;
+    if (g.fields.sampling.prompt_logprobs >= 0) {
+      // Choice j of a prompt follows its first choice (index - j), which computed them.
+      const size_t first = static_cast<size_t>(&choice - g.choices.data()) - static_cast<size_t>(choice.sample_index);
+      result.prompt_logprobs = prompt_logprobs_json(g.choices[first].prompt_logprobs, text_of);
+    }
     result.text = std::move(choice.text);
     if (want_logprobs) {
       int64_t offset = 0;

@@ -8,6 +8,9 @@
 // FP8 KV cache (--kv-cache-dtype fp8) against the CPU runner's FP8 KV, and the FP8-KV prefill
 // staging in groups against the bf16 prefill kernel on the host-dequantized cache;
 // --fp8-kv-only runs only those.
+// The sampler rows (penalties, logit_bias, allowed ids, bad words, min_tokens suppression, seeds)
+// against engine::sample_step_token and prompt logprobs against the CPU runner; --sampling-only
+// runs only those (tests/gpu/device_sampling_checks.sh).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -482,6 +485,182 @@ int check_logits_processing_rows() {
   return failures;
 }
 
+// min_tokens (EOS / stop ids suppressed: a short list in the GPU kernel, a list over
+// kernels::cuda::kMaxSuppressedPerRow on the host) and seeded temperature / min-p rows in
+// the GPU kernel: each must give engine::sample_step_token's token on the same logits.
+int check_suppression_and_seed_rows() {
+  const auto cfg = small_config(model::ModelFamily::kQwen3, 128);
+  auto weights = model::dummy_weights(cfg, 77, 0.05f);
+  engine::CudaRunnerOptions opt;
+  opt.max_model_len = 256;
+  opt.max_num_seqs = 8;
+  opt.max_num_batched_tokens = 256;
+  opt.num_kv_blocks = 64;
+  opt.enable_cuda_graphs = false;
+  auto gpu_r = engine::CudaModelRunner::create(cfg, &weights, opt);
+  PD_STATUS_CHECK(gpu_r.status());
+  const std::vector<int32_t> prompt = {31, 32, 33, 34, 35, 36};
+  // First the greedy picks without suppression, to suppress exactly those.
+  auto step_of = [&](const std::vector<engine::SamplingParams>& params,
+                     const std::vector<std::vector<int32_t>>& suppressed) {
+    engine::StepInput in;
+    for (size_t k = 0; k < params.size(); ++k) {
+      engine::SeqStep st;
+      st.token_offset = static_cast<int32_t>(in.token_ids.size());
+      st.num_new_tokens = static_cast<int32_t>(prompt.size());
+      st.block_table = {static_cast<int32_t>(k)};
+      st.sample = true;
+      st.sampling = params[k];
+      st.rng_seed = engine::derive_rng_seed(500 + k, 0);
+      st.suppressed_token_ids = suppressed[k];
+      in.token_ids.insert(in.token_ids.end(), prompt.begin(), prompt.end());
+      in.seqs.push_back(st);
+    }
+    return in;
+  };
+  engine::SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  auto first = (*gpu_r)->execute(step_of({greedy}, {{}}));
+  PD_STATUS_CHECK(first.status());
+  const int32_t favourite = first->sampled[0].token_id;
+  std::vector<int32_t> long_list;
+  for (int32_t id = 0; id < 80; ++id) long_list.push_back(id == 0 ? favourite : 1000 + id);
+  struct Case {
+    const char* name;
+    engine::SamplingParams sampling;
+    std::vector<int32_t> suppressed;
+    bool must_avoid_favourite;
+  };
+  std::vector<Case> cases(5);
+  cases[0] = {"min_tokens (kernel)", greedy, {favourite, 4095}, true};
+  cases[1] = {"min_tokens (host, 80 ids)", greedy, long_list, true};
+  cases[2].name = "seed 1 temperature 0.8";
+  cases[2].sampling.temperature = 0.8f;
+  cases[2].sampling.seed = 1;
+  cases[3].name = "seed 2 min_p 0.05";
+  cases[3].sampling.temperature = 1.0f;
+  cases[3].sampling.min_p = 0.05f;
+  cases[3].sampling.seed = 2;
+  cases[4] = {"seeded + min_tokens", cases[2].sampling, {favourite}, true};
+  std::vector<engine::SamplingParams> params;
+  std::vector<std::vector<int32_t>> suppressed;
+  for (const Case& c : cases) {
+    params.push_back(c.sampling);
+    suppressed.push_back(c.suppressed);
+  }
+  const engine::StepInput in = step_of(params, suppressed);
+  auto out = (*gpu_r)->execute(in);
+  PD_STATUS_CHECK(out.status());
+  // The rows the kernel sampled hold -inf at their suppressed ids now; the host rows are raw.
+  // Both give sample_step_token's pick (suppression applied to -inf twice is the same row).
+  auto gpu_logits = (*gpu_r)->last_logits(static_cast<int32_t>(cases.size()));
+  PD_STATUS_CHECK(gpu_logits.status());
+  int failures = 0;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    std::vector<float> row(gpu_logits->begin() + static_cast<std::ptrdiff_t>(k * cfg.vocab_size),
+                           gpu_logits->begin() + static_cast<std::ptrdiff_t>((k + 1) * cfg.vocab_size));
+    const int32_t want = engine::sample_step_token(row, in.seqs[k]).token_id;
+    const int32_t got = out->sampled[k].token_id;
+    const bool pass = got == want && (!cases[k].must_avoid_favourite || got != favourite);
+    if (!pass) ++failures;
+    std::printf("sampling %-28s token %6d cpu sampler %6d (unsuppressed greedy %d) %s\n", cases[k].name, got, want,
+                favourite, pass ? "PASS" : "FAIL");
+  }
+  return failures;
+}
+
+// Prompt logprobs (SeqStep::prompt_logprobs) from the CUDA runner against the fp32 CPU
+// runner on the same bf16-representable weights: one prompt in one step, one in chunks of
+// 40 + 30 beside a decode. Per position: the same next prompt token, its logprob within
+// bf16 noise, and the top-1 id equal unless the CPU's two best logits are within that noise.
+int check_prompt_logprobs() {
+  const auto cfg = small_config(model::ModelFamily::kQwen3, 128);
+  auto weights = model::dummy_weights(cfg, 4321, 0.05f);
+  for (const auto& spec : model::weight_specs(cfg)) {
+    const model::Tensor* t = weights.find(spec.name);
+    if (t == nullptr) continue;
+    model::Tensor rounded = *t;
+    for (float& v : rounded.data) v = bf16_round(v);
+    weights.put(spec.name, std::move(rounded));
+  }
+  auto cpu_r = engine::CpuModelRunner::create(cfg, weights, 16, 64, 256);
+  PD_STATUS_CHECK(cpu_r.status());
+  engine::CudaRunnerOptions opt;
+  opt.max_model_len = 256;
+  opt.max_num_seqs = 8;  // so a 40-row chunk goes through final_logits in 5 groups
+  opt.max_num_batched_tokens = 256;
+  opt.num_kv_blocks = 64;
+  opt.enable_cuda_graphs = false;
+  auto gpu_r = engine::CudaModelRunner::create(cfg, &weights, opt);
+  PD_STATUS_CHECK(gpu_r.status());
+  std::vector<int32_t> a(23), b(70);
+  uint32_t x = 99;
+  for (auto* p : {&a, &b})
+    for (int32_t& t : *p) t = static_cast<int32_t>((x = x * 1664525u + 1013904223u) % cfg.vocab_size);
+  auto seq = [](const std::vector<int32_t>& prompt, int32_t computed, int32_t n, int32_t first_block, bool sample) {
+    engine::SeqStep st;
+    st.num_computed_tokens = computed;
+    st.num_new_tokens = n;
+    for (int32_t blk = 0; blk < 8; ++blk) st.block_table.push_back(first_block + blk);
+    st.sample = sample;
+    st.sampling.temperature = 0.0f;
+    st.prompt_logprobs = 4;
+    st.prompt_token_ids = prompt;
+    return st;
+  };
+  std::vector<engine::StepInput> steps(2);
+  auto add = [](engine::StepInput& in, engine::SeqStep st, const std::vector<int32_t>& prompt) {
+    st.token_offset = static_cast<int32_t>(in.token_ids.size());
+    in.token_ids.insert(in.token_ids.end(), prompt.begin() + st.num_computed_tokens,
+                        prompt.begin() + st.num_computed_tokens + st.num_new_tokens);
+    in.seqs.push_back(st);
+  };
+  add(steps[0], seq(a, 0, 23, 0, true), a);
+  add(steps[0], seq(b, 0, 40, 8, false), b);
+  add(steps[1], seq(b, 40, 30, 8, true), b);
+  int failures = 0;
+  double max_diff = 0.0;
+  int num_rows = 0, top_agree = 0, near_ties = 0;
+  for (const engine::StepInput& in : steps) {
+    auto cpu = (*cpu_r)->execute(in);
+    PD_STATUS_CHECK(cpu.status());
+    auto gpu = (*gpu_r)->execute(in);
+    PD_STATUS_CHECK(gpu.status());
+    if (gpu->prompt_logprobs.size() != cpu->prompt_logprobs.size()) {
+      std::printf("prompt logprobs: %zu chunks on cuda, %zu on cpu FAIL\n", gpu->prompt_logprobs.size(),
+                  cpu->prompt_logprobs.size());
+      ++failures;
+      continue;
+    }
+    for (size_t c = 0; c < gpu->prompt_logprobs.size(); ++c) {
+      const auto& g = gpu->prompt_logprobs[c];
+      const auto& w = cpu->prompt_logprobs[c];
+      if (g.seq_index != w.seq_index || g.first_position != w.first_position || g.rows.size() != w.rows.size()) {
+        std::printf("prompt logprobs chunk %zu: seq %d/%d, position %d/%d, rows %zu/%zu FAIL\n", c, g.seq_index,
+                    w.seq_index, g.first_position, w.first_position, g.rows.size(), w.rows.size());
+        ++failures;
+        continue;
+      }
+      for (size_t r = 0; r < g.rows.size(); ++r) {
+        ++num_rows;
+        const auto& gr = g.rows[r];
+        const auto& wr = w.rows[r];
+        max_diff = std::max(max_diff, static_cast<double>(std::fabs(gr.logprob - wr.logprob)));
+        const bool same_token = gr.token_id == wr.token_id && gr.top_logprobs.size() == 4;
+        const bool top_same = same_token && gr.top_logprobs[0].first == wr.top_logprobs[0].first;
+        const bool near_tie = same_token && wr.top_logprobs[0].second - wr.top_logprobs[1].second < 5e-2f;
+        top_agree += top_same;
+        near_ties += !top_same && near_tie;
+        if (!same_token || std::fabs(gr.logprob - wr.logprob) > 5e-2f || (!top_same && !near_tie)) ++failures;
+      }
+    }
+  }
+  std::printf("prompt logprobs: %d rows, max |logprob diff| %.3e, top-1 equal %d, near-ties %d, %d failing %s\n",
+              num_rows, max_diff, top_agree, near_ties, failures,
+              failures == 0 && num_rows == 22 + 69 ? "PASS" : "FAIL");
+  return failures + (num_rows == 22 + 69 ? 0 : 1);
+}
+
 }  // namespace
 }  // namespace pd::gpu_test
 
@@ -489,6 +668,13 @@ int main(int argc, char** argv) {
   using pd::model::ModelFamily;
   PD_CUDA_CHECK(cudaSetDevice(0));
   int failures = 0;
+  if (argc > 1 && std::string(argv[1]) == "--sampling-only") {
+    failures += pd::gpu_test::check_logits_processing_rows();
+    failures += pd::gpu_test::check_suppression_and_seed_rows();
+    failures += pd::gpu_test::check_prompt_logprobs();
+    std::printf("sampling check: %d failing rows\n", failures);
+    return failures == 0 ? 0 : 1;
+  }
   auto moe_fp8 = [&] {
     failures += pd::gpu_test::run_check(ModelFamily::kQwen3Moe, 128, true);
     failures += pd::gpu_test::run_check(ModelFamily::kQwen3Moe, 128, false);
@@ -540,6 +726,8 @@ int main(int argc, char** argv) {
   failures += pd::gpu_test::run_check(ModelFamily::kQwen3, 128, true, {.skinny_gemms = true});
   failures += pd::gpu_test::run_check(ModelFamily::kQwen2, 128, false, {.skinny_gemms = true});
   failures += pd::gpu_test::check_logits_processing_rows();
+  failures += pd::gpu_test::check_suppression_and_seed_rows();
+  failures += pd::gpu_test::check_prompt_logprobs();
   // Qwen3-MoE (bf16 and block-FP8 experts; decode through the graphs' streaming experts,
   // prefill and mixed steps through one GEMM per expert), a dense block-FP8 Qwen3, FP8 KV.
   moe_fp8();

@@ -229,7 +229,7 @@ def test_text_offset_counts_characters(client):
 # ---- refused, never ignored ----
 
 REFUSED = [
-    ("use_beam_search", True), ("prompt_logprobs", 1), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+    ("use_beam_search", True), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
     ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"choice": ["a"]}),
     ("response_format", {"type": "json_object"}), ("length_penalty", 0.5), ("logits_processors", ["x"]),
     ("priority", 1), ("cache_salt", "s"), ("spaces_between_special_tokens", False),

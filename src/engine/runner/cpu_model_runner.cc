@@ -362,6 +362,15 @@ Status CpuModelRunner::validate(const StepInput& input) const {
 }
 
 Result<std::vector<float>> CpuModelRunner::forward(const StepInput& input, LogitsRows rows_kind) {
+  PD_ASSIGN_OR_RETURN(std::vector<float> hidden_rows, forward_hidden(input, rows_kind));
+  const int32_t hidden = config_.hidden_size;
+  const auto n_out = static_cast<int32_t>(hidden_rows.size() / static_cast<size_t>(hidden));
+  std::vector<float> logits(static_cast<size_t>(n_out) * config_.vocab_size);
+  kernels::cpu::matmul(hidden_rows.data(), lm_head_, nullptr, n_out, config_.vocab_size, hidden, logits.data());
+  return logits;
+}
+
+Result<std::vector<float>> CpuModelRunner::forward_hidden(const StepInput& input, LogitsRows rows_kind) {
   PD_RETURN_IF_ERROR(validate(input));
   const model::ModelConfig& c = config_;
   const int32_t hidden = c.hidden_size;
@@ -508,8 +517,12 @@ Result<std::vector<float>> CpuModelRunner::forward(const StepInput& input, Logit
   if (rows_kind == LogitsRows::kAll) {
     for (int32_t r = 0; r < t; ++r) out_rows.push_back(r);
   } else {
-    for (const SeqRows& sr : seq_rows)
+    for (const SeqRows& sr : seq_rows) {
+      if (rows_kind == LogitsRows::kSampledAndPrompt) {
+        for (int32_t r = 0; r < num_prompt_logprob_rows(*sr.seq); ++r) out_rows.push_back(sr.first_row + r);
+      }
       if (sr.seq->sample) out_rows.push_back(sr.first_row + sr.num_rows - 1);
+    }
   }
   const int32_t n_out = static_cast<int32_t>(out_rows.size());
   std::vector<float> picked(static_cast<size_t>(n_out) * hidden);
@@ -517,20 +530,49 @@ Result<std::vector<float>> CpuModelRunner::forward(const StepInput& input, Logit
     std::copy_n(residual.data() + static_cast<int64_t>(out_rows[static_cast<size_t>(i)]) * hidden, hidden,
                 picked.data() + static_cast<int64_t>(i) * hidden);
   cpu::rms_norm(picked.data(), final_norm_, n_out, hidden, c.rms_norm_eps, picked.data());
-  std::vector<float> logits(static_cast<size_t>(n_out) * c.vocab_size);
-  cpu::matmul(picked.data(), lm_head_, nullptr, n_out, c.vocab_size, hidden, logits.data());
-  return logits;
+  return picked;
 }
 
 Result<StepOutput> CpuModelRunner::execute(const StepInput& input) {
-  PD_ASSIGN_OR_RETURN(std::vector<float> logits, forward(input, LogitsRows::kSampled));
+  const bool any_prompt_logprobs =
+      std::any_of(input.seqs.begin(), input.seqs.end(), [](const SeqStep& s) { return s.prompt_logprobs >= 0; });
+  PD_ASSIGN_OR_RETURN(
+      std::vector<float> hidden_rows,
+      forward_hidden(input, any_prompt_logprobs ? LogitsRows::kSampledAndPrompt : LogitsRows::kSampled));
+  const int32_t hidden = config_.hidden_size;
+  const auto vocab = static_cast<size_t>(config_.vocab_size);
+  // The lm_head runs on at most kLogitsGroupRows rows at a time: a long prompt
+  // chunk with prompt logprobs never holds its whole [rows][vocab] logits.
+  constexpr int32_t kLogitsGroupRows = 32;
+  std::vector<float> logits;
+  auto logits_of = [&](int32_t first, int32_t count) {
+    logits.resize(static_cast<size_t>(count) * vocab);
+    kernels::cpu::matmul(hidden_rows.data() + static_cast<size_t>(first) * hidden, lm_head_, nullptr, count,
+                         config_.vocab_size, hidden, logits.data());
+  };
   StepOutput out;
-  size_t row = 0;
-  for (const SeqStep& seq : input.seqs) {
+  int32_t row = 0;
+  for (size_t s = 0; s < input.seqs.size(); ++s) {
+    const SeqStep& seq = input.seqs[s];
+    if (const int32_t num_prompt_rows = seq.num_new_tokens > 0 ? num_prompt_logprob_rows(seq) : 0;
+        num_prompt_rows > 0) {
+      PromptLogprobsChunk chunk{static_cast<int32_t>(s), seq.num_computed_tokens, {}};
+      chunk.rows.reserve(static_cast<size_t>(num_prompt_rows));
+      for (int32_t first = 0; first < num_prompt_rows; first += kLogitsGroupRows) {
+        const int32_t count = std::min(kLogitsGroupRows, num_prompt_rows - first);
+        logits_of(row + first, count);
+        for (int32_t i = 0; i < count; ++i) {
+          const size_t position = static_cast<size_t>(seq.num_computed_tokens + first + i);
+          chunk.rows.push_back(prompt_position_logprobs(std::span<const float>(logits.data() + i * vocab, vocab),
+                                                        seq.prompt_token_ids[position + 1], seq.prompt_logprobs));
+        }
+      }
+      row += num_prompt_rows;
+      out.prompt_logprobs.push_back(std::move(chunk));
+    }
     if (!seq.sample) continue;
-    std::span<float> row_logits(logits.data() + row * static_cast<size_t>(config_.vocab_size),
-                                static_cast<size_t>(config_.vocab_size));
-    out.sampled.push_back(sample_step_token(row_logits, seq));
+    logits_of(row, 1);
+    out.sampled.push_back(sample_step_token(std::span<float>(logits.data(), vocab), seq));
     ++row;
   }
   return out;

@@ -56,6 +56,9 @@ class CpuModelRunner final : public ModelRunner {
   enum class LogitsRows : uint8_t {
     kSampled,  // one row per SeqStep with sample == true (its last new token), in seqs order
     kAll,      // one row per new token, in StepInput::token_ids order
+    // per SeqStep in seqs order: its num_prompt_logprob_rows rows (from its first
+    // new token), then its sampled row when sample == true
+    kSampledAndPrompt,
   };
   // Runs the forward pass (writing KV for every new token) and returns the
   // requested rows of logits, row-major [rows][vocab_size].
@@ -101,6 +104,8 @@ class CpuModelRunner final : public ModelRunner {
   };
 
   CpuModelRunner() = default;
+  // forward() up to the final norm: the normed hidden rows [rows][hidden_size].
+  Result<std::vector<float>> forward_hidden(const StepInput& input, LogitsRows rows);
   Status validate(const StepInput& input) const;
   // out[m][out] = linear(x[m][in]); `scratch` holds the quantised input when needed.
   void run_linear(const Linear& l, const float* x, int32_t m, int32_t n, int32_t k, float* out,

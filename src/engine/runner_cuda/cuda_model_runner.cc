@@ -591,23 +591,65 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
   // Only rank 0 computes logits: every rank holds the same residual stream after the last
   // reduction, and the lm_head is replicated (README: why not vocabulary-parallel).
   if (shape.num_sample == 0 || tp_.rank != 0) return Status::Ok();
-  // Final (residual add and) norm only for the rows that are sampled.
+  return final_logits(shape.num_sample, t);
+}
+
+Status CudaModelRunner::final_logits(int32_t num_rows, int32_t num_tokens) {
+  const auto& c = config_;
+  const int32_t h = c.hidden_size;
+  const int32_t* rows = d_ints_ + off_sample_rows_;
+  const bool tp = tp_.tp_size > 1;
+  const bool fused = options_.fuse_norms_into_gemms && !tp;
+  const bf16* const block_out = tp ? tp_out_ : x_;  // unfused: the last block's output, added to residual_ by the norm
+  // Final (residual add and) norm only for the rows asked for.
   if (fused) {
+    PD_RETURN_IF_ERROR(kc::embedding_lookup(sample_hidden_, residual_, rows, num_rows, num_tokens, h, stream_));
     PD_RETURN_IF_ERROR(
-        kc::embedding_lookup(sample_hidden_, residual_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
-    PD_RETURN_IF_ERROR(kc::rmsnorm(sample_hidden_, sample_hidden_, nullptr, final_norm_, shape.num_sample, h,
-                                   c.rms_norm_eps, stream_));
+        kc::rmsnorm(sample_hidden_, sample_hidden_, nullptr, final_norm_, num_rows, h, c.rms_norm_eps, stream_));
   } else {
-    bf16* residual_rows = gate_up_buf_;  // scratch: [num_sample][H] fits in [T][2I]
+    bf16* residual_rows = gate_up_buf_;  // scratch: [num_rows][H] fits in [T][2I]
+    PD_RETURN_IF_ERROR(kc::embedding_lookup(sample_hidden_, block_out, rows, num_rows, num_tokens, h, stream_));
+    PD_RETURN_IF_ERROR(kc::embedding_lookup(residual_rows, residual_, rows, num_rows, num_tokens, h, stream_));
     PD_RETURN_IF_ERROR(
-        kc::embedding_lookup(sample_hidden_, block_out, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
-    PD_RETURN_IF_ERROR(
-        kc::embedding_lookup(residual_rows, residual_, ints + off_sample_rows_, shape.num_sample, t, h, stream_));
-    PD_RETURN_IF_ERROR(kc::rmsnorm(sample_hidden_, sample_hidden_, residual_rows, final_norm_, shape.num_sample, h,
-                                   c.rms_norm_eps, stream_));
+        kc::rmsnorm(sample_hidden_, sample_hidden_, residual_rows, final_norm_, num_rows, h, c.rms_norm_eps, stream_));
   }
-  return gemm_->run(logits_, kc::GemmOut::kFloat32, sample_hidden_, lm_head_, shape.num_sample, c.vocab_size, h,
-                    stream_);
+  return gemm_->run(logits_, kc::GemmOut::kFloat32, sample_hidden_, lm_head_, num_rows, c.vocab_size, h, stream_);
+}
+
+Status CudaModelRunner::collect_prompt_logprobs(const StepInput& input, const std::vector<int32_t>& last_token_of,
+                                                int32_t num_tokens, StepOutput* out) {
+  const auto vocab = static_cast<size_t>(config_.vocab_size);
+  std::vector<float> rows_logits;
+  for (size_t i = 0; i < input.seqs.size(); ++i) {
+    const SeqStep& s = input.seqs[i];
+    const int32_t num_rows = num_prompt_logprob_rows(s);
+    if (num_rows == 0) continue;
+    const int32_t first_row = last_token_of[i] - (s.num_new_tokens - 1);
+    PromptLogprobsChunk chunk{static_cast<int32_t>(i), s.num_computed_tokens, {}};
+    chunk.rows.reserve(static_cast<size_t>(num_rows));
+    // The pass's hidden rows are still in place: final norm and lm_head for max_num_seqs rows at a time
+    // (the sampled rows' buffers), then each row's logprobs on the host, as for top-n logprobs rows.
+    for (int32_t done = 0; done < num_rows; done += options_.max_num_seqs) {
+      const int32_t n = std::min(options_.max_num_seqs, num_rows - done);
+      for (int32_t r = 0; r < n; ++r) h_ints_[off_sample_rows_ + static_cast<size_t>(r)] = first_row + done + r;
+      PD_RETURN_IF_ERROR(copy_step_inputs(off_sample_rows_, static_cast<size_t>(n)));
+      PD_RETURN_IF_ERROR(final_logits(n, num_tokens));
+      rows_logits.resize(static_cast<size_t>(n) * vocab);
+      PD_RETURN_IF_ERROR(
+          kc::cuda_status(cudaMemcpyAsync(rows_logits.data(), logits_, rows_logits.size() * sizeof(float),
+                                          cudaMemcpyDeviceToHost, stream_),
+                          "prompt logits copy"));
+      PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamSynchronize(stream_), "prompt logits sync"));
+      for (int32_t r = 0; r < n; ++r) {
+        const auto position = static_cast<size_t>(s.num_computed_tokens + done + r);
+        chunk.rows.push_back(
+            prompt_position_logprobs(std::span<const float>(rows_logits.data() + static_cast<size_t>(r) * vocab, vocab),
+                                     s.prompt_token_ids[position + 1], s.prompt_logprobs));
+      }
+    }
+    out->prompt_logprobs.push_back(std::move(chunk));
+  }
+  return Status::Ok();
 }
 
 Status CudaModelRunner::run_decode_graph(int32_t bucket, const PassShape& shape) {
@@ -765,6 +807,7 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
   StepOutput out;
   if (num_sample == 0 || tp_.rank != 0) {  // ranks other than 0 compute no logits
     PD_RETURN_IF_ERROR(sync_stream("step sync"));
+    if (tp_.rank == 0) PD_RETURN_IF_ERROR(collect_prompt_logprobs(input, last_token_of, t, &out));
     return out;
   }
   // Raw logits of the rows the CPU sampler handles, before the GPU kernel edits rows.
@@ -796,6 +839,7 @@ Result<StepOutput> CudaModelRunner::execute(const StepInput& input) {
     const SeqStep& s = input.seqs[static_cast<size_t>(sampled_seq[static_cast<size_t>(r)])];
     out.sampled[static_cast<size_t>(r)] = sample_step_token(host_logits[k], s);
   }
+  PD_RETURN_IF_ERROR(collect_prompt_logprobs(input, last_token_of, t, &out));
   return out;
 }
 

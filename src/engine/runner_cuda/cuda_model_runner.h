@@ -116,7 +116,8 @@ class CudaModelRunner final : public ModelRunner {
   // Fills the whole KV pool with seeded random values (benchmarks read real data, not zeros).
   Status fill_kv_random(uint64_t seed);
   // The fp32 logits rows of the last execute() (one per sampled seq; rows with
-  // suppressed ids hold -inf there). For whole-model checks against the CPU runner.
+  // suppressed ids hold -inf there; a step with prompt logprobs leaves its last group of
+  // prompt rows there instead). For whole-model checks against the CPU runner.
   Result<std::vector<float>> last_logits(int32_t num_rows);
   int32_t num_graphs_captured() const { return static_cast<int32_t>(graphs_.size()); }
   // Decode batch sizes served by one graph (or, without graphs, tuned at load) each.
@@ -193,6 +194,13 @@ class CudaModelRunner final : public ModelRunner {
   Status validate(const StepInput& input) const;
   // Launches the forward pass (through the lm_head) on stream_ for the inputs already in device buffers.
   Status forward(const PassShape& shape, LayerKvHooks* hooks);
+  // Final norm and lm_head (fp32 logits_) for num_rows <= max_num_seqs rows of the last pass of
+  // num_tokens tokens, the rows named by the device ints at off_sample_rows_.
+  Status final_logits(int32_t num_rows, int32_t num_tokens);
+  // After the pass (stream idle): SeqStep::prompt_logprobs rows, max_num_seqs at a time
+  // through final_logits, their logprobs computed on the host (engine::prompt_position_logprobs).
+  Status collect_prompt_logprobs(const StepInput& input, const std::vector<int32_t>& last_token_of, int32_t num_tokens,
+                                 StepOutput* out);
   // Decode attention partition for a pass with num_decode decode rows (options, else the rule).
   int32_t decode_partition_tokens(int32_t num_decode) const;
   Status run_decode_graph(int32_t bucket, const PassShape& shape);

@@ -20,6 +20,7 @@ namespace {
 
 using testing::PagedKvTestRunner;
 using testing::reference_greedy;
+using testing::reference_logits;
 
 constexpr int32_t kVocab = 300;
 constexpr int64_t kWaitMs = 20'000;
@@ -374,6 +375,80 @@ TEST(Engine, LogprobsAccompanyEveryToken) {
       EXPECT_FLOAT_EQ(o.logprobs[i].top[0].logprob, o.logprobs[i].logprob);
     }
   }
+}
+
+// The engine's prompt logprobs for one prompt: entry i is the reference model's
+// distribution after prompt[0..i], taken at prompt[i + 1].
+std::vector<PromptPositionLogprobs> reference_prompt_logprobs(const std::vector<int32_t>& prompt, int32_t k) {
+  std::vector<PromptPositionLogprobs> out;
+  for (size_t i = 0; i + 1 < prompt.size(); ++i) {
+    const std::vector<int32_t> context(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+    out.push_back(prompt_position_logprobs(reference_logits(context, kVocab), prompt[i + 1], k));
+  }
+  return out;
+}
+
+void expect_prompt_logprobs(const RequestOutput& first, const std::vector<int32_t>& prompt, int32_t k) {
+  const auto want = reference_prompt_logprobs(prompt, k);
+  ASSERT_EQ(first.prompt_logprobs.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    const PromptTokenLogprob& got = first.prompt_logprobs[i];
+    EXPECT_EQ(got.token_id, want[i].token_id) << "position " << i;
+    EXPECT_FLOAT_EQ(got.logprob, want[i].logprob) << "position " << i;
+    EXPECT_EQ(got.rank, want[i].rank) << "position " << i;
+    ASSERT_EQ(got.top.size(), static_cast<size_t>(k));
+    for (size_t j = 0; j < got.top.size(); ++j) EXPECT_EQ(got.top[j].token_id, want[i].top_logprobs[j].first);
+  }
+}
+
+// A 150-token prompt in 64-token chunks, twice: the second request finds the
+// first one's blocks cached but reads none of them, and both get every position.
+TEST(EnginePromptLogprobs, ComeWithTheFirstTokenAcrossChunksAndIgnoreThePrefixCache) {
+  auto e = make_engine(small_engine_config(), 128);
+  Collector c;
+  const std::vector<int32_t> prompt = tokens_from(150, 3);
+  for (const char* id : {"p1", "p2"}) {
+    GenerateRequest r = make_request(id, prompt, 3);
+    r.sampling.prompt_logprobs = 2;
+    ASSERT_TRUE(e.engine->add_request(r, c.callback()).ok());
+    ASSERT_TRUE(c.wait_finished(id == std::string("p1") ? 1 : 2));
+    const std::vector<RequestOutput> stream = c.stream(id);
+    expect_prompt_logprobs(stream.front(), prompt, 2);
+    for (size_t i = 1; i < stream.size(); ++i) EXPECT_TRUE(stream[i].prompt_logprobs.empty()) << "sent once";
+    EXPECT_EQ(c.tokens(id), reference_greedy(prompt, 3, kVocab));
+    EXPECT_EQ(stream.back().num_cached_tokens, 0) << "no prefix hit";
+  }
+  e.engine->shutdown();
+  EXPECT_EQ(e.runner->num_kv_mismatches(), 0);
+  EXPECT_EQ(e.engine->stats().num_prefix_cache_hit_tokens, 0);
+}
+
+TEST(EnginePromptLogprobs, ARequestWithoutThemHasNoneAndHitsTheCache) {
+  auto e = make_engine(small_engine_config(), 128);
+  Collector c;
+  const std::vector<int32_t> prompt = tokens_from(40, 3);
+  ASSERT_TRUE(e.engine->add_request(make_request("a", prompt, 2), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(1));
+  ASSERT_TRUE(e.engine->add_request(make_request("b", prompt, 2), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(2));
+  for (const char* id : {"a", "b"})
+    for (const RequestOutput& o : c.stream(id)) EXPECT_TRUE(o.prompt_logprobs.empty());
+  EXPECT_GT(c.last("b").num_cached_tokens, 0);
+}
+
+TEST(EnginePromptLogprobs, ARunnerThatLeavesThemOutFailsTheStepsRequests) {
+  auto e = make_engine(small_engine_config(), 64);
+  Collector c;
+  e.runner->drop_prompt_logprobs();
+  GenerateRequest r = make_request("short", tokens_from(9, 1), 2);
+  r.sampling.prompt_logprobs = 0;
+  ASSERT_TRUE(e.engine->add_request(r, c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(1));
+  EXPECT_EQ(c.last("short").finish_reason, FinishReason::kError);
+  EXPECT_NE(c.last("short").error.find("prompt logprobs"), std::string::npos) << c.last("short").error;
+  ASSERT_TRUE(e.engine->add_request(make_request("plain", tokens_from(9, 1), 2), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(2));
+  EXPECT_EQ(c.tokens("plain"), reference_greedy(tokens_from(9, 1), 2, kVocab));
 }
 
 TEST(Engine, MetricsAreExported) {

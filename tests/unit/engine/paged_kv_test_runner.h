@@ -116,23 +116,29 @@ class PagedKvTestRunner : public ModelRunner {
       if (input.layer_hooks != nullptr) input.layer_hooks->save_layer(layer);
     }
     StepOutput out;
-    for (const SeqStep& seq : input.seqs) {
-      if (!seq.sample) continue;
-      const int32_t context_len = seq.num_computed_tokens + seq.num_new_tokens;
-      std::vector<int32_t> context;
-      context.reserve(static_cast<size_t>(context_len));
-      for (int32_t pos = 0; pos < context_len; ++pos) {
-        const float* k = kv_slot(spec_.num_layers - 1, seq.block_table, pos, false);
-        if (k == nullptr) return internal_error("position {} outside the block table", pos);
-        if (k[1] != static_cast<float>(pos)) ++num_kv_mismatches_;
-        context.push_back(static_cast<int32_t>(k[0]));
+    for (size_t s = 0; s < input.seqs.size(); ++s) {
+      const SeqStep& seq = input.seqs[s];
+      // Prompt logprobs: each asked-for position's logits from its context read back.
+      const int32_t num_prompt_rows = drop_prompt_logprobs_ ? 0 : num_prompt_logprob_rows(seq);
+      if (num_prompt_rows > 0) {
+        PromptLogprobsChunk chunk{static_cast<int32_t>(s), seq.num_computed_tokens, {}};
+        for (int32_t r = 0; r < num_prompt_rows; ++r) {
+          const int32_t pos = seq.num_computed_tokens + r;
+          PD_ASSIGN_OR_RETURN(std::vector<float> logits, logits_at(seq, pos + 1));
+          chunk.rows.push_back(prompt_position_logprobs(logits, seq.prompt_token_ids[static_cast<size_t>(pos) + 1],
+                                                        seq.prompt_logprobs));
+        }
+        out.prompt_logprobs.push_back(std::move(chunk));
       }
-      std::vector<float> logits =
-          logits_fn_ ? logits_fn_(context, vocab_size_) : reference_logits(context, vocab_size_);
+      if (!seq.sample) continue;
+      PD_ASSIGN_OR_RETURN(std::vector<float> logits, logits_at(seq, seq.num_computed_tokens + seq.num_new_tokens));
       out.sampled.push_back(sample_step_token(logits, seq));
     }
     return out;
   }
+
+  // The runner leaves out every prompt logprobs row (a runner bug the engine must catch).
+  void drop_prompt_logprobs() { drop_prompt_logprobs_ = true; }
 
  private:
   float* kv_slot(int32_t layer, const std::vector<int32_t>& block_table, int32_t pos, bool value) {
@@ -147,8 +153,22 @@ class PagedKvTestRunner : public ModelRunner {
     return kv_[static_cast<size_t>(layer)].data() + offset;
   }
 
+  // Logits after the first context_len positions of seq, their ids read back from the cache.
+  Result<std::vector<float>> logits_at(const SeqStep& seq, int32_t context_len) {
+    std::vector<int32_t> context;
+    context.reserve(static_cast<size_t>(context_len));
+    for (int32_t pos = 0; pos < context_len; ++pos) {
+      const float* k = kv_slot(spec_.num_layers - 1, seq.block_table, pos, false);
+      if (k == nullptr) return internal_error("position {} outside the block table", pos);
+      if (k[1] != static_cast<float>(pos)) ++num_kv_mismatches_;
+      context.push_back(static_cast<int32_t>(k[0]));
+    }
+    return logits_fn_ ? logits_fn_(context, vocab_size_) : reference_logits(context, vocab_size_);
+  }
+
   KvCacheSpec spec_;
   int32_t vocab_size_;
+  bool drop_prompt_logprobs_ = false;
   LogitsFn logits_fn_;
   std::vector<float> kv_[2];
   int64_t fail_step_ = -1;

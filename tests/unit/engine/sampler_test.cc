@@ -407,5 +407,63 @@ TEST(FirstTokenSamplingKey, EqualForLegsThatSampleAlikeAndDifferentOtherwise) {
   EXPECT_EQ(first_token_sampling_key(a), first_token_sampling_key(unsuppressed_ids));
 }
 
+// A prompt position's entry: the next prompt token's log-softmax over the raw
+// logits, its rank among all ids, and the top-n in rank order.
+TEST(PromptLogprobs, EntryHasTheNextTokensLogprobRankAndTheTopN) {
+  const std::vector<float> row = ramp_logits();  // ids by value: 5, 1, 3, 7, 0, 4, 2, 6
+  double sum = 0.0;
+  for (float v : row) sum += std::exp(static_cast<double>(v));
+  const double log_norm = std::log(sum);
+  const PromptPositionLogprobs entry = prompt_position_logprobs(row, /*next_token_id=*/7, /*num_top=*/3);
+  EXPECT_EQ(entry.token_id, 7);
+  EXPECT_NEAR(entry.logprob, 1.0 - log_norm, 1e-5);
+  EXPECT_EQ(entry.rank, 4);
+  ASSERT_EQ(entry.top_logprobs.size(), 3u);
+  EXPECT_EQ(entry.top_logprobs[0].first, 5);
+  EXPECT_EQ(entry.top_logprobs[1].first, 1);
+  EXPECT_EQ(entry.top_logprobs[2].first, 3);
+  EXPECT_NEAR(entry.top_logprobs[0].second, 3.0 - log_norm, 1e-5);
+  EXPECT_EQ(prompt_position_logprobs(row, 5, 0).rank, 1);
+  EXPECT_TRUE(prompt_position_logprobs(row, 5, 0).top_logprobs.empty());
+}
+
+TEST(PromptLogprobs, TiedLogitsShareTheBestRank) {
+  const std::vector<float> row = {1.0f, 2.0f, 2.0f, 0.0f};
+  EXPECT_EQ(prompt_position_logprobs(row, 2, 1).rank, 1);
+  EXPECT_EQ(prompt_position_logprobs(row, 1, 1).rank, 1);
+  EXPECT_EQ(prompt_position_logprobs(row, 0, 1).rank, 3);
+  EXPECT_EQ(prompt_position_logprobs(row, 2, 1).top_logprobs[0].first, 1) << "top entries break ties by lower id";
+}
+
+// Positions before the last prompt token predict prompt tokens; the last one
+// (and every decode position) predicts an output token.
+TEST(PromptLogprobs, RowsAreThePositionsBeforeTheLastPromptToken) {
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5};
+  SeqStep step;
+  step.prompt_token_ids = prompt;
+  step.num_computed_tokens = 0;
+  step.num_new_tokens = 5;
+  EXPECT_EQ(num_prompt_logprob_rows(step), 0) << "not asked for";
+  step.prompt_logprobs = 0;
+  EXPECT_EQ(num_prompt_logprob_rows(step), 4);
+  step.num_new_tokens = 2;
+  EXPECT_EQ(num_prompt_logprob_rows(step), 2);
+  step.num_computed_tokens = 3;
+  EXPECT_EQ(num_prompt_logprob_rows(step), 1);
+  step.num_computed_tokens = 4;
+  step.num_new_tokens = 1;
+  EXPECT_EQ(num_prompt_logprob_rows(step), 0);
+}
+
+TEST(PromptLogprobs, ValidationBoundsTheCount) {
+  SamplingParams p;
+  p.prompt_logprobs = 20;
+  EXPECT_TRUE(p.validate(100).ok());
+  p.prompt_logprobs = 21;
+  EXPECT_FALSE(p.validate(100).ok());
+  p.prompt_logprobs = -2;
+  EXPECT_FALSE(p.validate(100).ok());
+}
+
 }  // namespace
 }  // namespace pd::engine

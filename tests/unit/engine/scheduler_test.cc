@@ -1,5 +1,7 @@
 #include "engine/scheduler.h"
 
+#include "engine/sampler.h"
+
 #include <gtest/gtest.h>
 
 #include <random>
@@ -45,6 +47,40 @@ TEST(Scheduler, FullPromptPrefixHitStillComputesTheLastToken) {
   EXPECT_EQ(b->num_new_tokens, 1);
   EXPECT_TRUE(b->sample);
   EXPECT_EQ(h.outputs("b"), reference_outputs(iota_tokens(33), 1));
+}
+
+// vLLM v1's rule: prompt logprobs come from computing every prompt position,
+// so such a request reads nothing from the prefix cache; each prefill chunk
+// asks the runner for the rows of the positions before the last prompt token.
+TEST(Scheduler, PromptLogprobsRequestComputesItsWholePromptInChunksWithoutPrefixHits) {
+  SchedulerHarness h(small_config(64, 16));
+  h.add("a", iota_tokens(33), 1);
+  h.run_until_idle();
+  SamplingParams sampling;
+  sampling.temperature = 0.0f;
+  sampling.max_tokens = 2;
+  sampling.prompt_logprobs = 3;
+  ASSERT_TRUE(
+      h.scheduler.add_request(std::make_unique<Request>("b", 100, iota_tokens(33), sampling, std::nullopt, 0, 0, 2))
+          .ok());
+  std::vector<int32_t> chunk_starts, rows_per_chunk, asked;
+  for (int step = 0; step < 8 && h.scheduler.has_unfinished(); ++step) {
+    PlanView plan = h.step();
+    ASSERT_EQ(plan.seqs.size(), 1u);
+    const SeqStep& seq = h.last_input.seqs[0];
+    if (plan.seqs[0].num_computed_tokens >= 33) {
+      EXPECT_EQ(seq.prompt_logprobs, -1) << "a decode step asks for no prompt rows";
+      continue;
+    }
+    chunk_starts.push_back(plan.seqs[0].num_computed_tokens);
+    asked.push_back(seq.prompt_logprobs);
+    EXPECT_EQ(seq.prompt_token_ids.size(), seq.prompt_logprobs >= 0 ? 33u : 0u);
+    rows_per_chunk.push_back(num_prompt_logprob_rows(seq));
+  }
+  EXPECT_EQ(chunk_starts, (std::vector<int32_t>{0, 16, 32})) << "no prefix hit although 'a' cached the prompt";
+  EXPECT_EQ(rows_per_chunk, (std::vector<int32_t>{16, 16, 0})) << "positions 0..31 predict prompt tokens 1..32";
+  EXPECT_EQ(asked, (std::vector<int32_t>{3, 3, -1})) << "the last prompt token's logits predict an output token";
+  EXPECT_EQ(h.scheduler.counters().num_prefix_cache_hit_tokens, 0);
 }
 
 TEST(Scheduler, BlockAlignedFullPromptHitRecomputesItsLastBlock) {

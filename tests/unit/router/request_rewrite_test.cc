@@ -172,6 +172,55 @@ TEST(ReadConsumerBody, FailsOnAnotherTransferIdOrMissingFields) {
   EXPECT_FALSE(make_read_consumer_body({}, kTransferId, "[]", "").ok());
 }
 
+// prompt_logprobs in P/D: the producer leg keeps the field (its prefill computes
+// them), neither consumer leg has it (the consumer receives the prompt's KV).
+TEST(PromptLogprobsLegs, OnlyTheProducerLegAsksForThem) {
+  const nlohmann::ordered_json body = {{"prompt", "hi"}, {"prompt_logprobs", 2}, {"max_tokens", 4}};
+  EXPECT_TRUE(wants_prompt_logprobs(body));
+  EXPECT_FALSE(wants_prompt_logprobs({{"prompt", "hi"}, {"prompt_logprobs", nullptr}}));
+  EXPECT_EQ(make_producer_body(body, kTransferId, TransferMode::kWrite)["prompt_logprobs"], 2);
+  InstanceInfo producer;
+  producer.instance_id = "p0";
+  producer.control = HostPort{"127.0.0.1", 9100};
+  EXPECT_FALSE(make_write_consumer_body(body, kTransferId, producer).contains("prompt_logprobs"));
+  auto read_leg = make_read_consumer_body(body, kTransferId, producer_response(kTransferId).dump(), "p0");
+  ASSERT_TRUE(read_leg.ok()) << read_leg.status().to_string();
+  EXPECT_FALSE(read_leg->contains("prompt_logprobs"));
+  EXPECT_EQ((*read_leg)["max_tokens"], 4);
+}
+
+TEST(PromptLogprobsAnswer, TheConsumersAnswerGetsTheProducersInEveryCompletionChoiceOrAtTheTopForChat) {
+  const nlohmann::ordered_json list =
+      nlohmann::ordered_json::parse(R"([null, {"5": {"logprob": -1.5, "rank": 2, "decoded_token": "b"}}])");
+  nlohmann::ordered_json producer = {
+      {"id", "p"}, {"choices", {{{"index", 0}, {"text", "x"}, {"prompt_logprobs", list}}}}, {"prompt_logprobs", list}};
+  const std::string consumer = R"({"id":"c","choices":[{"index":0,"text":"xyz","prompt_logprobs":null},)"
+                               R"({"index":1,"text":"xzz","prompt_logprobs":null}],"usage":{"prompt_tokens":2}})";
+  auto merged = add_producer_prompt_logprobs(consumer, producer.dump(), /*chat=*/false);
+  ASSERT_TRUE(merged.ok()) << merged.status().to_string();
+  const auto answer = nlohmann::ordered_json::parse(*merged);
+  EXPECT_EQ(answer["id"], "c");
+  EXPECT_EQ(answer["choices"][0]["text"], "xyz");
+  EXPECT_EQ(answer["choices"][0]["prompt_logprobs"], list);
+  EXPECT_EQ(answer["choices"][1]["prompt_logprobs"], list);
+  EXPECT_EQ(answer.begin().key(), "id") << "the consumer's key order stays";
+
+  const std::string chat_consumer = R"({"id":"c","choices":[{"index":0}],"prompt_logprobs":null})";
+  auto chat = add_producer_prompt_logprobs(chat_consumer, producer.dump(), /*chat=*/true);
+  ASSERT_TRUE(chat.ok()) << chat.status().to_string();
+  EXPECT_EQ(nlohmann::ordered_json::parse(*chat)["prompt_logprobs"], list);
+}
+
+TEST(PromptLogprobsAnswer, AProducerAnswerWithoutThemOrUnreadableAnswersFail) {
+  const std::string consumer = R"({"choices":[{"index":0,"prompt_logprobs":null}],"prompt_logprobs":null})";
+  EXPECT_FALSE(add_producer_prompt_logprobs(consumer, R"({"choices":[{"index":0}]})", false).ok());
+  EXPECT_FALSE(add_producer_prompt_logprobs(consumer, R"({"prompt_logprobs":null})", true).ok());
+  EXPECT_FALSE(add_producer_prompt_logprobs(consumer, "not json", true).ok());
+  EXPECT_FALSE(add_producer_prompt_logprobs("[1]", R"({"prompt_logprobs":[null]})", true).ok());
+  EXPECT_FALSE(
+      add_producer_prompt_logprobs(R"({"choices":7})", R"({"choices":[{"prompt_logprobs":[null]}]})", false).ok());
+}
+
 TEST(ReadConsumerBody, RefusesAProducerAnswerNestedBeyondTheLimit) {
   // The producer's kv_transfer_params are copied into the consumer leg: 200,000 levels would overflow the stack.
   std::string response = producer_response(kTransferId).dump();

@@ -189,7 +189,6 @@ TEST(RequestParsing, UnimplementedVllmFieldsAreRefusedNamingTheField) {
   const std::vector<std::pair<const char*, const char*>> refused = {
       {"use_beam_search", "true"},
       {"length_penalty", "0.5"},
-      {"prompt_logprobs", "1"},
       {"guided_json", R"({"type": "object"})"},
       {"guided_json", "{}"},  // the empty schema still constrains the output to JSON
       {"structured_outputs", "{}"},
@@ -242,6 +241,67 @@ TEST(RequestParsing, OffValuesOfUnimplementedFieldsAreAccepted) {
     auto parsed = parse_completion_request(ojson::parse(body), limits());
     EXPECT_FALSE(failed(parsed)) << body << ": " << (failed(parsed) ? std::get<ApiError>(parsed).message : "");
   }
+}
+
+TEST(RequestParsing, PromptLogprobsAreParsedForBothEndpoints) {
+  for (bool chat : {false, true}) {
+    ojson body =
+        chat ? ojson::parse(R"({"messages": [{"role": "user", "content": "x"}]})") : ojson::parse(R"({"prompt": "a"})");
+    body["prompt_logprobs"] = 3;
+    const engine::SamplingParams sampling =
+        chat ? std::get<ChatRequest>(parse_chat_request(body, limits())).fields.sampling
+             : std::get<CompletionRequest>(parse_completion_request(body, limits())).fields.sampling;
+    EXPECT_EQ(sampling.prompt_logprobs, 3);
+    EXPECT_EQ(sampling.logprobs, -1) << "prompt logprobs do not turn on output logprobs";
+  }
+  auto absent = parse_completion_request(ojson::parse(R"({"prompt": "a"})"), limits());
+  EXPECT_EQ(std::get<CompletionRequest>(absent).fields.sampling.prompt_logprobs, -1);
+}
+
+TEST(RequestParsing, PromptLogprobsOutOfRangeWithAStreamOrOnAConsumerAreRefusedNamingTheField) {
+  for (const char* body :
+       {R"({"prompt": "a", "prompt_logprobs": 21})", R"({"prompt": "a", "prompt_logprobs": -1})",
+        R"({"prompt": "a", "prompt_logprobs": "2"})", R"({"prompt": "a", "prompt_logprobs": 0, "stream": true})",
+        R"({"prompt": "a", "prompt_logprobs": 1, "kv_transfer_params": {"do_remote_prefill": true}})"}) {
+    auto error = error_of(parse_completion_request(ojson::parse(body), limits()));
+    EXPECT_EQ(error.http_status, 400) << body;
+    EXPECT_EQ(error.param, "prompt_logprobs") << body;
+  }
+  auto producer = parse_completion_request(
+      ojson::parse(R"({"prompt": "a", "prompt_logprobs": 1, "kv_transfer_params": {"do_remote_decode": true}})"),
+      limits());
+  EXPECT_FALSE(failed(producer)) << "a P/D producer computes them";
+}
+
+// vLLM's shape: null for the first prompt token, then per token an object keyed
+// by token id: the prompt token itself first (its vocabulary rank), then the top-n
+// with ranks 1..n in rank order.
+TEST(ResponseShaping, PromptLogprobsListStartsWithNullAndKeysEntriesByTokenId) {
+  engine::PromptTokenLogprob a{7, -2.5f, 3, {{4, -0.5f}, {9, -1.0f}}};
+  engine::PromptTokenLogprob b{4, -0.25f, 1, {{4, -0.25f}, {1, -2.0f}}};
+  TokenTextFn text = [](int32_t id) { return "t" + std::to_string(id); };
+  ResponseJson list = prompt_logprobs_json({a, b}, text);
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_TRUE(list[0].is_null());
+  ASSERT_EQ(list[1].size(), 3u);
+  EXPECT_EQ(list[1].begin().key(), "7");
+  EXPECT_EQ(list[1]["7"], ResponseJson({{"logprob", -2.5}, {"rank", 3}, {"decoded_token", "t7"}}));
+  EXPECT_EQ(list[1]["4"]["rank"], 1);
+  EXPECT_EQ(list[1]["9"]["rank"], 2);
+  ASSERT_EQ(list[2].size(), 2u) << "the prompt token among the top-n appears once";
+  EXPECT_EQ(list[2]["4"]["rank"], 1);
+  EXPECT_TRUE(prompt_logprobs_json({}, text) == ResponseJson::array({nullptr})) << "a one-token prompt";
+
+  ChoiceResult choice{"x", nullptr, engine::FinishReason::kLength, nullptr, std::nullopt};
+  choice.prompt_logprobs = list;
+  ResponseHeader header{"id", 1, "m"};
+  EXPECT_EQ(completion_response(header, {choice}, Usage{}, std::nullopt)["choices"][0]["prompt_logprobs"], list);
+  ResponseJson chat = chat_response(header, {choice}, Usage{}, std::nullopt);
+  EXPECT_EQ(chat["prompt_logprobs"], list) << "chat carries them once, at the top";
+  EXPECT_FALSE(chat["choices"][0].contains("prompt_logprobs"));
+  ChoiceResult plain{"x", nullptr, engine::FinishReason::kLength, nullptr, std::nullopt};
+  EXPECT_TRUE(completion_response(header, {plain}, Usage{}, std::nullopt)["choices"][0]["prompt_logprobs"].is_null());
+  EXPECT_TRUE(chat_response(header, {plain}, Usage{}, std::nullopt)["prompt_logprobs"].is_null());
 }
 
 ojson chat_body_with_tools() {
