@@ -25,8 +25,16 @@
 namespace pd::gpu_test {
 namespace {
 
-constexpr double kLogitsTolerance = 2e-2;     // bf16 activations over 3 layers (runner_check)
-constexpr double kFp8LogitsTolerance = 1e-1;  // FP8 activation rounding (runner_check)
+// Bounds against the fp32 CPU runner, as runner_check sets them (its header and docs/perf/engine.md
+// give the measurements behind each):
+constexpr double kLogitsTolerance = 2e-2;  // bf16 activations over 3 layers
+// MoE with 8x routers: the router's large logits amplify the bf16 error of its input (every expert
+// routed with unscaled routers gives 0.9-1.1e-2; with 8x routers 1.3-3.9e-2 even when no expert flips).
+constexpr double kMoeLogitsTolerance = 5e-2;
+// FP8 weights: the two CPU references runner_check compares (dequantized weights without activation
+// quantization, and the checkpoint's own activation quantization) are 1.09e-1 apart on this shape;
+// runner_check's bound is that distance plus 2e-2.
+constexpr double kFp8LogitsTolerance = 1.3e-1;
 
 // ---- 1. collectives ----
 
@@ -150,7 +158,9 @@ model::ModelConfig small_config(const ModelCase& mc) {
   c.qkv_bias = mc.family == model::ModelFamily::kQwen2;
   if (mc.family == model::ModelFamily::kQwen3Moe) {
     c.moe.num_experts = 16;
-    c.moe.num_experts_per_tok = 4;
+    // FP8 experts: every expert routed (the output is continuous in the router logits), as
+    // runner_check runs them; FP8 activation rounding with top 4 of 16 is ill-conditioned.
+    c.moe.num_experts_per_tok = mc.fp8 ? 16 : 4;
     c.moe.moe_intermediate_size = 256;
     c.moe.norm_topk_prob = true;
     c.moe.decoder_sparse_step = 1;
@@ -166,12 +176,14 @@ model::ModelConfig small_config(const ModelCase& mc) {
 
 model::ModelWeights bf16_weights(const model::ModelConfig& cfg) {
   auto weights = model::dummy_weights(cfg, 1234, 0.05f);
+  // 8x routers (logits std ~1 otherwise) except with every expert routed (unscaled, as runner_check).
+  const float router_scale = cfg.moe.num_experts_per_tok == cfg.moe.num_experts ? 1.0f : 8.0f;
   for (const auto& spec : model::weight_specs(cfg)) {
     const model::Tensor* t = weights.find(spec.name);
     if (t == nullptr) continue;
     model::Tensor rounded = *t;
     const bool router = spec.name.size() > 16 && spec.name.compare(spec.name.size() - 16, 16, ".mlp.gate.weight") == 0;
-    for (float& v : rounded.data) v = bf16_round(router ? 8.0f * v : v);
+    for (float& v : rounded.data) v = bf16_round(router ? router_scale * v : v);
     weights.put(spec.name, std::move(rounded));
   }
   return weights;
@@ -265,7 +277,9 @@ bool pick_ok(const float* ref_row, int32_t vocab, int32_t picked, float max_abs)
 // CudaTpRunner at each TP size; returns the failing steps.
 int check_model(const ModelCase& mc, const std::vector<int32_t>& tp_sizes, bool graphs) {
   const model::ModelConfig cfg = small_config(mc);
-  const double tolerance = mc.fp8 ? kFp8LogitsTolerance : kLogitsTolerance;
+  const double tolerance = mc.fp8                                       ? kFp8LogitsTolerance
+                           : mc.family == model::ModelFamily::kQwen3Moe ? kMoeLogitsTolerance
+                                                                        : kLogitsTolerance;
   const model::ModelWeights weights = bf16_weights(cfg);
   auto cpu = engine::CpuModelRunner::create(cfg, weights, 16, 256, 1024);
   PD_STATUS_CHECK(cpu.status());
@@ -360,8 +374,11 @@ int check_generated_weights(const ModelCase& mc, bool kv_fp8 = false) {
                   out2->sampled[static_cast<size_t>(r)].token_id, static_cast<float>(e.max_abs)))
         ++ok;
     }
-    const bool pass =
-        e.num_nan == 0 && e.rel_l2 <= (mc.fp8 || kv_fp8 ? kFp8LogitsTolerance : kLogitsTolerance) && ok == rows;
+    const bool pass = e.num_nan == 0 &&
+                      e.rel_l2 <= (mc.fp8 || kv_fp8                             ? kFp8LogitsTolerance
+                                   : mc.family == model::ModelFamily::kQwen3Moe ? kMoeLogitsTolerance
+                                                                                : kLogitsTolerance) &&
+                      ok == rows;
     if (!pass) ++failures;
     std::printf("%-12s generated weights%s TP2 vs TP1 rel_l2 %.2e tokens %d/%d %s\n", mc.name,
                 kv_fp8 ? ", FP8 KV," : "", e.rel_l2, ok, rows, pass ? "PASS" : "FAIL");
