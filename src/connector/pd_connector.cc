@@ -294,15 +294,14 @@ nlohmann::json PdConnector::info_json() const {
   return record.ok() ? contract::registration_to_json(*record) : nlohmann::json::object();
 }
 
-Status PdConnector::validate_request(const engine::GenerateRequest& request) const {
-  if (!request.kv_transfer_params) return Status::Ok();
-  auto parsed = parse_transfer_params(*request.kv_transfer_params, config_,
-                                      static_cast<int32_t>(request.prompt_token_ids.size()), spec_.block_size);
-  if (!parsed.ok()) return parsed.status();
-  if (parsed->side == TransferSide::kProducer && request.prompt_token_ids.empty()) {
+Result<TransferParams> PdConnector::parse_request_params(const nlohmann::json& params,
+                                                         int32_t num_prompt_tokens) const {
+  PD_ASSIGN_OR_RETURN(TransferParams parsed,
+                      parse_transfer_params(params, config_, num_prompt_tokens, spec_.block_size));
+  if (parsed.side == TransferSide::kProducer && num_prompt_tokens == 0) {
     return invalid_argument("kv_transfer_params: empty prompt");
   }
-  return Status::Ok();
+  return parsed;
 }
 
 KvFingerprint PdConnector::fingerprint() const {
@@ -456,8 +455,7 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
                                                                       int32_t num_local_computed_tokens) {
   engine::ExternalMatch match;
   if (!request.kv_transfer_params()) return match;
-  PD_ASSIGN_OR_RETURN(TransferParams params, parse_transfer_params(*request.kv_transfer_params(), config_,
-                                                                   request.num_prompt_tokens(), spec_.block_size));
+  const TransferParams& params = *request.kv_transfer_params();
   const int64_t now = now_ms();
   if (params.side == TransferSide::kProducer) {
     PD_RETURN_IF_ERROR(
@@ -585,7 +583,7 @@ engine::FinishDecision PdConnector::request_finished(const engine::Request& requ
         const size_t n = static_cast<size_t>(blocks_for_tokens(request.num_prompt_tokens(), spec_.block_size));
         answer.block_ids = std::vector<int32_t>(blocks.begin(), blocks.begin() + std::min(n, blocks.size()));
       }
-      decision.kv_transfer_params = contract::encode_producer_answer(answer);
+      decision.kv_transfer_params = std::move(answer);
     }
     run_actions();
     return decision;

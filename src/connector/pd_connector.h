@@ -66,9 +66,11 @@ class PdConnector final : public engine::KvConnector {
   // ---- thread-safe, for the server -----------------------------------------
   // GET /pd/info: the registration record without "v"/"type".
   nlohmann::json info_json() const;
-  // Static validation of a request's kv_transfer_params (HTTP 400 on error);
-  // called by Engine::add_request on the HTTP thread: touches only config_/spec_.
-  Status validate_request(const engine::GenerateRequest& request) const override;
+  // A request's kv_transfer_params, parsed and validated against this instance once its
+  // prompt is known (HTTP 400 on error, naming the field): the server's edge calls it on an
+  // HTTP thread, so it touches only config_ and spec_. The engine and this connector then
+  // carry the typed params.
+  Result<TransferParams> parse_request_params(const nlohmann::json& params, int32_t num_prompt_tokens) const;
   // Starts the registration heartbeat (when proxy_ip/proxy_ping_port are set)
   // once the HTTP address is known (--port 0 picks it at listen time).
   Status start_registration(const std::string& http_address);

@@ -11,7 +11,8 @@
 //                                           do_remote_prefill: true, mode: "read"
 //
 // Engines validate what they receive with parse_transfer_params (every error is
-// kInvalidArgument naming the field: HTTP 400). The router relays the producer
+// kInvalidArgument naming the field: HTTP 400), once, at their HTTP edge; the
+// typed values (transfer_types.h, no JSON) travel on from there. The router relays the producer
 // answer after check_producer_answer; the consumer then checks every field.
 #pragma once
 
@@ -26,6 +27,7 @@
 
 #include "common/status.h"
 #include "contract/roles.h"
+#include "contract/transfer_types.h"
 
 namespace pd::contract {
 
@@ -45,19 +47,6 @@ inline constexpr size_t kMaxRemoteControlBytes = 64;  // remote_control ("host:p
 
 // ---- the shapes the router and the producer write -----------------------------
 
-// Which side of the transfer a request is on: do_remote_decode (producer: compute the
-// prompt, keep or push its KV) or do_remote_prefill (consumer: receive the prompt's KV).
-enum class TransferSide : uint8_t { kProducer, kConsumer };
-
-// The producer incarnation a consumer talks to: its registration's instance_id,
-// control address ("host:port" of its control ROUTER) and boot nonce.
-struct ProducerLocation {
-  std::string instance_id;
-  std::string control;
-  uint64_t boot_nonce = 0;
-  bool operator==(const ProducerLocation&) const = default;
-};
-
 struct ProducerLeg {
   std::string transfer_id;
   TransferMode mode = TransferMode::kWrite;
@@ -73,19 +62,6 @@ struct WriteConsumerLeg {
 //  "remote_control", "remote_boot_nonce"}, in that order.
 nlohmann::ordered_json encode_write_consumer_leg(const WriteConsumerLeg& leg);
 
-// What a producer returns in its response once the prompt's KV is complete.
-struct ProducerAnswer {
-  std::string transfer_id;
-  ProducerLocation producer;  // the producer itself
-  TransferMode mode = TransferMode::kWrite;
-  int32_t num_tokens = 0;  // the prompt's length
-  // The blocks holding the prompt (its first ceil(num_tokens / block_size) ids), present
-  // when the producer still holds them as its request finishes (the normal case); absent
-  // when the transfer already ended (failed, aborted, or a WRITE already done). A READ
-  // answer without them is not relayed: the READ consumer pulls exactly these blocks.
-  std::optional<std::vector<int32_t>> block_ids;
-  bool operator==(const ProducerAnswer&) const = default;
-};
 // {"block_ids"?, "mode", "num_tokens", "remote_boot_nonce", "remote_control",
 //  "remote_instance_id", "transfer_id"}: a nlohmann::json, whose keys serialise sorted.
 nlohmann::json encode_producer_answer(const ProducerAnswer& answer);
@@ -106,21 +82,6 @@ Result<nlohmann::ordered_json> make_read_consumer_params(const nlohmann::ordered
                                                          std::string_view expected_producer_id);
 
 // ---- what an engine accepts ---------------------------------------------------
-
-// kv_transfer_params of one request, validated against the instance receiving it.
-struct TransferParams {
-  TransferSide side = TransferSide::kProducer;
-  bool read_mode = false;  // "mode" when sent, else the instance's default
-  std::string transfer_id;
-  // Consumer only: where the producer is.
-  std::string remote_instance_id;
-  std::string remote_control;  // host:port, passed the peer policy
-  uint64_t remote_boot_nonce = 0;
-  // Consumer, READ only: the producer's blocks and how many tokens they hold.
-  std::vector<int32_t> remote_block_ids;
-  int32_t num_tokens = 0;
-  bool operator==(const TransferParams&) const = default;
-};
 
 // The receiving instance, as far as the params are checked against it.
 struct EngineContext {
@@ -143,10 +104,5 @@ struct EngineContext {
 //   of exactly ceil(num_tokens / block_size) ids, each in [0, INT32_MAX].
 // Keys not named here are ignored. Every error is kInvalidArgument naming the field.
 Result<TransferParams> parse_transfer_params(const nlohmann::json& params, const EngineContext& context);
-
-// Blocks covering `num_tokens` tokens.
-inline int32_t blocks_for_tokens(int32_t num_tokens, int32_t block_size) {
-  return (num_tokens + block_size - 1) / block_size;
-}
 
 }  // namespace pd::contract

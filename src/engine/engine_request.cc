@@ -5,8 +5,8 @@
 namespace pd::engine {
 
 Request::Request(std::string request_id, uint64_t arrival_seq, std::vector<int32_t> prompt_token_ids,
-                 SamplingParams sampling, std::optional<nlohmann::json> kv_transfer_params, int64_t arrival_ns,
-                 uint64_t rng_base_seed, int32_t max_output_tokens)
+                 SamplingParams sampling, std::optional<contract::TransferParams> kv_transfer_params,
+                 int64_t arrival_ns, uint64_t rng_base_seed, int32_t max_output_tokens)
     : request_id_(std::move(request_id)),
       arrival_seq_(arrival_seq),
       token_ids_(std::move(prompt_token_ids)),

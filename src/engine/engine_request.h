@@ -12,8 +12,6 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "common/status.h"
 #include "engine/request.h"
 #include "engine/sampling_params.h"
@@ -25,7 +23,7 @@ using BlockHash = uint64_t;
 class Request {
  public:
   Request(std::string request_id, uint64_t arrival_seq, std::vector<int32_t> prompt_token_ids, SamplingParams sampling,
-          std::optional<nlohmann::json> kv_transfer_params, int64_t arrival_ns, uint64_t rng_base_seed,
+          std::optional<contract::TransferParams> kv_transfer_params, int64_t arrival_ns, uint64_t rng_base_seed,
           int32_t max_output_tokens);
 
   const std::string& request_id() const { return request_id_; }
@@ -50,7 +48,7 @@ class Request {
   const SamplingParams& sampling() const { return sampling_; }
   // min(sampling.max_tokens, max_model_len - prompt length), fixed at arrival.
   int32_t max_output_tokens() const { return max_output_tokens_; }
-  const std::optional<nlohmann::json>& kv_transfer_params() const { return kv_transfer_params_; }
+  const std::optional<contract::TransferParams>& kv_transfer_params() const { return kv_transfer_params_; }
   int64_t arrival_ns() const { return arrival_ns_; }
   uint64_t rng_base_seed() const { return rng_base_seed_; }
 
@@ -97,7 +95,7 @@ class Request {
   std::vector<int32_t> token_ids_;
   int32_t num_prompt_tokens_;
   SamplingParams sampling_;
-  std::optional<nlohmann::json> kv_transfer_params_;
+  std::optional<contract::TransferParams> kv_transfer_params_;
   int64_t arrival_ns_;
   uint64_t rng_base_seed_;
   int32_t max_output_tokens_;

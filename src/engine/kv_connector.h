@@ -43,8 +43,6 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "common/status.h"
 #include "engine/block_pool.h"
 #include "engine/engine_request.h"
@@ -76,8 +74,8 @@ struct FinishDecision {
   // Keep the request's blocks referenced (a transfer may still read or write
   // them) until the id is reported in finished_sending / finished_recving.
   bool delay_free_blocks = false;
-  // Returned to the client in the final RequestOutput (vLLM's extension field).
-  std::optional<nlohmann::json> kv_transfer_params;
+  // Returned to the client in the final RequestOutput (vLLM's kv_transfer_params).
+  std::optional<contract::ProducerAnswer> kv_transfer_params;
 };
 
 struct LoadError {

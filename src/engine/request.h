@@ -1,14 +1,13 @@
 // What callers (server, connector) hand the engine and what it hands back.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "contract/transfer_types.h"
 #include "engine/sampling_params.h"
 
 namespace pd::engine {
@@ -36,8 +35,9 @@ struct GenerateRequest {
   std::string request_id;  // unique among live requests
   std::vector<int32_t> prompt_token_ids;
   SamplingParams sampling;
-  // vLLM's kv_transfer_params extension; validated by the connector.
-  std::optional<nlohmann::json> kv_transfer_params;
+  // vLLM's kv_transfer_params extension, parsed and validated against this instance
+  // at the HTTP edge (the connector's parser); the connector acts on it.
+  std::optional<contract::TransferParams> kv_transfer_params;
   int64_t arrival_ns = 0;  // 0 = stamped by the engine on arrival
 };
 
@@ -85,7 +85,8 @@ struct RequestOutput {
   // With kError: the request names state already in use here (a P/D transfer id
   // that is active on this instance): the caller's error (HTTP 409).
   bool conflict = false;
-  std::optional<nlohmann::json> kv_transfer_params;  // returned by a P/D producer on finish
+  // What a P/D producer returns on finish (the server writes it as kv_transfer_params).
+  std::optional<contract::ProducerAnswer> kv_transfer_params;
 };
 
 // Called on the engine thread. Must not block and must not call back into the

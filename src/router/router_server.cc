@@ -9,8 +9,9 @@
 #include "common/clock.h"
 #include "common/connection_limit.h"
 #include "common/log.h"
-#include "common/log_throttle.h"
 #include "common/metrics.h"
+#include "frontend/connection.h"
+#include "frontend/wire.h"
 #include "router/policy.h"
 #include "router/prompt_tokens.h"
 #include "router/request_rewrite.h"
@@ -122,33 +123,12 @@ std::string dump_response_json(const nlohmann::json& value) {
   return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-// Every error the router answers has pdserve's shape, type and code (server::ApiError).
-std::string error_json(const server::ApiError& error) {
-  return dump_response_json(error.to_json());
-}
-
 std::string content_type_or_json(const LegResult& result) {
   return result.content_type.empty() ? std::string("application/json") : result.content_type;
 }
 
 server::ApiError transport_error(const Status& status, std::string message) {
   return upstream_error(std::move(message), status.code() == ErrorCode::kDeadlineExceeded);
-}
-
-// Lingering close after answering a request early (a body over the limit, a connection over
-// the cap): a client still sending would otherwise get a connection reset instead of the answer
-// (unread bytes at close() make the kernel send RST). Reads and discards for a bounded time and
-// byte count; the caller then closes.
-awaitable<void> drain_before_close(beast::tcp_stream& stream, size_t max_drain_bytes,
-                                   std::chrono::milliseconds max_drain_time) {
-  beast::error_code ec;
-  stream.socket().shutdown(tcp::socket::shutdown_send, ec);
-  std::vector<char> sink(std::min<size_t>(max_drain_bytes, 64 * 1024));
-  size_t num_drained = 0;
-  stream.expires_after(max_drain_time);
-  while (!ec && num_drained < max_drain_bytes) {
-    num_drained += co_await stream.async_read_some(net::buffer(sink), with_ec(ec));
-  }
 }
 
 // ---------------------------------------------------------------- per-request state
@@ -303,24 +283,40 @@ server::ApiError bad_prompt_logprobs_error(const std::string& producer_id) {
 
 struct RouterServer::Impl {
   Impl(const RouterConfig& config, Discovery& discovery)
-      : config_(config), discovery_(discovery), connection_gate_(config.max_connections) {}
+      : config_(config), discovery_(discovery), listener_(listener_options(config), refused_connections_counter()) {}
 
   const RouterConfig& config_;
   Discovery& discovery_;
-  std::optional<tcp::acceptor> acceptor_;
   std::vector<net::io_context*> contexts_;
   std::atomic<uint64_t> producer_ticket_{0};
   std::atomic<uint64_t> consumer_ticket_{0};
   std::atomic<size_t> next_context_{0};
-  // Slots of --max-connections and of answered refusals. Sessions destroyed with their
+  // The listening socket and the slots of --max-connections. Sessions destroyed with their
   // io_context release theirs here: RouterServer::stop() clears the io_contexts before Impl dies.
-  ConnectionGate connection_gate_;
-  LogThrottle accept_error_log_{1'000'000'000};  // touched by the accept loop only
+  frontend::Listener listener_;
 
-  awaitable<void> accept_loop();
+  static frontend::ListenerOptions listener_options(const RouterConfig& config) {
+    frontend::ListenerOptions options;
+    options.host = config.host;
+    options.port = config.port;
+    options.max_connections = config.max_connections;
+    options.write_timeout_ms = config.client_write_timeout_ms;
+    options.log_name = "pdrouter";
+    return options;
+  }
+  static metrics::Counter& refused_connections_counter() {
+    return metrics::Registry::global().counter(
+        "pd_router_connections_refused_total",
+        "Client connections answered 503 (or closed) because --max-connections were open");
+  }
+
+  // The next client connection's io thread, round robin.
+  frontend::Placement place_connection() {
+    const size_t index = next_context_.fetch_add(1, std::memory_order_relaxed) % contexts_.size();
+    return frontend::Placement{contexts_[index]->get_executor(), index};
+  }
   awaitable<void> prune_loop(size_t thread_index);
   awaitable<void> session(tcp::socket socket, size_t thread_index, ConnectionSlot slot);
-  awaitable<void> refuse(tcp::socket socket, ConnectionSlot refusal_slot);
   awaitable<void> handle(std::shared_ptr<Exchange> exchange, http::request<http::string_body>& request);
 
   // Client responses.
@@ -328,7 +324,7 @@ struct RouterServer::Impl {
   awaitable<void> respond(Exchange& ex, int status, std::string content_type, std::string body);
   awaitable<void> respond_error(Exchange& ex, const server::ApiError& error) {
     const int status = error.http_status;
-    std::string body = error_json(error);
+    std::string body = error.to_text();
     co_await respond(ex, status, "application/json", std::move(body));
   }
   awaitable<void> relay_stream(Exchange& ex, Leg& leg, LegResult& head, std::string first_bytes, TimePoint deadline);
@@ -367,45 +363,6 @@ struct RouterServer::Impl {
   awaitable<std::string> forwarded_models_json(const Snapshot& snapshot);
 };
 
-awaitable<void> RouterServer::Impl::accept_loop() {
-  for (;;) {
-    const size_t index = next_context_.fetch_add(1) % contexts_.size();
-    net::io_context& target = *contexts_[index];
-    beast::error_code ec;
-    tcp::socket socket = co_await acceptor_->async_accept(target, with_ec(ec));
-    if (ec == net::error::operation_aborted || !acceptor_->is_open()) co_return;
-    if (ec) {
-      // EMFILE/ENFILE and friends must not end the loop: back off briefly instead of spinning.
-      if (accept_error_log_.admit(now_ns())) {
-        PD_LOG_WARN("pdrouter: accept failed: {} (retrying every 10 ms; {} more failures since the last report)",
-                    ec.message(), accept_error_log_.num_held_back());
-      }
-      net::steady_timer timer(co_await net::this_coro::executor, std::chrono::milliseconds(10));
-      co_await timer.async_wait(with_ec(ec));
-      continue;
-    }
-    ConnectionGate::Admission admission = connection_gate_.admit(now_ns());
-    if (admission.verdict != ConnectionGate::Verdict::kServe) {
-      cached_counter("pd_router_connections_refused_total",
-                     "Client connections answered 503 (or closed) because --max-connections were open", {})
-          .inc();
-      if (admission.log_now) {
-        PD_LOG_WARN(
-            "pdrouter: {} client connections open, the limit (--max-connections): answering new ones 503 "
-            "({} more refused since the last report)",
-            config_.max_connections, admission.num_held_back);
-      }
-      if (admission.verdict == ConnectionGate::Verdict::kDrop) {
-        socket.close(ec);
-        continue;
-      }
-      net::co_spawn(target, refuse(std::move(socket), std::move(*admission.slot)), net::detached);
-      continue;
-    }
-    net::co_spawn(target, session(std::move(socket), index, std::move(*admission.slot)), net::detached);
-  }
-}
-
 // Closes this io thread's pooled engine connections once they idled --backend-idle-timeout-ms, so the
 // pools shrink back to what the load uses and never hold a connection the engine already closed.
 awaitable<void> RouterServer::Impl::prune_loop(size_t thread_index) {
@@ -420,81 +377,28 @@ awaitable<void> RouterServer::Impl::prune_loop(size_t thread_index) {
   }
 }
 
-// The slot lives in the coroutine frame: released when the answer is written and drained.
-awaitable<void> RouterServer::Impl::refuse(tcp::socket socket, [[maybe_unused]] ConnectionSlot refusal_slot) {
-  beast::tcp_stream stream(std::move(socket));
-  http::response<http::string_body> response{http::status::service_unavailable, 11};
-  response.set(http::field::content_type, "application/json");
-  response.set(http::field::retry_after, "1");
-  response.keep_alive(false);
-  // Answered before the request is read (its route does not matter: /health is refused too).
-  server::ApiError error = server::too_many_connections(config_.max_connections);
-  error.message =
-      fmt::format("the router is serving its limit of {} client connections (--max-connections); retry shortly",
-                  config_.max_connections);
-  response.body() = error_json(error);
-  response.prepare_payload();
-  beast::error_code ec;
-  stream.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
-  co_await http::async_write(stream, response, with_ec(ec));
-  // The request the client sends meanwhile is discarded, bounded well below a body limit: a
-  // refused connection must stay cheap. A client sending more than this may see a reset.
-  if (!ec) co_await drain_before_close(stream, 64 * 1024, std::chrono::seconds(1));
-  stream.socket().close(ec);
-}
-
 // The slot lives in the coroutine frame: released when the session ends.
 awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_index,
                                             [[maybe_unused]] ConnectionSlot slot) {
-  beast::error_code ec;
-  socket.set_option(tcp::no_delay(true), ec);
   beast::tcp_stream stream(std::move(socket));
   beast::flat_buffer buffer;
+  frontend::RequestLimits limits;
+  limits.max_header_bytes = 64 * 1024;
+  limits.max_body_bytes = config_.max_body_bytes;
+  limits.idle_timeout_ms = config_.client_idle_timeout_ms;
+  limits.write_timeout_ms = config_.client_write_timeout_ms;
   try {
     for (;;) {
-      http::request_parser<http::string_body> parser;
-      parser.body_limit(config_.max_body_bytes);
-      parser.header_limit(64 * 1024);
-      stream.expires_after(std::chrono::milliseconds(config_.client_idle_timeout_ms));
-      co_await http::async_read_header(stream, buffer, parser, with_ec(ec));
-      if (!ec && !parser.is_done()) {
-        // A client that asks (curl does for bodies over 1 KiB) waits for "100 Continue" before its body;
-        // without it, it waits a second. A body over the limit was already refused with the header.
-        if (beast::iequals(parser.get()[http::field::expect], "100-continue")) {
-          static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
-          stream.expires_after(std::chrono::milliseconds(config_.client_write_timeout_ms));
-          co_await net::async_write(stream, net::buffer(kContinue), with_ec(ec));
-          stream.expires_after(std::chrono::milliseconds(config_.client_idle_timeout_ms));
-        }
-        if (!ec) co_await http::async_read(stream, buffer, parser, with_ec(ec));
+      http::request<http::string_body> request;
+      const frontend::ReadResult read = co_await frontend::read_request(stream, buffer, limits, request);
+      if (read.outcome == frontend::ReadOutcome::kAnswered) {
+        cached_counter("pd_router_requests_total", "Requests by route and status",
+                       {{"route", "invalid"}, {"status", std::to_string(read.status)}})
+            .inc();
       }
-      if (ec == http::error::end_of_stream || ec == beast::error::timeout || ec == net::error::connection_reset ||
-          ec == net::error::eof) {
-        break;
-      }
+      if (read.outcome != frontend::ReadOutcome::kRequest) break;
       auto exchange = std::make_shared<Exchange>(stream, thread_index);
       exchange->received_ns = now_ns();
-      if (ec) {
-        // Malformed or oversized request: answer it, then close (the stream position is unknown).
-        exchange->keep_alive = false;
-        exchange->route = "invalid";
-        const bool too_large = ec == http::error::body_limit;
-        const int status = too_large ? 413 : 400;
-        const server::ApiError error =
-            too_large ? server::body_too_large(config_.max_body_bytes)
-                      : server::bad_request(fmt::format("malformed HTTP request: {}", ec.message()));
-        co_await respond_error(*exchange, error);
-        cached_counter("pd_router_requests_total", "Requests by route and status",
-                       {{"route", "invalid"}, {"status", std::to_string(status)}})
-            .inc();
-        if (too_large && !exchange->client_gone) {
-          co_await drain_before_close(stream, std::max<size_t>(4 * config_.max_body_bytes, 16u << 20),
-                                      std::chrono::seconds(2));
-        }
-        break;
-      }
-      stream.expires_never();
-      http::request<http::string_body> request = parser.release();
       exchange->keep_alive = request.keep_alive();
       exchange->http_version = request.version() >= 11 ? 11 : 10;
       co_await handle(exchange, request);
@@ -504,6 +408,7 @@ awaitable<void> RouterServer::Impl::session(tcp::socket socket, size_t thread_in
   } catch (const std::exception& error) {
     PD_LOG_ERROR("pdrouter: session ended by an unexpected error: {}", error.what());
   }
+  beast::error_code ec;
   stream.socket().shutdown(tcp::socket::shutdown_send, ec);
   stream.socket().close(ec);
 }
@@ -969,7 +874,7 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
   if (generation) invalid = validate_generation_request(route, request.body, validated);
   if (invalid) {
     cached_counter("pd_router_requests_invalid_total", "Client requests refused by the router's validation", {}).inc();
-    co_await respond(*ex, invalid->http_status, "application/json", dump_response_json(invalid->to_json()));
+    co_await respond(*ex, invalid->http_status, "application/json", invalid->to_text());
     co_return;
   }
   if (request.dropped_kv_transfer_params) {
@@ -1141,8 +1046,7 @@ awaitable<std::string> RouterServer::Impl::forwarded_models_json(const Snapshot&
 }
 
 awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::request<http::string_body>& request) {
-  std::string target(request.target());
-  if (size_t query = target.find('?'); query != std::string::npos) target.resize(query);
+  const std::string target(frontend::path_of(std::string_view(request.target().data(), request.target().size())));
   const bool is_post = request.method() == http::verb::post;
   const bool is_get = request.method() == http::verb::get;
   const bool is_generation = target == "/v1/completions" || target == "/v1/chat/completions";
@@ -1155,7 +1059,7 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
   // The routes pdserve guards with --api-key: /v1/* and the tokenizer's.
   if (!config_.api_key.empty() && (target.rfind("/v1/", 0) == 0 || is_tokenize)) {
     const auto authorization = request[http::field::authorization];
-    if (authorization != "Bearer " + config_.api_key) {
+    if (!frontend::bearer_authorized(std::string_view(authorization.data(), authorization.size()), config_.api_key)) {
       const server::ApiError error = server::unauthorized();
       co_await respond_error(*ex, error);
     }
@@ -1248,20 +1152,14 @@ Status RouterServer::start() {
     tcp::socket creates_the_reactor(*context);
   }
 
-  beast::error_code ec;
-  const net::ip::address address = net::ip::make_address(config_.host, ec);
-  if (ec) return invalid_argument("--host '{}' is not an IP address", config_.host);
-  tcp::acceptor& acceptor = impl_->acceptor_.emplace(*io_contexts_[0]);
-  const tcp::endpoint endpoint(address, config_.port);
-  acceptor.open(endpoint.protocol(), ec);
-  if (!ec) acceptor.set_option(net::socket_base::reuse_address(true), ec);
-  if (!ec) acceptor.bind(endpoint, ec);
-  if (!ec) acceptor.listen(net::socket_base::max_listen_connections, ec);
-  if (ec) return unavailable("cannot listen on {}:{}: {}", config_.host, config_.port, ec.message());
-  http_port_ = acceptor.local_endpoint().port();
+  PD_RETURN_IF_ERROR(impl_->listener_.bind(io_contexts_[0]->get_executor()));
+  http_port_ = impl_->listener_.port();
 
   PD_RETURN_IF_ERROR(discovery_.start());
-  net::co_spawn(*io_contexts_[0], impl_->accept_loop(), net::detached);
+  impl_->listener_.start([impl = impl_.get()] { return impl->place_connection(); },
+                         [impl = impl_.get()](tcp::socket socket, size_t thread_index, ConnectionSlot slot) {
+                           return impl->session(std::move(socket), thread_index, std::move(slot));
+                         });
   for (size_t i = 0; i < io_contexts_.size(); ++i) {
     net::co_spawn(*io_contexts_[i], impl_->prune_loop(i), net::detached);
   }
@@ -1281,7 +1179,7 @@ void RouterServer::stop() {
   for (auto& thread : io_threads_) thread.join();
   discovery_.stop();
   discovery_.clear_idle_connections();
-  impl_->acceptor_.reset();
+  impl_->listener_.close();
   // Pending sessions (and the legs they own) are destroyed with their io_context.
   io_contexts_.clear();
 }

@@ -1,4 +1,5 @@
-// pdrouter's HTTP front end and the request flows (collocated, P/D READ, P/D WRITE).
+// pdrouter's handlers and request flows (collocated, P/D READ, P/D WRITE) behind the HTTP front end
+// (src/frontend: listener, connection cap, request reading, error shape) it shares with pdserve.
 //
 // Threads: `num_io_threads` io threads, each running its own io_context. A
 // client connection and every leg it causes run on one io thread, so the
@@ -10,8 +11,8 @@
 #include <thread>
 #include <vector>
 
-#include "common/connection_limit.h"
 #include "common/status.h"
+#include "frontend/listener.h"
 #include "router/asio.h"
 #include "router/config.h"
 #include "router/discovery.h"
@@ -25,7 +26,7 @@ class RouterServer {
   static constexpr int64_t kFdsPerClientConnection = 3;
   // Refused connections being answered at once; more are closed without an answer, so a
   // flood of them costs at most this many file descriptors beyond the cap.
-  static constexpr int64_t kMaxRefusalsInFlight = ConnectionGate::kMaxRefusalsInFlight;
+  static constexpr int64_t kMaxRefusalsInFlight = frontend::Listener::kMaxRefusalsInFlight;
 
   explicit RouterServer(RouterConfig config);
   ~RouterServer();

@@ -18,7 +18,7 @@ std::optional<size_t> find_event_end(std::string_view data) {
 }
 
 std::optional<int> pdserve_error_code_status(std::string_view code) {
-  // Kept in step with server/api_error.cc and the ApiErrors built in server/openai_service.cc.
+  // Kept in step with frontend/api_error.cc and the ApiErrors built in server/openai_service.cc.
   static constexpr std::pair<std::string_view, int> kStatusByCode[] = {
       {"invalid_value", 400},   {"invalid_api_key", 401},    {"permission_denied", 403}, {"not_found", 404},
       {"model_not_found", 404}, {"method_not_allowed", 405}, {"request_too_large", 413}, {"internal_error", 500},

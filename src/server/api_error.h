@@ -1,45 +1,24 @@
-// OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with
-// the HTTP status that goes with them. Every failure the server answers goes
-// through ApiError so the shape and the status stay consistent.
+// The server's error vocabulary is the front end's (src/frontend/api_error.h): one shape, type,
+// code and status per kind of error for pdserve and pdrouter alike. Named here so the OpenAI
+// layer writes them unqualified.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
-#include <cstdint>
-#include <string>
-
-#include "common/status.h"
+#include "frontend/api_error.h"
 
 namespace pd::server {
 
-struct ApiError {
-  int http_status = 400;
-  std::string message;
-  std::string type = "invalid_request_error";
-  std::string param;  // the offending request field, empty when none
-  std::string code;   // machine-readable reason, empty when none
-
-  nlohmann::json to_json() const;
-};
-
-ApiError bad_request(std::string message, std::string param = {});
-// A request field (or value) this server does not implement: 400 with code
-// "unsupported_parameter", as OpenAI answers one it does not know.
-ApiError unsupported(std::string message, std::string param);
-// The request ran past --request-timeout-ms (or another deadline): 504.
-ApiError request_timeout(std::string message);
-ApiError model_not_found(const std::string& model);
-ApiError route_not_found(const std::string& target);
-ApiError method_not_allowed(const std::string& method, const std::string& target);
-ApiError body_too_large(size_t max_body_bytes);
-// The connection arrived while --max-connections others were open (503).
-ApiError too_many_connections(int64_t max_connections);
-ApiError unauthorized();
-ApiError overloaded(std::string message);
-ApiError internal(std::string message);
-
-// Maps a Status from another module (engine, tokenizer) to the status a client
-// should see: caller mistakes are 400, capacity is 503, everything else 500.
-ApiError api_error_from_status(const Status& status, std::string param = {});
+using frontend::api_error_from_status;
+using frontend::ApiError;
+using frontend::bad_request;
+using frontend::body_too_large;
+using frontend::internal;
+using frontend::method_not_allowed;
+using frontend::model_not_found;
+using frontend::overloaded;
+using frontend::request_timeout;
+using frontend::route_not_found;
+using frontend::too_many_connections;
+using frontend::unauthorized;
+using frontend::unsupported;
 
 }  // namespace pd::server

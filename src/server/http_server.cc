@@ -1,28 +1,21 @@
 #include "server/http_server.h"
 
 #include <fmt/format.h>
-#include <boost/asio/co_spawn.hpp>
-#include <boost/asio/detached.hpp>
-#include <boost/asio/post.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
 #include <boost/beast/http/chunk_encode.hpp>
 #include <boost/beast/http/empty_body.hpp>
-#include <boost/beast/http/error.hpp>
-#include <boost/beast/http/parser.hpp>
-#include <boost/beast/http/read.hpp>
 #include <boost/beast/http/serializer.hpp>
 #include <boost/beast/http/write.hpp>
 
-#include <algorithm>
 #include <chrono>
-#include <vector>
 
-#include "common/clock.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "frontend/connection.h"
+#include "frontend/wire.h"
 
 namespace pd::server {
 
@@ -45,12 +38,9 @@ void count_request(const std::string& route, int status) {
       .inc();
 }
 
-// Constant-time comparison so the API key cannot be guessed byte by byte.
-bool equal_constant_time(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
+std::string_view authorization_of(const HttpRequest& request) {
+  auto header = request[http::field::authorization];
+  return {header.data(), header.size()};
 }
 
 }  // namespace
@@ -68,15 +58,14 @@ struct HttpExchange::WatchState {
 HttpExchange::HttpExchange(std::shared_ptr<Connection> connection, HttpRequest request,
                            const HttpServerOptions& options)
     : connection_(std::move(connection)), request_(std::move(request)), options_(options) {
-  std::string_view target(request_.target().data(), request_.target().size());
-  path_ = std::string(target.substr(0, target.find('?')));
+  path_ = std::string(frontend::path_of(std::string_view(request_.target().data(), request_.target().size())));
   keep_alive_ = request_.keep_alive();
 }
 
 HttpExchange::~HttpExchange() = default;
 
 ConnectionExecutor HttpExchange::executor() const {
-  // Every connection socket is created on a strand (see accept_loop).
+  // Every connection socket is created on a strand (see start()).
   return *connection_->stream.get_executor().target<ConnectionExecutor>();
 }
 
@@ -114,8 +103,8 @@ net::awaitable<void> HttpExchange::respond_json(http::status status, const nlohm
 }
 
 net::awaitable<void> HttpExchange::respond_error(const ApiError& error) {
-  nlohmann::json body = error.to_json();
-  co_await respond_json(static_cast<http::status>(error.http_status), body);
+  std::string body = error.to_text();
+  co_await respond(static_cast<http::status>(error.http_status), std::move(body), "application/json");
 }
 
 net::awaitable<bool> HttpExchange::start_event_stream() {
@@ -221,8 +210,28 @@ net::awaitable<void> HttpExchange::stop_watching() {
 
 // ---- HttpServer ----
 
+namespace {
+
+frontend::ListenerOptions listener_options(const HttpServerOptions& options) {
+  frontend::ListenerOptions listener;
+  listener.host = options.host;
+  listener.port = options.port;
+  listener.max_connections = options.max_connections;
+  listener.write_timeout_ms = options.write_timeout_ms;
+  listener.log_name = "pdserve";
+  listener.server_header = "pdserve";
+  return listener;
+}
+
+metrics::Counter& refused_connections_counter() {
+  return metrics::Registry::global().counter(
+      "pd_http_connections_refused_total", "Connections answered 503 (or closed) because --max-connections were open");
+}
+
+}  // namespace
+
 HttpServer::HttpServer(HttpServerOptions options)
-    : options_(std::move(options)), connection_gate_(options_.max_connections), acceptor_(io_context_) {}
+    : options_(std::move(options)), listener_(listener_options(options_), refused_connections_counter()) {}
 
 HttpServer::~HttpServer() {
   stop();
@@ -233,25 +242,16 @@ void HttpServer::route(http::verb method, std::string path, Handler handler, boo
 }
 
 Status HttpServer::start() {
-  error_code ec;
-  auto address = net::ip::make_address(options_.host, ec);
-  if (ec) return invalid_argument("--host '{}' is not an IP address: {}", options_.host, ec.message());
-  tcp::endpoint endpoint(address, options_.port);
-  acceptor_.open(endpoint.protocol(), ec);
-  if (!ec) acceptor_.set_option(net::socket_base::reuse_address(true), ec);
-  if (!ec) acceptor_.bind(endpoint, ec);
-  if (!ec) acceptor_.listen(net::socket_base::max_listen_connections, ec);
-  if (ec) return unavailable("cannot listen on {}:{}: {}", options_.host, options_.port, ec.message());
-  bound_port_ = acceptor_.local_endpoint().port();
-
-  net::co_spawn(acceptor_.get_executor(), accept_loop(), [](std::exception_ptr error) {
-    if (!error) return;
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      PD_LOG_ERROR("accept loop ended: {}", e.what());
-    }
-  });
+  PD_RETURN_IF_ERROR(listener_.bind(io_context_.get_executor()));
+  bound_port_ = listener_.port();
+  listener_.start(
+      // Every connection runs on its own strand (HttpExchange::executor()).
+      [this] {
+        return frontend::Placement{net::make_strand(io_context_), 0};
+      },
+      [this](tcp::socket socket, size_t, ConnectionSlot slot) {
+        return serve_connection(std::move(socket), std::move(slot));
+      });
   for (int32_t i = 0; i < options_.num_io_threads; ++i) {
     threads_.emplace_back([this] {
       // Handlers catch their own errors; this keeps a stray throw from
@@ -270,10 +270,7 @@ Status HttpServer::start() {
 }
 
 void HttpServer::stop_accepting() {
-  net::post(acceptor_.get_executor(), [this] {
-    error_code ec;
-    acceptor_.close(ec);
-  });
+  listener_.stop_accepting();
 }
 
 void HttpServer::stop() {
@@ -281,162 +278,26 @@ void HttpServer::stop() {
   io_context_.stop();
   for (auto& thread : threads_) thread.join();
   threads_.clear();
-  error_code ec;
-  acceptor_.close(ec);
-}
-
-net::awaitable<void> HttpServer::accept_loop() {
-  net::steady_timer backoff(acceptor_.get_executor());
-  metrics::Counter& refused_connections = metrics::Registry::global().counter(
-      "pd_http_connections_refused_total", "Connections answered 503 (or closed) because --max-connections were open");
-  while (acceptor_.is_open()) {
-    error_code ec;
-    tcp::socket socket(net::make_strand(io_context_));
-    co_await acceptor_.async_accept(socket, net::redirect_error(use_awaitable, ec));
-    if (ec == net::error::operation_aborted || !acceptor_.is_open()) break;
-    if (ec) {
-      // EMFILE/ENFILE (or any other failure) must not end the loop: back off briefly
-      // instead of spinning on the error, then accept again.
-      if (accept_error_log_.admit(now_ns()))
-        PD_LOG_WARN("accept failed: {} (retrying every 50 ms; {} more failures since the last report)", ec.message(),
-                    accept_error_log_.num_held_back());
-      backoff.expires_after(std::chrono::milliseconds(50));
-      co_await backoff.async_wait(net::redirect_error(use_awaitable, ec));
-      continue;
-    }
-    auto executor = socket.get_executor();
-    auto log_failure = [](std::exception_ptr error) {
-      if (!error) return;
-      try {
-        std::rethrow_exception(error);
-      } catch (const std::exception& e) {
-        PD_LOG_WARN("connection ended with: {}", e.what());
-      }
-    };
-    ConnectionGate::Admission admission = connection_gate_.admit(now_ns());
-    if (admission.verdict != ConnectionGate::Verdict::kServe) {
-      refused_connections.inc();
-      if (admission.log_now)
-        PD_LOG_WARN(
-            "{} connections open, the limit (--max-connections): answering new ones 503 ({} more refused "
-            "since the last report)",
-            options_.max_connections, admission.num_held_back);
-      if (admission.verdict == ConnectionGate::Verdict::kDrop) {
-        socket.close(ec);
-        continue;
-      }
-      net::co_spawn(executor, refuse_connection(std::move(socket), std::move(*admission.slot)), log_failure);
-      continue;
-    }
-    socket.set_option(tcp::no_delay(true), ec);
-    net::co_spawn(executor, serve_connection(std::move(socket), std::move(*admission.slot)), log_failure);
-  }
-}
-
-namespace {
-
-// A minimal error response for when there is no exchange to own it (the
-// request never parsed, or was never read). The connection closes afterwards.
-http::response<http::string_body> raw_error_response(const ApiError& error) {
-  http::response<http::string_body> response{static_cast<http::status>(error.http_status), 11};
-  response.set(http::field::server, "pdserve");
-  response.set(http::field::content_type, "application/json");
-  response.keep_alive(false);
-  response.body() = error.to_json().dump();
-  response.prepare_payload();
-  return response;
-}
-
-net::awaitable<void> write_raw_response(beast::tcp_stream& stream, const http::response<http::string_body>& response,
-                                        int64_t timeout_ms) {
-  stream.expires_after(std::chrono::milliseconds(timeout_ms));
-  error_code ec;
-  co_await http::async_write(stream, response, net::redirect_error(use_awaitable, ec));
-}
-
-net::awaitable<void> write_raw_error(beast::tcp_stream& stream, const ApiError& error, int64_t timeout_ms) {
-  http::response<http::string_body> response = raw_error_response(error);
-  co_await write_raw_response(stream, response, timeout_ms);
-}
-
-// Lingering close after an early error response: a client still sending its
-// request would otherwise get a reset instead of our answer (unread bytes at
-// close() make the kernel send RST, and the client's next send or read fails
-// before it sees the response). Reads and discards for a bounded time and byte
-// count, then the caller closes.
-net::awaitable<void> drain_before_close(beast::tcp_stream& stream, size_t max_drain_bytes,
-                                        std::chrono::milliseconds max_drain_time) {
-  error_code ec;
-  stream.socket().shutdown(tcp::socket::shutdown_send, ec);
-  std::vector<char> sink(std::min<size_t>(max_drain_bytes, 64 * 1024));
-  size_t drained = 0;
-  stream.expires_after(max_drain_time);
-  while (!ec && drained < max_drain_bytes) {
-    drained += co_await stream.async_read_some(net::buffer(sink), net::redirect_error(use_awaitable, ec));
-  }
-}
-
-}  // namespace
-
-// refusal_slot (like serve_connection's slot) lives in the coroutine frame: released when it ends.
-net::awaitable<void> HttpServer::refuse_connection(tcp::socket socket, [[maybe_unused]] ConnectionSlot refusal_slot) {
-  beast::tcp_stream stream(std::move(socket));
-  ApiError error = too_many_connections(options_.max_connections);
-  http::response<http::string_body> response = raw_error_response(error);
-  response.set(http::field::retry_after, "1");
-  // Answered before the request is read (its route does not matter: /health is refused too).
-  co_await write_raw_response(stream, response, options_.write_timeout_ms);
-  // The request the client sends meanwhile is discarded, bounded well below a body limit: a
-  // refused connection must stay cheap. A client sending more than this may see a reset.
-  co_await drain_before_close(stream, 64 * 1024, std::chrono::seconds(1));
-  error_code ec;
-  stream.socket().close(ec);
+  listener_.close();
 }
 
 net::awaitable<void> HttpServer::serve_connection(tcp::socket socket, [[maybe_unused]] ConnectionSlot slot) {
   auto connection = std::make_shared<Connection>(std::move(socket));
   auto& stream = connection->stream;
   beast::flat_buffer buffer;
+  frontend::RequestLimits limits;
+  limits.max_header_bytes = options_.max_header_bytes;
+  limits.max_body_bytes = options_.max_body_bytes;
+  limits.idle_timeout_ms = options_.keep_alive_timeout_ms;
+  limits.write_timeout_ms = options_.write_timeout_ms;
+  limits.server_header = "pdserve";
   for (;;) {
-    http::request_parser<http::string_body> parser;
-    parser.header_limit(static_cast<std::uint32_t>(options_.max_header_bytes));
-    parser.body_limit(options_.max_body_bytes);
-    stream.expires_after(std::chrono::milliseconds(options_.keep_alive_timeout_ms));
-    error_code ec;
-    co_await http::async_read_header(stream, buffer, parser, net::redirect_error(use_awaitable, ec));
-    if (!ec && parser.get()[http::field::expect] == "100-continue" && !parser.is_done()) {
-      // curl and others wait for this before sending a large body.
-      static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
-      stream.expires_after(std::chrono::milliseconds(options_.write_timeout_ms));
-      co_await net::async_write(stream, net::buffer(kContinue.data(), kContinue.size()),
-                                net::redirect_error(use_awaitable, ec));
-    }
-    if (!ec && !parser.is_done()) {
-      stream.expires_after(std::chrono::milliseconds(options_.keep_alive_timeout_ms));
-      co_await http::async_read(stream, buffer, parser, net::redirect_error(use_awaitable, ec));
-    }
-    if (ec == http::error::body_limit) {
-      count_request("invalid", 413);
-      ApiError error = body_too_large(options_.max_body_bytes);
-      co_await write_raw_error(stream, error, options_.write_timeout_ms);
-      co_await drain_before_close(stream, std::max<size_t>(4 * options_.max_body_bytes, 16u << 20),
-                                  std::chrono::seconds(2));
-      break;
-    }
-    if (ec == http::error::end_of_stream || ec == net::error::eof || ec == beast::error::timeout ||
-        ec == net::error::connection_reset || ec == net::error::operation_aborted) {
-      break;
-    }
-    if (ec) {
-      // Anything else is a malformed request: answer it, then close, since
-      // the framing of whatever follows is unknown.
-      count_request("invalid", 400);
-      ApiError error = bad_request(fmt::format("malformed HTTP request: {}", ec.message()));
-      co_await write_raw_error(stream, error, options_.write_timeout_ms);
-      break;
-    }
+    HttpRequest request;
+    const frontend::ReadResult read = co_await frontend::read_request(stream, buffer, limits, request);
+    if (read.outcome == frontend::ReadOutcome::kAnswered) count_request("invalid", read.status);
+    if (read.outcome != frontend::ReadOutcome::kRequest) break;
 
-    HttpExchange exchange(connection, parser.release(), options_);
+    HttpExchange exchange(connection, std::move(request), options_);
     bool handler_threw = false;
     try {
       co_await dispatch(exchange);
@@ -459,15 +320,6 @@ net::awaitable<void> HttpServer::serve_connection(tcp::socket socket, [[maybe_un
   stream.close();
 }
 
-bool HttpServer::authorized(const HttpRequest& request) const {
-  if (options_.api_key.empty()) return true;
-  auto header = request[http::field::authorization];
-  std::string_view value(header.data(), header.size());
-  static constexpr std::string_view kBearer = "Bearer ";
-  if (value.size() < kBearer.size() || value.substr(0, kBearer.size()) != kBearer) return false;
-  return equal_constant_time(value.substr(kBearer.size()), options_.api_key);
-}
-
 net::awaitable<void> HttpServer::dispatch(HttpExchange& exchange) {
   const Route* match = nullptr;
   bool path_known = false;
@@ -486,7 +338,8 @@ net::awaitable<void> HttpServer::dispatch(HttpExchange& exchange) {
     std::string method(exchange.request().method_string());
     ApiError error = path_known ? method_not_allowed(method, exchange.path()) : route_not_found(exchange.path());
     co_await exchange.respond_error(error);
-  } else if (match->requires_auth && !authorized(exchange.request())) {
+  } else if (match->requires_auth &&
+             !frontend::bearer_authorized(authorization_of(exchange.request()), options_.api_key)) {
     ApiError error = unauthorized();
     co_await exchange.respond_error(error);
   } else {

@@ -6,11 +6,12 @@
 // time without locks. Other threads (the engine) reach a connection only by
 // posting to HttpExchange::executor().
 //
-// Owns: the listening socket, connections, routing (404/405), auth on routes
-// that ask for it, body limits (413), malformed HTTP (400), keep-alive and
-// write timeouts, the connection cap (503 beyond it), and the
-// pd_http_requests_total / pd_http_connections_refused_total counters. Knows
-// nothing about OpenAI or the engine.
+// Owns: routing (404/405), auth on routes that ask for it, keep-alive and write
+// timeouts, responses and event streams, and the pd_http_requests_total /
+// pd_http_connections_refused_total counters. The listening socket, the
+// connection cap (503 beyond it), body limits (413) and malformed HTTP (400)
+// are the front end's (src/frontend), shared with pdrouter. Knows nothing about
+// OpenAI or the engine.
 #pragma once
 
 // g++ 12 + Boost 1.74: <utility> must precede the Asio headers.
@@ -35,8 +36,8 @@
 #include <vector>
 
 #include "common/connection_limit.h"
-#include "common/log_throttle.h"
 #include "common/status.h"
+#include "frontend/listener.h"
 #include "server/api_error.h"
 
 namespace pd::server {
@@ -131,7 +132,7 @@ class HttpServer {
  public:
   // Refused connections being answered at once; more are closed without an answer, so
   // a flood of them costs at most this many file descriptors beyond the cap.
-  static constexpr int64_t kMaxRefusalsInFlight = ConnectionGate::kMaxRefusalsInFlight;
+  static constexpr int64_t kMaxRefusalsInFlight = frontend::Listener::kMaxRefusalsInFlight;
 
   explicit HttpServer(HttpServerOptions options);
   ~HttpServer();
@@ -156,22 +157,17 @@ class HttpServer {
     Handler handler;
     bool requires_auth;
   };
-  net::awaitable<void> accept_loop();
   net::awaitable<void> serve_connection(net::ip::tcp::socket socket, ConnectionSlot slot);
-  net::awaitable<void> refuse_connection(net::ip::tcp::socket socket, ConnectionSlot refusal_slot);
   net::awaitable<void> dispatch(HttpExchange& exchange);
-  bool authorized(const HttpRequest& request) const;
 
   HttpServerOptions options_;
   // Declared before io_context_: connection coroutines destroyed with it release their slots here.
-  ConnectionGate connection_gate_;
+  frontend::Listener listener_;
   net::io_context io_context_;
-  net::ip::tcp::acceptor acceptor_;
   std::vector<Route> routes_;
   std::vector<std::thread> threads_;
   uint16_t bound_port_ = 0;
   std::atomic<bool> stopped_{false};
-  LogThrottle accept_error_log_{1'000'000'000};  // touched by the accept loop only
 };
 
 }  // namespace pd::server

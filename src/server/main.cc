@@ -109,6 +109,9 @@ int run(pd::server::ServerConfig config) {
   server::OpenAiService service(config, *engine, tokenizer, max_model_len);
   server::HttpServer http(http_options);
   if (pd_connector != nullptr) {
+    service.set_kv_params_parser([pd_connector](const nlohmann::json& params, int32_t num_prompt_tokens) {
+      return pd_connector->parse_request_params(params, num_prompt_tokens);
+    });
     service.set_transfer_releaser([pd_connector](std::string transfer_id, std::function<void(bool)> done) {
       pd_connector->release_transfer(std::move(transfer_id), std::move(done));
     });

@@ -83,7 +83,7 @@ struct OpenAiService::Generation {
     ResponseJson stop_reason;
     int32_t num_prompt_tokens = 0;
     int32_t num_output_tokens = 0;
-    std::optional<json> kv_transfer_params;
+    std::optional<contract::ProducerAnswer> kv_transfer_params;  // a P/D producer's, with the final output
     std::string error;
     bool invalid_request = false;                     // the error is the client's (HTTP 400)
     bool conflict = false;                            // ... a duplicate of state in flight (HTTP 409)
@@ -274,11 +274,6 @@ Parsed<std::string> render_chat(const tokenizer::Tokenizer* tokenizer, const ojs
   auto rendered = tokenizer->apply_chat_template_ordered(messages, add_generation_prompt, tools, kwargs);
   if (!rendered.ok()) return api_error_from_status(rendered.status(), "messages");
   return std::move(rendered).value();
-}
-
-json kv_params_to_json(const std::optional<ojson>& params) {
-  if (!params) return nullptr;
-  return json::parse(params->dump());
 }
 
 }  // namespace
@@ -476,6 +471,17 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     choice.max_tokens = std::get<int32_t>(max_tokens);
   }
 
+  // kv_transfer_params name one prompt's transfer (the parser refused them with more prompts or
+  // choices): parsed here, once, into the typed params the engine and the connector carry.
+  const int32_t num_first_prompt_tokens = g.choices.empty() ? 0 : static_cast<int32_t>(g.choices.front().prompt.size());
+  auto kv_params = parse_kv_params(g.fields.kv_transfer_params, num_first_prompt_tokens, kv_params_parser_);
+  if (failed(kv_params)) {
+    ApiError error = take_error(kv_params);
+    co_await exchange.respond_error(error);
+    co_return;
+  }
+  const std::optional<contract::TransferParams>& transfer_params = std::get<0>(kv_params);
+
   std::string base_id = g.fields.request_id ? *g.fields.request_id : random_hex_id();
   g.header = ResponseHeader{(chat ? "chatcmpl-" : "cmpl-") + base_id, unix_seconds(), response_model(g.fields.model)};
 
@@ -506,7 +512,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     if (request.sampling.seed) *request.sampling.seed += static_cast<uint64_t>(choice.sample_index);
     // The siblings share the first choice's prompt logprobs (and so may read its prompt from the prefix cache).
     if (choice.sample_index > 0) request.sampling.prompt_logprobs = -1;
-    if (g.fields.kv_transfer_params) request.kv_transfer_params = kv_params_to_json(g.fields.kv_transfer_params);
+    request.kv_transfer_params = transfer_params;
     request.arrival_ns = now_ns();
     std::string id = request.request_id;
     Status status = engine_.add_request(std::move(request), [generation, i, executor](engine::RequestOutput output) {
@@ -687,7 +693,8 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
         chunk = completion_chunk(g.header, static_cast<int32_t>(item.index), out.text_delta, std::move(logprobs),
                                  std::move(finish), std::move(stop));
       }
-      if (out.finished && choice.kv_transfer_params) chunk["kv_transfer_params"] = *choice.kv_transfer_params;
+      if (out.finished && choice.kv_transfer_params)
+        chunk["kv_transfer_params"] = kv_params_json(*choice.kv_transfer_params);
       if (g.fields.return_token_ids) chunk["choices"][0]["token_ids"] = out.new_token_ids;
       // vLLM's continuous usage: each chunk carries its choice's counts so far.
       if (g.fields.include_usage && g.fields.continuous_usage_stats)
@@ -728,7 +735,8 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
   for (const auto& choice : g.choices) {
     if (choice.counts_prompt) usage.prompt_tokens += choice.num_prompt_tokens;
     usage.completion_tokens += choice.num_output_tokens;
-    if (!kv_transfer_params && choice.kv_transfer_params) kv_transfer_params = choice.kv_transfer_params;
+    if (!kv_transfer_params && choice.kv_transfer_params)
+      kv_transfer_params = kv_params_json(*choice.kv_transfer_params);
   }
 
   if (stream && !stream_started && (stream_error_invalid || stream_error_conflict)) {

@@ -22,6 +22,7 @@
 #include "common/metrics.h"
 #include "engine/engine.h"
 #include "server/http_server.h"
+#include "server/kv_params.h"
 #include "server/openai_protocol.h"
 #include "server/server_config.h"
 
@@ -45,6 +46,9 @@ class OpenAiService {
   // from any thread, once) without blocking it. Set before register_routes.
   using TransferReleaser = std::function<void(std::string transfer_id, std::function<void(bool released)> done)>;
   void set_transfer_releaser(TransferReleaser releaser) { releaser_ = std::move(releaser); }
+  // With a P/D connector: parses a request's kv_transfer_params against this instance (its
+  // role, mode, block size, peer policy). Without one they are ignored, as vLLM does.
+  void set_kv_params_parser(KvParamsParser parser) { kv_params_parser_ = std::move(parser); }
 
   void register_routes(HttpServer& server);
 
@@ -80,6 +84,7 @@ class OpenAiService {
   RequestLimits limits_;
   int64_t created_unix_s_;
   TransferReleaser releaser_;
+  KvParamsParser kv_params_parser_;
 
   // vLLM's per-prompt series (a prompt's n choices are one group there).
   metrics::Histogram& max_generation_tokens_;

@@ -22,7 +22,7 @@ class ScriptedConnector : public KvConnector {
   bool delay_free_on_finish = false;
   bool hold_on_preempt = false;
   RemoteKvTimeoutAction timeout_action = RemoteKvTimeoutAction::kFail;
-  nlohmann::json finish_params = {{"transfer_id", "t-1"}};
+  contract::ProducerAnswer finish_params = {"t-1", {}, contract::TransferMode::kWrite, 0, std::nullopt};
 
   int num_match_calls = 0;
   int num_alloc_calls = 0;
@@ -72,7 +72,13 @@ SchedulerConfig config(int32_t num_blocks = 32) {
   return c;
 }
 
-const nlohmann::json kParams = {{"transfer_id", "t-1"}, {"do_remote_prefill", true}};
+contract::TransferParams consumer_params() {
+  contract::TransferParams params;
+  params.side = contract::TransferSide::kConsumer;
+  params.transfer_id = "t-1";
+  return params;
+}
+const contract::TransferParams kParams = consumer_params();
 
 void deliver(SchedulerHarness& h, ConnectorEvents events) {
   h.scheduler.apply_load_errors(events.load_errors);
@@ -179,7 +185,7 @@ TEST(ConnectorHooks, ProducerHoldsBlocksUntilSendingCompletesEvenWhenItsOnlyToke
   ScriptedConnector conn;
   conn.delay_free_on_finish = true;
   SchedulerHarness h(config(8), &conn);
-  h.add("prefill", iota_tokens(40), 1, nlohmann::json{{"do_remote_decode", true}});
+  h.add("prefill", iota_tokens(40), 1, contract::TransferParams{});  // a producer's
   h.step();  // computes the prompt, samples the single token, finishes
   EXPECT_EQ(h.finished.count("prefill"), 1u);
   EXPECT_EQ(h.scheduler.block_pool().num_free_blocks(), 5) << "3 blocks still readable by the transfer";

@@ -104,7 +104,7 @@ class LoopbackConnector : public KvConnector {
 
   // Caller-thread side: rejects params without a transfer_id.
   Status validate_request(const GenerateRequest& request) const override {
-    if (request.kv_transfer_params && !request.kv_transfer_params->contains("transfer_id")) {
+    if (request.kv_transfer_params && request.kv_transfer_params->transfer_id.empty()) {
       return invalid_argument("kv_transfer_params without transfer_id");
     }
     return Status::Ok();
@@ -141,7 +141,9 @@ class LoopbackConnector : public KvConnector {
   FinishDecision request_finished(const Request& r, std::span<const int32_t>) override {
     std::lock_guard lock(mutex_);
     finished_.push_back(r.request_id());
-    return FinishDecision{delay_free, nlohmann::json{{"transfer_id", "x-" + r.request_id()}}};
+    contract::ProducerAnswer answer;
+    answer.transfer_id = "x-" + r.request_id();
+    return FinishDecision{delay_free, answer};
   }
   RemoteKvTimeoutAction on_remote_kv_timeout(const Request&) override {
     std::lock_guard lock(mutex_);
@@ -248,7 +250,10 @@ GenerateRequest pd_request(const std::string& id, int32_t prompt_len, int32_t ma
   r.prompt_token_ids = prompt_of(prompt_len);
   r.sampling.temperature = 0.0f;
   r.sampling.max_tokens = max_tokens;
-  if (with_params) r.kv_transfer_params = nlohmann::json{{"transfer_id", "t"}};
+  if (with_params) {
+    r.kv_transfer_params.emplace();
+    r.kv_transfer_params->transfer_id = "t";
+  }
   return r;
 }
 
@@ -303,7 +308,8 @@ TEST(EngineConnector, ProducerKeepsBlocksAndIdUntilSendingIsReported) {
   Outputs out;
   ASSERT_TRUE(rig.engine->add_request(pd_request("p", 20, 1), out.callback()).ok());
   ASSERT_TRUE(out.wait_finished("p"));
-  EXPECT_EQ(out.last("p").kv_transfer_params, std::optional<nlohmann::json>(nlohmann::json{{"transfer_id", "x-p"}}));
+  ASSERT_TRUE(out.last("p").kv_transfer_params.has_value());
+  EXPECT_EQ(out.last("p").kv_transfer_params->transfer_id, "x-p");
   // Held: the id cannot be reused while a transfer may read its blocks.
   EXPECT_EQ(rig.engine->add_request(pd_request("p", 20, 1), out.callback()).code(), ErrorCode::kInvalidArgument);
   rig.connector->report_sent("p");
@@ -348,7 +354,7 @@ TEST(EngineConnector, ConnectorValidationRejectsBadTransferParamsUpFront) {
   Rig rig = make_rig(64, ExternalMatch{24, true, 60'000});
   Outputs out;
   GenerateRequest r = pd_request("bad", 26, 4);
-  r.kv_transfer_params = nlohmann::json{{"nonsense", 1}};
+  r.kv_transfer_params = contract::TransferParams{};  // no transfer_id
   EXPECT_EQ(rig.engine->add_request(r, out.callback()).code(), ErrorCode::kInvalidArgument);
 }
 

@@ -41,7 +41,7 @@ class SchedulerHarness {
       : scheduler(std::move(config), connector) {}
 
   Request* add(const std::string& id, std::vector<int32_t> prompt, int32_t max_tokens,
-               std::optional<nlohmann::json> kv_transfer_params = std::nullopt) {
+               std::optional<contract::TransferParams> kv_transfer_params = std::nullopt) {
     SamplingParams sampling;
     sampling.temperature = 0.0f;
     sampling.max_tokens = max_tokens;

@@ -1,14 +1,18 @@
-#include "server/api_error.h"
+#include "frontend/api_error.h"
 
 #include <fmt/format.h>
 
-namespace pd::server {
+namespace pd::frontend {
 
 nlohmann::json ApiError::to_json() const {
   nlohmann::json error = {{"message", message}, {"type", type}};
   error["param"] = param.empty() ? nlohmann::json(nullptr) : nlohmann::json(param);
   error["code"] = code.empty() ? nlohmann::json(nullptr) : nlohmann::json(code);
   return {{"error", std::move(error)}};
+}
+
+std::string ApiError::to_text() const {
+  return to_json().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 ApiError bad_request(std::string message, std::string param) {
@@ -83,4 +87,4 @@ ApiError api_error_from_status(const Status& status, std::string param) {
   }
 }
 
-}  // namespace pd::server
+}  // namespace pd::frontend
