@@ -141,7 +141,7 @@ def test_pd_answers_the_prompt_logprobs_one_pdserve_gives(pd_deployment, server)
     mode, router = pd_deployment
     expected = complete(client_for(server.base_url), PROMPT_IDS, 2, max_tokens=4)
     answer = complete(client_for(router.base_url), PROMPT_IDS, 2, max_tokens=4)
-    assert router.metric("pd_router_decisions_total", {"flow": mode}) >= 1
+    assert router.metric("pd_router_decisions_total", {"flow": mode, "reason": "always"}) >= 1
     assert answer.choices[0].text == expected.choices[0].text
     got, want = prompt_logprobs_of(answer.choices[0]), prompt_logprobs_of(expected.choices[0])
     assert [sorted(e) if e else e for e in got] == [sorted(e) if e else e for e in want]
