@@ -395,6 +395,14 @@ Status CudaModelRunner::validate(const StepInput& input) const {
   for (int32_t id : input.token_ids) {
     if (id < 0 || id >= config_.vocab_size) return invalid_argument("cuda runner: token id {} outside the vocab", id);
   }
+  // The pass lays every sequence's new tokens out back to back: their sum, not token_ids'
+  // size, is what fills the step buffers (ranges may overlap in a malformed step).
+  int64_t num_pass_tokens = 0;
+  for (const SeqStep& s : input.seqs) num_pass_tokens += std::max(0, s.num_new_tokens);
+  if (num_pass_tokens > options_.max_num_batched_tokens) {
+    return invalid_argument("cuda runner: the seqs' new tokens sum to {} > max_num_batched_tokens {}", num_pass_tokens,
+                            options_.max_num_batched_tokens);
+  }
   for (size_t i = 0; i < input.seqs.size(); ++i) {
     const SeqStep& s = input.seqs[i];
     if (s.num_new_tokens < 1 || s.num_computed_tokens < 0 || s.token_offset < 0 ||
@@ -663,6 +671,7 @@ Status CudaModelRunner::run_decode_graph(int32_t bucket, const PassShape& shape)
         kc::cuda_status(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture"));
     const Status st = forward(shape, nullptr);
     const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    if ((!st.ok() || end != cudaSuccess) && graph != nullptr) cudaGraphDestroy(graph);
     PD_RETURN_IF_ERROR(st);
     PD_RETURN_IF_ERROR(kc::cuda_status(end, "end capture"));
     cudaGraphExec_t exec = nullptr;

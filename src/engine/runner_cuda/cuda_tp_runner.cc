@@ -42,11 +42,13 @@ Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::create(model::ModelConfig co
     return Status::Ok();
   }));
   // One block id names the same block on every rank: every pool takes the smallest rank's count.
-  int64_t blocks = INT64_MAX;
-  for (auto& rank : r->ranks_) {
-    PD_ASSIGN_OR_RETURN(const int64_t fitted, rank->fit_kv_blocks());
-    blocks = std::min(blocks, fitted);
-  }
+  // Each rank fits on its own thread (its device current: fitting allocates on it).
+  std::vector<int64_t> fitted(r->ranks_.size(), 0);
+  PD_RETURN_IF_ERROR(r->run_ranks([&](int32_t rank) -> Status {
+    PD_ASSIGN_OR_RETURN(fitted[static_cast<size_t>(rank)], r->ranks_[static_cast<size_t>(rank)]->fit_kv_blocks());
+    return Status::Ok();
+  }));
+  const int64_t blocks = *std::min_element(fitted.begin(), fitted.end());
   // Together: preparing the decode buckets runs forward passes, whose collectives need every rank.
   PD_RETURN_IF_ERROR(
       r->run_ranks([&](int32_t rank) { return r->ranks_[static_cast<size_t>(rank)]->finish_init(blocks); }));

@@ -1,5 +1,6 @@
 #include "contract/registration.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <msgpack.hpp>
 
@@ -398,7 +399,11 @@ TEST(Heartbeat, RefusesMalformedLoadAndKvNamingTheField) {
                                 }),
                  "load.running");
   const std::string huge(kMaxHeartbeatBytes + 1, '\x01');
-  EXPECT_FALSE(decode_heartbeat(huge.data(), huge.size()).ok());
+  const auto too_big = decode_heartbeat(huge.data(), huge.size());
+  ASSERT_FALSE(too_big.ok());
+  // Refused for its size, before the unpacker reads it (not for the bytes after its first value).
+  EXPECT_NE(too_big.status().message().find(fmt::format("max {}", kMaxHeartbeatBytes)), std::string::npos)
+      << too_big.status().to_string();
 }
 
 TEST(Heartbeat, AResyncRequestIsRecognisedExactly) {

@@ -344,9 +344,11 @@ TEST(Scheduler, RecordsCacheEventsForTheConnectorWhenConfigured) {
   const std::vector<KvCacheEvent> events = h.scheduler.take_cache_events();
   ASSERT_EQ(events.size(), 2u);  // two full prompt blocks
   for (const KvCacheEvent& e : events) EXPECT_TRUE(e.stored);
-  std::vector<BlockHash> expected;
-  expected.push_back(hash_block_tokens(std::nullopt, std::span<const int32_t>(iota_tokens(40)).subspan(0, 16)));
-  EXPECT_EQ(events[0].hash, expected[0]);
+  const std::vector<int32_t> prompt = iota_tokens(40);
+  const std::span<const int32_t> tokens(prompt);
+  const BlockHash first = hash_block_tokens(std::nullopt, tokens.subspan(0, 16));
+  EXPECT_EQ(events[0].hash, first);
+  EXPECT_EQ(events[1].hash, hash_block_tokens(first, tokens.subspan(16, 16)));  // chained on the first
 }
 
 }  // namespace

@@ -10,6 +10,9 @@
 #include <boost/asio/write.hpp>
 #include <boost/beast/http/write.hpp>
 
+#include <sys/socket.h>
+#include <sys/time.h>
+
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -81,6 +84,9 @@ class ListenerTest : public ::testing::Test {
   tcp::socket connect() {
     tcp::socket socket(client_context_);
     socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), listener_->port()));
+    // A server that never answers or never closes fails the test instead of hanging it.
+    const timeval timeout{5, 0};
+    ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
     return socket;
   }
 

@@ -14,14 +14,12 @@
 
 #include "engine/runner/cpu_model_runner.h"
 #include "engine/runner/load_model.h"
+#include "runner_test_util.h"
 
 namespace pd::engine {
 namespace {
 
-std::filesystem::path golden_dir(const std::string& family) {
-  const char* src = std::getenv("PDSERVE_SOURCE_DIR");
-  return std::filesystem::path(src != nullptr ? src : PDSERVE_TEST_SOURCE_DIR) / "tests" / "data" / "golden" / family;
-}
+using runner_test::golden_dir;
 
 TEST(KvCacheDtype, Fp8BlocksHoldCodesPlusOneScalePerTokenAndHead) {
   KvCacheSpec spec;

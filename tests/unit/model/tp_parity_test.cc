@@ -24,6 +24,7 @@
 #include "model/config.h"
 #include "model/tp_shard.h"
 #include "model/weights.h"
+#include "runner_test_util.h"
 
 namespace pd::engine {
 namespace {
@@ -34,10 +35,7 @@ constexpr int32_t kNumBlocks = 64;
 // the logits may differ by fp32 rounding only.
 constexpr double kMaxRelativeError = 1e-5;
 
-std::filesystem::path golden_dir(const std::string& family) {
-  const char* src = std::getenv("PDSERVE_SOURCE_DIR");
-  return std::filesystem::path(src != nullptr ? src : PDSERVE_TEST_SOURCE_DIR) / "tests" / "data" / "golden" / family;
-}
+using runner_test::golden_dir;
 
 std::vector<int32_t> golden_prompt(const std::string& family) {
   std::ifstream in(golden_dir(family) / "golden.json");
@@ -53,15 +51,7 @@ Result<std::unique_ptr<CpuModelRunner>> make_runner(const std::string& family, i
 
 SeqStep seq_step(int32_t offset, int32_t num_new, int32_t num_computed, const std::vector<int32_t>& table,
                  bool sample) {
-  SeqStep s;
-  s.token_offset = offset;
-  s.num_new_tokens = num_new;
-  s.num_computed_tokens = num_computed;
-  const int32_t blocks = (num_computed + num_new + kBlockSize - 1) / kBlockSize;
-  s.block_table.assign(table.begin(), table.begin() + blocks);
-  s.sample = sample;
-  s.sampling.temperature = 0.0f;
-  return s;
+  return runner_test::seq_step(offset, num_new, num_computed, table, kBlockSize, sample);
 }
 
 std::vector<int32_t> scattered_table(int32_t salt) {
@@ -70,21 +60,9 @@ std::vector<int32_t> scattered_table(int32_t salt) {
   return table;
 }
 
-// Every row of `got` within kMaxRelativeError of `want` (L2 over the row) and the same argmax.
 void expect_close(const std::vector<float>& want, const std::vector<float>& got, int32_t vocab,
                   const std::string& what) {
-  ASSERT_EQ(want.size(), got.size()) << what;
-  for (size_t row = 0; row * vocab < want.size(); ++row) {
-    const float* a = want.data() + row * vocab;
-    const float* b = got.data() + row * vocab;
-    double diff2 = 0.0, ref2 = 0.0;
-    for (int32_t i = 0; i < vocab; ++i) {
-      diff2 += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-      ref2 += static_cast<double>(a[i]) * a[i];
-    }
-    EXPECT_LE(std::sqrt(diff2) / std::sqrt(ref2), kMaxRelativeError) << what << " row " << row;
-    EXPECT_EQ(std::max_element(a, a + vocab) - a, std::max_element(b, b + vocab) - b) << what << " row " << row;
-  }
+  runner_test::expect_rows_close(want, got, vocab, kMaxRelativeError, what);
 }
 
 struct TpCase {
