@@ -988,6 +988,15 @@ void PdConnector::run_actions() {
     // After the writes of this round are posted (and counted): a done settled in the same
     // round as its last writes (destination ids that arrived after the forward) waits for them.
     for (auto& done : pa.early_dones) offer_early_done(std::move(done));
+    if (!pa.withdrawn_early_dones.empty()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const auto& transfer_id : pa.withdrawn_early_dones) {
+        auto it = write_batches_.find(transfer_id);
+        if (it == write_batches_.end()) continue;  // sent already, or no write left in flight
+        it->second.failed = true;
+        it->second.done.reset();
+      }
+    }
     for (const auto& r : ca.reads) {
       auto view = consumer_->view(r.transfer_id);
       Status status = Status::Ok();

@@ -220,6 +220,7 @@ void ProducerTransfers::fail(const std::string& transfer_id, Transfer& t, const 
     t.failed = true;
     t.failure = reason;
     ++actions_.num_failed;
+    if (t.done_offered_early && !t.done_sent) actions_.withdrawn_early_dones.push_back(transfer_id);
   }
   maybe_finish(transfer_id);
 }
@@ -286,7 +287,11 @@ std::optional<OutgoingMessage> ProducerTransfers::settled_done(const std::string
 void ProducerTransfers::on_done_sent_early(const std::string& transfer_id) {
   auto it = transfers_.find(transfer_id);
   if (it == transfers_.end() || !it->second.done_offered_early || it->second.done_sent) return;
-  it->second.done_sent = true;
+  it->second.done_sent = true;  // a done went out: the failure path sends no second one
+  if (it->second.failed) {      // it failed after the offer, before the withdrawal reached the adapter
+    maybe_finish(transfer_id);
+    return;
+  }
   ++actions_.num_completed;
   maybe_finish(transfer_id);
 }

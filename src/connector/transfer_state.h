@@ -73,6 +73,10 @@ struct ProducerActions {
   // completion path, and then reports it with on_done_sent_early. Otherwise the
   // same done goes out in `sends` when the engine thread sees the completions.
   std::vector<OutgoingMessage> early_dones;
+  // Transfers whose offered early done must not go out any more: they failed
+  // (abort, release, timeout, a failed write) after the offer. The adapter drops
+  // the offer if it still holds it.
+  std::vector<std::string> withdrawn_early_dones;
   int32_t num_timeouts = 0;
   int32_t num_completed = 0;
   int32_t num_failed = 0;

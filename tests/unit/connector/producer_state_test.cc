@@ -429,6 +429,50 @@ TEST_F(ProducerStateTest, AnOfferedDoneThatWasNotSentBecauseAWriteFailedEndsAsDo
   EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
 }
 
+// An offered early done whose transfer is then aborted (consumer abort, router
+// release) while its writes are in flight is withdrawn, and the transfer ends with
+// done not ok, counted once as failed.
+TEST_F(ProducerStateTest, AnOfferedDoneIsWithdrawnWhenTheTransferIsAbortedBeforeItWentOut) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 9, 0, 9), 64, 0);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  p_.first_token_sampled(kT, 4242, 0xfeed);
+  ASSERT_EQ(p_.take_actions().early_dones.size(), 1u);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  EXPECT_TRUE(p_.release(kT));  // the router gave up on it
+  auto a = p_.take_actions();
+  EXPECT_EQ(a.withdrawn_early_dones, std::vector<std::string>{kT});
+  EXPECT_EQ(a.num_failed, 1);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  a = p_.take_actions();
+  ASSERT_EQ(a.sends.size(), 1u);
+  EXPECT_FALSE(a.sends[0].message.ok);
+  EXPECT_EQ(a.num_completed, 0);
+  EXPECT_EQ(a.released_request_ids, std::vector<std::string>{"req"});
+  EXPECT_EQ(p_.num_active(), 0u);
+}
+
+// The completion path sent the offered done just before the abort's withdrawal
+// reached it: no second done, and the transfer is not counted completed.
+TEST_F(ProducerStateTest, AnEarlyDoneSentAfterTheTransferFailedIsNotCountedCompleted) {
+  ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
+  p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 9, 0, 9), 64, 0);
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_layer_saved(kT, layer);
+  p_.on_forward_done(kT, true);
+  p_.first_token_sampled(kT, 4242, 0xfeed);
+  ASSERT_EQ(p_.take_actions().early_dones.size(), 1u);
+  EXPECT_TRUE(p_.request_finished(kT, {1, 2, 3}, true, 0));
+  EXPECT_TRUE(p_.release(kT));  // the router gave up on it
+  EXPECT_EQ(p_.take_actions().num_failed, 1);
+  p_.on_done_sent_early(kT);  // reported with the last write's completion
+  for (int32_t layer = 0; layer < kLayers; ++layer) p_.on_write_done(kT, layer, true);
+  auto a = p_.take_actions();
+  EXPECT_TRUE(a.sends.empty()) << "the consumer has a done already";
+  EXPECT_EQ(a.num_completed, 0);
+  EXPECT_EQ(p_.num_active(), 0u);
+}
+
 TEST_F(ProducerStateTest, DoneWithoutATokenWhenTheRequestFinishesWithoutOne) {
   ASSERT_TRUE(p_.start(kT, "req", false, 9, 0).ok());
   p_.on_blocks(consumer(), blocks_msg({7, 8, 9}, 9, 0, 9), 64, 0);
