@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <random>
+#include <variant>
 
 #include <fmt/format.h>
+
+#include "server/openai_protocol.h"
 
 namespace pd::server {
 
@@ -14,6 +17,8 @@ namespace {
 constexpr std::string_view kCallOpen = "<tool_call>";
 constexpr std::string_view kCallClose = "</tool_call>";
 constexpr std::string_view kPythonTag = "<|python_tag|>";
+// Deeper model output is not a call (the request parser's default bound).
+constexpr size_t kMaxCallJsonDepth = 64;
 
 bool is_space(char c) {
   return c == ' ' || c == '\n' || c == '\t' || c == '\r';
@@ -60,8 +65,10 @@ void python_dumps(const ojson& value, std::string& out) {
 
 // A call object: {"name": string, "arguments"|"parameters": object}.
 std::optional<std::pair<std::string, std::string>> read_call(std::string_view json_text) {
-  ojson value = ojson::parse(json_text, nullptr, /*allow_exceptions=*/false);
-  if (value.is_discarded() || !value.is_object()) return std::nullopt;
+  // Depth-bounded like a request body: python_dumps recurses once per level of model output.
+  auto parsed = parse_json_object(json_text, kMaxCallJsonDepth);
+  if (!std::holds_alternative<ojson>(parsed)) return std::nullopt;
+  ojson value = std::move(std::get<ojson>(parsed));
   auto name = value.find("name");
   if (name == value.end() || !name->is_string() || name->get_ref<const std::string&>().empty()) return std::nullopt;
   auto args = value.find("arguments");

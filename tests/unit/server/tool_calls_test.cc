@@ -121,6 +121,23 @@ TEST(HermesToolCalls, SeveralCallsAndTheTextAroundThem) {
   EXPECT_EQ(parsed.content, "Let me look.\n\nDone.");
 }
 
+// Arguments nested a million levels deep (a model can write that) are content,
+// not a call: before the depth bound, re-spelling them recursed once per level
+// and overflowed the stack.
+TEST(HermesToolCalls, ArgumentsNestedTooDeepStayContent) {
+  const size_t depth = 1'000'000;
+  const std::string text = "<tool_call>{\"name\": \"a\", \"arguments\": {\"x\": " + std::string(depth, '[') +
+                           std::string(depth, ']') + "}}</tool_call>";
+  auto parsed = parse(ToolCallFormat::kHermes, text);
+  EXPECT_TRUE(parsed.calls.empty());
+  EXPECT_EQ(parsed.content, text);
+  // A call within the bound is still a call.
+  const std::string nested = "<tool_call>{\"name\": \"a\", \"arguments\": {\"x\": [[[1]]]}}</tool_call>";
+  parsed = parse(ToolCallFormat::kHermes, nested);
+  ASSERT_EQ(parsed.calls.size(), 1u);
+  EXPECT_EQ(parsed.calls[0].arguments, "{\"x\": [[[1]]]}");
+}
+
 TEST(HermesToolCalls, MalformedCallsStayContent) {
   const std::string bad_json = "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": }\n</tool_call>";
   auto parsed = parse(ToolCallFormat::kHermes, bad_json);
