@@ -150,7 +150,12 @@ bool RegistrationHeartbeat::send_load_frame(bool registration_due) {
     heartbeat.load = report;
   }
   if (heartbeat.kv->has_events() || heartbeat.load != last_sent_load_ || registration_due) {
-    send_frame(contract::encode_heartbeat(heartbeat));
+    if (!send_frame(contract::encode_heartbeat(heartbeat))) {
+      // The router never saw this batch: start over with a snapshot, after the
+      // usual pause (a full queue is not pushed harder).
+      if (heartbeat.kv->has_events()) publisher_.request_reset();
+      return false;
+    }
     last_sent_load_ = heartbeat.load;
   }
   return publisher_.has_pending();

@@ -23,6 +23,7 @@ contract::KvEventBatch KvEventPublisher::next_batch(uint32_t block_size) {
     dirty_ = cache_;
   }
   for (auto it = dirty_.begin(); it != dirty_.end();) {
+    if (batch.stored.size() == max_hashes_per_list_ && batch.removed.size() == max_hashes_per_list_) break;
     const uint64_t hash = *it;
     const bool cached = cache_.contains(hash);
     const bool sent = sent_.contains(hash);
