@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "model/fp8.h"
 
@@ -90,17 +91,6 @@ Result<TpSplit> plan_tensor_parallel(const ModelConfig& c, int32_t tp, bool expe
 std::pair<int32_t, int32_t> token_slice(int32_t rank, int32_t num_ranks, int32_t num_tokens) {
   const auto at = [&](int32_t r) { return static_cast<int32_t>(static_cast<int64_t>(num_tokens) * r / num_ranks); };
   return {at(rank), at(rank + 1)};
-}
-
-std::vector<float> slice_rows(const float* w, int64_t cols, int64_t row_begin, int64_t row_end) {
-  return std::vector<float>(w + row_begin * cols, w + row_end * cols);
-}
-
-std::vector<float> slice_cols(const float* w, int64_t rows, int64_t cols, int64_t col_begin, int64_t col_end) {
-  const int64_t width = col_end - col_begin;
-  std::vector<float> out(static_cast<size_t>(rows * width));
-  for (int64_t r = 0; r < rows; ++r) std::copy_n(w + r * cols + col_begin, width, out.data() + r * width);
-  return out;
 }
 
 }  // namespace pd::model

@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <utility>
-#include <vector>
 
 #include "common/status.h"
 #include "model/config.h"
@@ -49,10 +48,5 @@ Result<TpSplit> plan_tensor_parallel(const ModelConfig& config, int32_t tp_size,
 // expert-parallel exchange: contiguous, in rank order, sizes differing by at
 // most one (a rank may own none when num_tokens < num_ranks).
 std::pair<int32_t, int32_t> token_slice(int32_t rank, int32_t num_ranks, int32_t num_tokens);
-
-// Rows [row_begin, row_end) of a row-major [rows][cols] matrix (a column-parallel slice).
-std::vector<float> slice_rows(const float* w, int64_t cols, int64_t row_begin, int64_t row_end);
-// Columns [col_begin, col_end) of every row of a row-major [rows][cols] matrix (a row-parallel slice).
-std::vector<float> slice_cols(const float* w, int64_t rows, int64_t cols, int64_t col_begin, int64_t col_end);
 
 }  // namespace pd::model

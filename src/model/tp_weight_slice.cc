@@ -49,7 +49,10 @@ std::vector<LinearPart> rank_linear_parts(const ModelConfig& c, const TpSplit& s
                 kv1 = kv0 + static_cast<int64_t>(s.kv_heads_per_rank) * d;
   const int64_t inter = expert ? c.moe.moe_intermediate_size : c.intermediate_size;
   const int64_t inter_rank = expert ? s.moe_intermediate_per_rank : s.intermediate_per_rank;
-  const int64_t i0 = static_cast<int64_t>(rank) * inter_rank, i1 = i0 + inter_rank;
+  // With expert parallelism a rank holds whole experts: nothing of an expert is cut.
+  const bool whole_expert = expert && s.expert_parallel;
+  const int64_t i0 = whole_expert ? 0 : static_cast<int64_t>(rank) * inter_rank;
+  const int64_t i1 = whole_expert ? inter : i0 + inter_rank;
   const std::string attn = prefix + "self_attn.";
   const std::string mlp = expert ? prefix : prefix + "mlp.";
   const int64_t qkv_rows = (hq + 2 * hkv) * d;

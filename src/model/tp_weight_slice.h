@@ -34,7 +34,8 @@ struct LinearPart {
 };
 
 // The fused linears of one decoder layer (or of one expert, with `prefix` the
-// expert's "model.layers.L.mlp.experts.E." and `expert` set).
+// expert's "model.layers.L.mlp.experts.E." and `expert` set). With expert
+// parallelism an expert's parts are whole (the rank holds the expert whole).
 enum class FusedLinear : uint8_t { kQkv, kOProj, kGateUp, kDown };
 
 // The parts of `which` that `rank` holds, in the order they are stacked by rows.

@@ -5,6 +5,7 @@
 #include <string_view>
 
 #include "engine/sampler.h"
+#include "model/tp_weight_slice.h"
 
 namespace pd::engine {
 namespace cpu = kernels::cpu;
@@ -101,65 +102,63 @@ Result<std::unique_ptr<CpuModelRunner>> CpuModelRunner::create(model::ModelConfi
   if (tp == 1) {
     r->ranks_[0].layers = std::move(full_layers);
   } else {
-    // Megatron split: column-parallel linears keep output rows [row0, row1) (and
-    // that slice of their bias); row-parallel ones keep input columns [col0,
-    // col1), their bias only on rank 0 (added once before the reduction).
+    // Megatron split, planned once for every runner by model::rank_linear_parts:
+    // column-parallel linears keep a range of output rows (and that slice of
+    // their bias); row-parallel ones keep a range of input columns, their bias
+    // only on rank 0 (added once before the reduction).
     auto keep = [&](std::vector<float> v) {
       r->dequantised_.push_back(std::move(v));
       return r->dequantised_.back().data();
     };
-    auto column = [&](const Linear& full, int64_t in, int64_t row0, int64_t row1) {
+    auto cut = [&](const Linear& full, const model::LinearPart& part, int32_t rank) {
       Linear l;
       l.fp8_input = full.fp8_input;
-      l.weight = keep(model::slice_rows(full.weight, in, row0, row1));
-      if (full.bias != nullptr) l.bias = keep(std::vector<float>(full.bias + row0, full.bias + row1));
+      l.weight = keep(model::copy_part(full.weight, part));
+      if (full.bias != nullptr) {
+        const bool row_parallel = part.col_begin != 0 || part.col_end != part.cols;
+        if (!row_parallel)
+          l.bias = keep(model::copy_bias_part(full.bias, part));
+        else if (rank == 0)
+          l.bias = full.bias;
+      }
       return l;
     };
-    auto row = [&](const Linear& full, int64_t out, int64_t in, int64_t col0, int64_t col1, int32_t rank) {
-      Linear l;
-      l.fp8_input = full.fp8_input;
-      l.weight = keep(model::slice_cols(full.weight, out, in, col0, col1));
-      if (full.bias != nullptr && rank == 0) l.bias = full.bias;
-      return l;
-    };
-    const int64_t hd = c.head_dim, hidden = c.hidden_size;
-    const int64_t q_rank = static_cast<int64_t>(split.heads_per_rank) * hd;
-    const int64_t kv_rank = static_cast<int64_t>(split.kv_heads_per_rank) * hd;
+    using model::FusedLinear;
     for (int32_t rank = 0; rank < tp; ++rank) {
-      const int64_t q0 = rank * q_rank;
-      const int64_t kv0 = static_cast<int64_t>(split.kv_head_begin(rank, c.num_kv_heads)) * hd;
-      for (const LayerPtrs& f : full_layers) {
+      for (int32_t layer = 0; layer < c.num_layers; ++layer) {
+        const LayerPtrs& f = full_layers[static_cast<size_t>(layer)];
+        const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+        const auto parts = [&](const std::string& at, FusedLinear which, bool expert) {
+          return model::rank_linear_parts(c, split, rank, at, which, expert);
+        };
         LayerPtrs lp;
         lp.input_norm = f.input_norm;
-        lp.q_proj = column(f.q_proj, hidden, q0, q0 + q_rank);
-        lp.k_proj = column(f.k_proj, hidden, kv0, kv0 + kv_rank);
-        lp.v_proj = column(f.v_proj, hidden, kv0, kv0 + kv_rank);
+        const auto qkv = parts(prefix, FusedLinear::kQkv, false);
+        lp.q_proj = cut(f.q_proj, qkv[0], rank);
+        lp.k_proj = cut(f.k_proj, qkv[1], rank);
+        lp.v_proj = cut(f.v_proj, qkv[2], rank);
         lp.q_norm = f.q_norm;
         lp.k_norm = f.k_norm;
-        lp.o_proj = row(f.o_proj, hidden, c.q_size(), q0, q0 + q_rank, rank);
+        lp.o_proj = cut(f.o_proj, parts(prefix, FusedLinear::kOProj, false)[0], rank);
         lp.post_norm = f.post_norm;
         lp.router = f.router;
-        if (f.router != nullptr && split.expert_parallel) {
-          // Whole experts [e0, e0 + experts_per_rank): nothing cut, so an FP8
-          // expert's 128x128 scale blocks and its input quantisation stay as at one rank.
-          const int64_t inter = c.moe.moe_intermediate_size;
+        if (f.router != nullptr) {
+          // With expert parallelism the rank holds experts [e0, e0 + experts_per_rank)
+          // whole, so an FP8 expert's 128x128 scale blocks and its input
+          // quantisation stay as at one rank; otherwise a slice of every expert.
           const int32_t e0 = split.expert_begin(rank);
           for (int32_t e = e0; e < e0 + split.experts_per_rank; ++e) {
             const Expert& x = f.experts[static_cast<size_t>(e)];
-            lp.experts.push_back({column(x.gate_proj, hidden, 0, inter), column(x.up_proj, hidden, 0, inter),
-                                  column(x.down_proj, inter, 0, hidden)});
+            const std::string at = prefix + "mlp.experts." + std::to_string(e) + ".";
+            const auto gate_up = parts(at, FusedLinear::kGateUp, true);
+            lp.experts.push_back({cut(x.gate_proj, gate_up[0], rank), cut(x.up_proj, gate_up[1], rank),
+                                  cut(x.down_proj, parts(at, FusedLinear::kDown, true)[0], rank)});
           }
-        } else if (f.router != nullptr) {
-          const int64_t i_rank = split.moe_intermediate_per_rank, i0 = rank * i_rank;
-          for (const Expert& e : f.experts)
-            lp.experts.push_back({column(e.gate_proj, hidden, i0, i0 + i_rank),
-                                  column(e.up_proj, hidden, i0, i0 + i_rank),
-                                  row(e.down_proj, hidden, c.moe.moe_intermediate_size, i0, i0 + i_rank, rank)});
         } else {
-          const int64_t i_rank = split.intermediate_per_rank, i0 = rank * i_rank;
-          lp.gate_proj = column(f.gate_proj, hidden, i0, i0 + i_rank);
-          lp.up_proj = column(f.up_proj, hidden, i0, i0 + i_rank);
-          lp.down_proj = row(f.down_proj, hidden, c.intermediate_size, i0, i0 + i_rank, rank);
+          const auto gate_up = parts(prefix, FusedLinear::kGateUp, false);
+          lp.gate_proj = cut(f.gate_proj, gate_up[0], rank);
+          lp.up_proj = cut(f.up_proj, gate_up[1], rank);
+          lp.down_proj = cut(f.down_proj, parts(prefix, FusedLinear::kDown, false)[0], rank);
         }
         r->ranks_[static_cast<size_t>(rank)].layers.push_back(std::move(lp));
       }

@@ -112,6 +112,27 @@ TEST(TpWeightSlice, ExpertPartsSplitTheMoeIntermediate) {
   EXPECT_EQ(down[0].rows, 64);
 }
 
+TEST(TpWeightSlice, ExpertParallelRanksHoldTheirExpertsWhole) {
+  ModelConfig c = dense_config(4, 4, 16, 64, 128);
+  c.family = ModelFamily::kQwen3Moe;
+  c.moe.num_experts = 4;
+  c.moe.num_experts_per_tok = 2;
+  c.moe.moe_intermediate_size = 96;
+  c.moe.decoder_sparse_step = 1;
+  auto split = plan_tensor_parallel(c, 2, /*expert_parallel=*/true);
+  ASSERT_TRUE(split.ok());
+  for (int32_t rank = 0; rank < 2; ++rank) {
+    for (FusedLinear which : {FusedLinear::kGateUp, FusedLinear::kDown}) {
+      for (const LinearPart& p : rank_linear_parts(c, *split, rank, "model.layers.0.mlp.experts.3.", which, true))
+        EXPECT_TRUE(p.whole()) << p.base << " at rank " << rank;
+    }
+    // Attention stays tensor-parallel.
+    const auto qkv = rank_linear_parts(c, *split, rank, "model.layers.0.", FusedLinear::kQkv);
+    EXPECT_EQ(qkv[0].row_begin, rank * 32);
+    EXPECT_EQ(qkv[0].row_end, rank * 32 + 32);
+  }
+}
+
 TEST(TpWeightSlice, RowParallelPartialProductsSumToTheFullProduct) {
   const ModelConfig c = dense_config(8, 4, 16, 32, 64);
   auto split = plan_tensor_parallel(c, 4);
