@@ -1,5 +1,6 @@
 #include "engine/kv_memory_budget.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace pd::engine {
@@ -22,20 +23,24 @@ Result<int64_t> kv_cache_blocks_for_budget(const KvMemoryBudgetInput& input) {
         static_cast<double>(input.free_bytes_at_start) / kGiB, static_cast<double>(input.total_bytes) / kGiB,
         input.gpu_memory_utilization, share / kGiB);
   }
-  // Memory this instance took since start-up; another process allocating at
-  // the same time makes it look larger (fewer blocks, never an overcommit).
-  const double own = input.free_bytes_now < input.free_bytes_at_start
-                         ? static_cast<double>(input.free_bytes_at_start - input.free_bytes_now)
-                         : 0.0;
-  const double budget = share - own - static_cast<double>(input.reserve_bytes);
-  const int64_t blocks =
-      budget > 0.0 ? static_cast<int64_t>(std::floor(budget / static_cast<double>(input.bytes_per_block))) : 0;
-  if (blocks <= 0) {
+  const double own = static_cast<double>(input.own_bytes);
+  const double reserve = static_cast<double>(input.reserve_bytes);
+  const double budget = share - own - reserve;
+  const double free_now = static_cast<double>(input.free_bytes_now) - reserve;
+  const double per_block = static_cast<double>(input.bytes_per_block);
+  if (budget < per_block) {
     return resource_exhausted(
         "no memory left for the KV cache: the share of {:.2f} GiB (--gpu-memory-utilization {}) minus this "
         "instance's {:.2f} GiB (weights, buffers) and a {:.2f} GiB reserve leaves less than one block",
-        share / kGiB, input.gpu_memory_utilization, own / kGiB, static_cast<double>(input.reserve_bytes) / kGiB);
+        share / kGiB, input.gpu_memory_utilization, own / kGiB, reserve / kGiB);
   }
+  if (free_now < per_block) {
+    return resource_exhausted(
+        "no memory left for the KV cache: only {:.2f} GiB of the device are free now (other processes hold the "
+        "rest) and a {:.2f} GiB reserve is kept",
+        static_cast<double>(input.free_bytes_now) / kGiB, reserve / kGiB);
+  }
+  const int64_t blocks = static_cast<int64_t>(std::floor(std::min(budget, free_now) / per_block));
   return blocks;
 }
 

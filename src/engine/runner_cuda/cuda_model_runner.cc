@@ -11,6 +11,7 @@
 #include "engine/runner_cuda/nccl_comm.h"
 #include "engine/sampler.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cuda/device_memory.h"
 
 namespace pd::engine {
 namespace {
@@ -110,7 +111,7 @@ Status CudaModelRunner::all_reduce(bf16* data, int64_t count) {
 CudaModelRunner::~CudaModelRunner() {
   for (auto& [bucket, exec] : graphs_) cudaGraphExecDestroy(exec);
   gemm_.reset();
-  for (void* p : allocations_) cudaFree(p);
+  for (void* p : allocations_) kc::device_free(p);
   if (h_ints_ != nullptr) cudaFreeHost(h_ints_);
   if (h_sampling_ != nullptr) cudaFreeHost(h_sampling_);
   if (h_logprobs_ != nullptr) cudaFreeHost(h_logprobs_);
@@ -119,7 +120,7 @@ CudaModelRunner::~CudaModelRunner() {
 
 void* CudaModelRunner::alloc(size_t bytes) {
   void* p = nullptr;
-  if (cudaMalloc(&p, std::max<size_t>(bytes, 16)) != cudaSuccess) return nullptr;
+  if (!kc::device_malloc(&p, std::max<size_t>(bytes, 16), "cuda runner buffer").ok()) return nullptr;
   allocations_.push_back(p);
   return p;
 }
@@ -173,7 +174,7 @@ Status CudaModelRunner::init(model::ModelConfig config, const model::ModelWeight
   }
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
-  // The KV budget counts what this instance allocates from here on (weights, buffers), not other processes.
+  // The KV budget needs the share free now; what this instance holds it counts by its own allocator.
   size_t total_bytes = 0;
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaMemGetInfo(&free_bytes_at_start_, &total_bytes), "cudaMemGetInfo"));
   PD_ASSIGN_OR_RETURN(gemm_, kc::Gemm::create(64ull << 20, options_.gemm_policy));
@@ -339,6 +340,7 @@ Result<int64_t> CudaModelRunner::fit_kv_blocks() {
     budget.total_bytes = total_bytes;
     budget.free_bytes_at_start = free_bytes_at_start_;
     budget.free_bytes_now = free_bytes;
+    budget.own_bytes = kc::device_bytes_held(options_.device);
     budget.gpu_memory_utilization = options_.gpu_memory_utilization;
     // Leave room for cuBLASLt, graphs and the CUDA context's own growth.
     budget.reserve_bytes = 512ull << 20;

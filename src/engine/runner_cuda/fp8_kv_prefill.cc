@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/device_memory.h"
+
 namespace pd::engine {
 
 namespace kc = pd::kernels::cuda;
@@ -23,18 +25,17 @@ Result<std::unique_ptr<Fp8KvPrefill>> Fp8KvPrefill::create(int32_t capacity_bloc
   p->num_kv_heads_ = num_kv_heads;
   p->head_dim_ = head_dim;
   p->ints_count_ = 2 * static_cast<size_t>(max_seqs) * static_cast<size_t>(max_blocks_per_seq);
+  PD_RETURN_IF_ERROR(kc::device_malloc(reinterpret_cast<void**>(&p->staging_), p->staging_bytes(), "fp8 kv staging"));
   PD_RETURN_IF_ERROR(
-      kc::cuda_status(cudaMalloc(reinterpret_cast<void**>(&p->staging_), p->staging_bytes()), "fp8 kv staging"));
-  PD_RETURN_IF_ERROR(
-      kc::cuda_status(cudaMalloc(reinterpret_cast<void**>(&p->d_ints_), p->ints_count_ * 4), "fp8 kv staging tables"));
+      kc::device_malloc(reinterpret_cast<void**>(&p->d_ints_), p->ints_count_ * 4, "fp8 kv staging tables"));
   PD_RETURN_IF_ERROR(kc::cuda_status(cudaMallocHost(reinterpret_cast<void**>(&p->h_ints_), p->ints_count_ * 4),
                                      "fp8 kv staging tables (host)"));
   return p;
 }
 
 Fp8KvPrefill::~Fp8KvPrefill() {
-  if (staging_ != nullptr) cudaFree(staging_);
-  if (d_ints_ != nullptr) cudaFree(d_ints_);
+  kc::device_free(staging_);
+  kc::device_free(d_ints_);
   if (h_ints_ != nullptr) cudaFreeHost(h_ints_);
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda/device_memory.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/launch.h"
 
@@ -60,13 +61,13 @@ Result<std::unique_ptr<Fp8Gemm>> Fp8Gemm::create(int32_t max_m, int32_t max_k, F
   g->max_m_ = max_m;
   g->max_k_ = max_k;
   PD_RETURN_IF_ERROR(lt_status(cublasLtCreate(&g->handle_), "cublasLtCreate"));
-  PD_RETURN_IF_ERROR(cuda_status(cudaMalloc(&g->workspace_, workspace_bytes), "cudaMalloc(fp8 gemm workspace)"));
+  PD_RETURN_IF_ERROR(device_malloc(&g->workspace_, workspace_bytes, "cudaMalloc(fp8 gemm workspace)"));
   g->workspace_bytes_ = workspace_bytes;
-  PD_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&g->act_q_), static_cast<size_t>(max_m) * max_k),
-                                 "cudaMalloc(fp8 activations)"));
+  PD_RETURN_IF_ERROR(device_malloc(reinterpret_cast<void**>(&g->act_q_), static_cast<size_t>(max_m) * max_k,
+                                   "cudaMalloc(fp8 activations)"));
   const size_t scale_count = static_cast<size_t>(max_k / kFp8Block) * fp8_act_scale_ld(max_m);
-  PD_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&g->act_scales_), scale_count * sizeof(float)),
-                                 "cudaMalloc(fp8 activation scales)"));
+  PD_RETURN_IF_ERROR(device_malloc(reinterpret_cast<void**>(&g->act_scales_), scale_count * sizeof(float),
+                                   "cudaMalloc(fp8 activation scales)"));
   return g;
 }
 
@@ -77,9 +78,9 @@ Fp8Gemm::~Fp8Gemm() {
     cublasLtMatrixLayoutDestroy(plan.c);
     cublasLtMatmulDescDestroy(plan.desc);
   }
-  if (act_scales_ != nullptr) cudaFree(act_scales_);
-  if (act_q_ != nullptr) cudaFree(act_q_);
-  if (workspace_ != nullptr) cudaFree(workspace_);
+  device_free(act_scales_);
+  device_free(act_q_);
+  device_free(workspace_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 

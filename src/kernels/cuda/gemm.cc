@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda/device_memory.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/launch.h"
 
@@ -55,7 +56,7 @@ Result<std::unique_ptr<Gemm>> Gemm::create(size_t workspace_bytes, GemmPolicy po
   g->policy_ = policy;
   g->forced_skinny_variant_ = skinny_variant;
   PD_RETURN_IF_ERROR(lt_status(cublasLtCreate(&g->handle_), "cublasLtCreate"));
-  PD_RETURN_IF_ERROR(cuda_status(cudaMalloc(&g->workspace_, workspace_bytes), "cudaMalloc(gemm workspace)"));
+  PD_RETURN_IF_ERROR(device_malloc(&g->workspace_, workspace_bytes, "cudaMalloc(gemm workspace)"));
   g->workspace_bytes_ = workspace_bytes;
   return g;
 }
@@ -67,7 +68,7 @@ Gemm::~Gemm() {
     cublasLtMatrixLayoutDestroy(plan.c);
     cublasLtMatmulDescDestroy(plan.desc);
   }
-  if (workspace_ != nullptr) cudaFree(workspace_);
+  device_free(workspace_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/device_memory.h"
 #include "kernels/cuda/kernels.h"
 
 namespace pd::kernels::cuda {
@@ -10,7 +11,7 @@ namespace {
 template <typename T>
 Status device_alloc(T** ptr, size_t count, std::vector<void*>* owned, const char* what) {
   void* p = nullptr;
-  PD_RETURN_IF_ERROR(cuda_status(cudaMalloc(&p, std::max<size_t>(1, count) * sizeof(T)), what));
+  PD_RETURN_IF_ERROR(device_malloc(&p, std::max<size_t>(1, count) * sizeof(T), what));
   owned->push_back(p);
   *ptr = static_cast<T*>(p);
   return Status::Ok();
@@ -59,7 +60,7 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::create(int32_t max_tokens, int32_t t
 }
 
 MoeLayer::~MoeLayer() {
-  for (void* p : allocations_) cudaFree(p);
+  for (void* p : allocations_) device_free(p);
   if (host_offsets_ != nullptr) cudaFreeHost(host_offsets_);
 }
 
