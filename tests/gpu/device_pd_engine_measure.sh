@@ -8,7 +8,7 @@
 #                 default budget (kProducerMaxNumBatchedTokens, src/server/server_config.h) and the
 #                 capacity model's chunk costs (docs/perf/engine.md, "P/D engine sweep").
 #   part "ttft":  the first-token path end to end on one GPU (producer and consumer at 0.4 of it,
-#                 WRITE mode, first-token hand-over on), Qwen3-8B shape, ISL 2000: one request at a
+#                 WRITE and READ modes, first-token hand-over on), Qwen3-8B shape, ISL 2000: one request at a
 #                 time (no step in flight on the consumer), then 8 at a time with 256-token outputs
 #                 (the consumer is mid-step whenever a first token arrives); collocated beside each.
 # Needs .devpack/carry.tar.xz holding .devcarry (pdserve, pdrouter, pd_gpu_engine_bench:
@@ -39,7 +39,7 @@ if [ "$PART" = ttft ]; then
   serve="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.4"
   for load in "c1:1:10:32" "c8:8:40:256"; do
     IFS=: read -r lname conc num olen <<< "$load"
-    for cfg in collocated pd-write; do
+    for cfg in collocated pd-write pd-read; do
       name=${cfg}_$lname
       step "ttft $name"
       gpus=(--gpus 0); [ $cfg = collocated ] && gpus=(--gpus 0 --num-collocated 1)
@@ -56,7 +56,7 @@ if [ "$PART" = ttft ]; then
 import json, os, sys
 out = sys.argv[1]
 print(f"{'run':22} {'TTFT p50':>9} {'p90':>8} {'mean':>8} {'TPOT p50':>9}")
-for name in ("collocated_c1", "pd-write_c1", "collocated_c8", "pd-write_c8"):
+for name in ("collocated_c1", "pd-write_c1", "pd-read_c1", "collocated_c8", "pd-write_c8", "pd-read_c8"):
     try:
         r = json.load(open(os.path.join(out, f"ttft_{name}.json")))["runs"][0]
     except Exception as e:
