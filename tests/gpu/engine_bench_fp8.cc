@@ -29,6 +29,7 @@
 #include "engine/runner_cuda/cuda_model_runner.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/grouped_fp8_gemm.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/moe_layer.h"
 #include "tests/gpu/bench_util.h"
@@ -240,6 +241,7 @@ struct Engine {
   std::unique_ptr<kc::Fp8Gemm> fp8;
   std::vector<std::unique_ptr<kc::MoeLayer>> moe;  // one per layer (decode: each keeps its routing)
   bool kv_fp8;
+  kc::MoePath prefill_path = kc::MoePath::kGrouped;
   size_t block_bytes;
   size_t kv_layer_bytes;
   DeviceBuffer<uint8_t> kv;  // [layers][blocks][block bytes]: bf16 or the FP8 layout
@@ -338,8 +340,7 @@ struct Engine {
                                   m.router.get() + static_cast<size_t>(l) * s.experts * h, t, s.experts, h, st));
         kc::MoeLayer& layer = *moe[moe.size() == 1 ? 0 : static_cast<size_t>(l)];
         PD_STATUS_CHECK(layer.forward(b.x.get(), b.xn.get(), b.router_logits.get(), t, m.moe(l), true,
-                                      decode ? kc::MoePath::kStream : kc::MoePath::kPerExpert, st, false, gemm.get(),
-                                      fp8.get()));
+                                      decode ? kc::MoePath::kStream : prefill_path, st, false, gemm.get(), fp8.get()));
       }
     }
     // Final norm of each sequence's last row, lm_head (bf16 in FP8 checkpoints).
@@ -598,31 +599,42 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
     Engine eng(model, n * len, blocks, false);
     eng.gemm->set_tuning(false);  // prefill shapes take cuBLASLt's first choice (as a server after load)
     PassBuffers b(model, p, 0);
-    std::vector<double> times;
-    for (int r = 0; r < 4; ++r) {
-      PD_CUDA_CHECK(cudaDeviceSynchronize());
-      cudaEvent_t e0, e1;
-      PD_CUDA_CHECK(cudaEventCreate(&e0));
-      PD_CUDA_CHECK(cudaEventCreate(&e1));
-      PD_CUDA_CHECK(cudaEventRecord(e0, nullptr));
-      eng.forward(b, p, nullptr);
-      PD_CUDA_CHECK(cudaEventRecord(e1, nullptr));
-      PD_CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      PD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      if (r >= 1) times.push_back(ms);
-      PD_CUDA_CHECK(cudaEventDestroy(e0));
-      PD_CUDA_CHECK(cudaEventDestroy(e1));
+    // MoE: the grouped expert GEMMs (the runner's prefill path) and one GEMM per expert, in turn.
+    std::vector<kc::MoePath> paths{kc::MoePath::kGrouped};
+    if (s.experts > 0 && kc::GroupedFp8Gemm::available()) paths.push_back(kc::MoePath::kPerExpert);
+    for (kc::MoePath path : paths) {
+      eng.prefill_path = path;
+      std::vector<double> times;
+      for (int r = 0; r < 4; ++r) {
+        PD_CUDA_CHECK(cudaDeviceSynchronize());
+        cudaEvent_t e0, e1;
+        PD_CUDA_CHECK(cudaEventCreate(&e0));
+        PD_CUDA_CHECK(cudaEventCreate(&e1));
+        PD_CUDA_CHECK(cudaEventRecord(e0, nullptr));
+        eng.forward(b, p, nullptr);
+        PD_CUDA_CHECK(cudaEventRecord(e1, nullptr));
+        PD_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        PD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 1) times.push_back(ms);
+        PD_CUDA_CHECK(cudaEventDestroy(e0));
+        PD_CUDA_CHECK(cudaEventDestroy(e1));
+      }
+      const double t = len;
+      const double flops = 2.0 * model.active_linear_params() * t * n +
+                           4.0 * s.layers * s.hq * s.d * (t * (t + 1) / 2.0) * n + 2.0 * s.vocab * s.hidden * n;
+      const double floor_ms = flops / (fp8_tflops * 1e9);
+      const std::string how = s.experts == 0                    ? ""
+                              : path == kc::MoePath::kPerExpert ? " per-expert"
+                              : kc::GroupedFp8Gemm::available() ? " grouped"
+                                                                : " per-expert (no CUTLASS)";
+      rows->push_back({s.name + " prefill " + std::to_string(n) + "x" + std::to_string(len) + how, floor_ms,
+                       median_of(times),
+                       std::to_string(static_cast<int>(flops / 1e12)) + " TFLOP at the FP8 rate; " +
+                           std::to_string(static_cast<int>(100.0 * floor_ms / median_of(times))) + " % of it"});
+      print_row(rows->back());
+      for (const auto& f : eng.fp8->fallbacks()) std::printf("  prefill fallback: %s\n", f.c_str());
     }
-    const double t = len;
-    const double flops = 2.0 * model.active_linear_params() * t * n +
-                         4.0 * s.layers * s.hq * s.d * (t * (t + 1) / 2.0) * n + 2.0 * s.vocab * s.hidden * n;
-    const double floor_ms = flops / (fp8_tflops * 1e9);
-    rows->push_back({s.name + " prefill " + std::to_string(n) + "x" + std::to_string(len), floor_ms, median_of(times),
-                     std::to_string(static_cast<int>(flops / 1e12)) + " TFLOP at the FP8 rate; " +
-                         std::to_string(static_cast<int>(100.0 * floor_ms / median_of(times))) + " % of it"});
-    print_row(rows->back());
-    for (const auto& f : eng.fp8->fallbacks()) std::printf("  prefill fallback: %s\n", f.c_str());
   }
 }
 
