@@ -44,8 +44,9 @@ std::vector<Row> g_rows;
 
 bool g_progress = false;  // --progress: each check's row on stderr as it is recorded (a crash names the last)
 
-void record(std::string name, std::string shape, const ErrorStats& e, std::string note = "") {
-  const bool pass = e.num_nan == 0 && e.rel_l2 <= kTolerance;
+void record(std::string name, std::string shape, const ErrorStats& e, std::string note = "",
+            double tolerance = kTolerance) {
+  const bool pass = e.num_nan == 0 && e.rel_l2 <= tolerance;
   if (g_progress)
     std::fprintf(stderr, "%s %s: rel_l2 %.2e %s\n", name.c_str(), shape.c_str(), e.rel_l2, pass ? "PASS" : "FAIL");
   g_rows.push_back({std::move(name), std::move(shape), e, pass, std::move(note)});
@@ -1413,13 +1414,20 @@ void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int t
   }
   std::string note;
   for (const auto& f : (*fp8_gemm)->fallbacks()) note += "fallback " + f + "; ";
+  // Every row through two e4m3 quantizations (the grouped path): the device's gate_up differs
+  // from the host's by accumulation order, a bf16 rounding flip there can move an e4m3 code of
+  // the SwiGLU output by one step (2^-3 relative), and with few rows these flips alone reach
+  // ~2e-2 (5 tokens: 2.2e-2 on an H200, 2026-12-02 03:43 UTC; the GEMM alone is checked at 1e-2
+  // by grouped_fp8_gemm_*). A misplaced scale or row gives ~1.
+  const double tolerance = fp8 && path == kc::MoePath::kGrouped ? 4e-2 : kTolerance;
+  if (tolerance != kTolerance) note += "tolerance 4e-2 (two e4m3 quantizations per row)";
   record(std::string("moe_layer_") + (fp8 ? "fp8" : "bf16") +
              (path == kc::MoePath::kStream    ? "_stream"
               : path == kc::MoePath::kGrouped ? "_grouped"
                                               : "_expert"),
          std::to_string(t_count) + " tok " + std::to_string(e_count) + "e top" + std::to_string(top_k) + " " +
              std::to_string(hidden) + "/" + std::to_string(inter),
-         compare(to_float(d_out.download()), ref), note);
+         compare(to_float(d_out.download()), ref), note, tolerance);
 }
 
 // cuBLASLt's scale layouts, checked directly: host-quantized activations with their scales
