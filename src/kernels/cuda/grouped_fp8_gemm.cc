@@ -10,7 +10,7 @@ bool GroupedFp8Gemm::available() {
 }
 
 Result<std::unique_ptr<GroupedFp8Gemm>> GroupedFp8Gemm::create(int32_t max_groups, int32_t max_rows, int32_t max_n,
-                                                               int32_t max_k) {
+                                                               int32_t max_k, uint8_t* a_q, float* a_scales) {
   if (!available()) {
     return unimplemented("grouped FP8 GEMM: built without CUTLASS's SM90 headers (pip package nvidia-cutlass)");
   }
@@ -28,11 +28,18 @@ Result<std::unique_ptr<GroupedFp8Gemm>> GroupedFp8Gemm::create(int32_t max_group
   PD_RETURN_IF_ERROR(cuda_status(cudaDeviceGetAttribute(&g->sm_count_, cudaDevAttrMultiProcessorCount, g->device_),
                                  "multiprocessor count"));
   const int64_t k_blocks = max_k / kFp8Block;
-  PD_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&g->a_q_), static_cast<size_t>(max_rows) * max_k),
-                                 "cudaMalloc(grouped fp8 activations)"));
-  PD_RETURN_IF_ERROR(cuda_status(
-      cudaMalloc(reinterpret_cast<void**>(&g->a_scales_), static_cast<size_t>(max_rows) * k_blocks * sizeof(float)),
-      "cudaMalloc(grouped fp8 activation scales)"));
+  if (a_q != nullptr && a_scales != nullptr) {
+    g->owns_a_ = false;
+    g->a_q_ = a_q;
+    g->a_scales_ = a_scales;
+  } else {
+    PD_RETURN_IF_ERROR(
+        cuda_status(cudaMalloc(reinterpret_cast<void**>(&g->a_q_), static_cast<size_t>(max_rows) * max_k),
+                    "cudaMalloc(grouped fp8 activations)"));
+    PD_RETURN_IF_ERROR(cuda_status(
+        cudaMalloc(reinterpret_cast<void**>(&g->a_scales_), static_cast<size_t>(max_rows) * k_blocks * sizeof(float)),
+        "cudaMalloc(grouped fp8 activation scales)"));
+  }
   PD_RETURN_IF_ERROR(
       cuda_status(cudaMalloc(reinterpret_cast<void**>(&g->w_scales_),
                              static_cast<size_t>(max_groups) * (max_n / kFp8Block) * k_blocks * sizeof(float)),
@@ -46,8 +53,11 @@ Result<std::unique_ptr<GroupedFp8Gemm>> GroupedFp8Gemm::create(int32_t max_group
 }
 
 GroupedFp8Gemm::~GroupedFp8Gemm() {
-  for (void* p :
-       {static_cast<void*>(a_q_), static_cast<void*>(a_scales_), static_cast<void*>(w_scales_), args_, workspace_}) {
+  if (owns_a_) {
+    if (a_q_ != nullptr) cudaFree(a_q_);
+    if (a_scales_ != nullptr) cudaFree(a_scales_);
+  }
+  for (void* p : {static_cast<void*>(w_scales_), args_, workspace_}) {
     if (p != nullptr) cudaFree(p);
   }
 }

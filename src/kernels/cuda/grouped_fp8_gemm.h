@@ -7,8 +7,9 @@
 // quantize(), which can gather rows (x[src_rows[r]]) or apply silu(gate) * up on the way.
 // Through CUTLASS's SM90 pointer-array kernel with blockwise scaling (grouped_fp8_gemm.cu);
 // available() is false when the build had no CUTLASS headers, and create() then refuses
-// (kUnimplemented). Empty groups are allowed; nothing waits for the host, so the two calls can
-// be captured in a CUDA graph. Not thread-safe: one object per stream owner.
+// (kUnimplemented). Empty groups are allowed; nothing waits for the host (whether the calls can
+// be captured in a CUDA graph is not checked: CUTLASS sets up its launch on the host per call).
+// Not thread-safe: one object per stream owner.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,9 +28,12 @@ class GroupedFp8Gemm {
   static bool available();
   // Buffers for up to max_groups groups, max_rows rows and K up to max_k; weight scales whose
   // padded layout differs from the kernel's (k / 128 not a multiple of 4) are compacted into
-  // scratch sized for max_groups x max_n x max_k.
+  // scratch sized for max_groups x max_n x max_k. The quantized rows go to a_q ([max_rows][max_k]
+  // bytes) and a_scales (max_rows * max_k / 128 floats) when given (the caller's scratch, which
+  // must outlive this object), else to buffers of its own.
   static Result<std::unique_ptr<GroupedFp8Gemm>> create(int32_t max_groups, int32_t max_rows, int32_t max_n,
-                                                        int32_t max_k);
+                                                        int32_t max_k, uint8_t* a_q = nullptr,
+                                                        float* a_scales = nullptr);
   ~GroupedFp8Gemm();
   GroupedFp8Gemm(const GroupedFp8Gemm&) = delete;
   GroupedFp8Gemm& operator=(const GroupedFp8Gemm&) = delete;
@@ -49,6 +53,7 @@ class GroupedFp8Gemm {
   int32_t quantized_k_ = 0;
   uint8_t* a_q_ = nullptr;
   float* a_scales_ = nullptr;
+  bool owns_a_ = true;         // a_q_ and a_scales_ are this object's
   float* w_scales_ = nullptr;  // compacted weight scales
   void* args_ = nullptr;
   void* workspace_ = nullptr;

@@ -55,6 +55,13 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::create(int32_t max_tokens, int32_t t
   PD_RETURN_IF_ERROR(
       cuda_status(cudaMallocHost(reinterpret_cast<void**>(&l->host_offsets_), 2 * (num_experts + 1) * sizeof(int32_t)),
                   "cudaMallocHost(moe offsets)"));
+  // kGrouped (FP8 experts, prefill): made here, before the runner sizes its KV pool, on the
+  // per-expert path's quantization scratch (q_ holds rows x max(hidden, inter) codes, q_scales_
+  // at least rows x that / 128 scales).
+  if (GroupedFp8Gemm::available() && hidden % kFp8Block == 0 && inter % kFp8Block == 0) {
+    PD_ASSIGN_OR_RETURN(l->grouped_, GroupedFp8Gemm::create(num_experts, static_cast<int32_t>(rows),
+                                                            std::max(2 * inter, hidden), kmax, l->q_, l->q_scales_));
+  }
   return l;
 }
 
@@ -144,12 +151,6 @@ Status MoeLayer::expert_gemm(__nv_bfloat16* out, const __nv_bfloat16* in, const 
 // kGrouped: gate_up = quant(x rows) . W_gate_up^T, down = quant(silu(gate) * up) . W_down^T, one
 // grouped GEMM each over all experts (empty experts included).
 Status MoeLayer::grouped_forward(const __nv_bfloat16* x, const MoeWeights& w, int32_t rows, cudaStream_t stream) {
-  if (grouped_ == nullptr) {
-    auto g = GroupedFp8Gemm::create(num_experts_, max_tokens_ * top_k_, std::max(2 * inter_, hidden_),
-                                    std::max(hidden_, inter_));
-    PD_RETURN_IF_ERROR(g.status());
-    grouped_ = std::move(*g);
-  }
   const int32_t* off = routing_.expert_offsets;
   Fp8Weight gu;
   gu.data = static_cast<const uint8_t*>(w.gate_up);
@@ -196,7 +197,7 @@ Status MoeLayer::forward(__nv_bfloat16* out, const __nv_bfloat16* x, const float
     return unimplemented("moe layer: FP8 experts need hidden {} and inter {} multiples of {}", hidden_, inter_,
                          kFp8Block);
   }
-  if (path == MoePath::kGrouped && (!w.fp8 || !GroupedFp8Gemm::available())) path = MoePath::kPerExpert;
+  if (path == MoePath::kGrouped && (!w.fp8 || grouped_ == nullptr)) path = MoePath::kPerExpert;
   if (path == MoePath::kPerExpert && (w.fp8 ? fp8_gemm == nullptr : gemm == nullptr)) {
     return invalid_argument("moe layer: the per-expert path needs a {} GEMM", w.fp8 ? "FP8" : "bf16");
   }

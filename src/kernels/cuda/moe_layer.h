@@ -93,7 +93,7 @@ class MoeLayer {
   uint8_t* q_ = nullptr;               // [T * k][max(hidden, inter)] e4m3 (kPerExpert, FP8)
   float* q_scales_ = nullptr;
   int32_t* host_offsets_ = nullptr;          // pinned [2 * (E + 1)]: expert_offsets, padded_offsets
-  std::unique_ptr<GroupedFp8Gemm> grouped_;  // kGrouped, created by its first forward
+  std::unique_ptr<GroupedFp8Gemm> grouped_;  // kGrouped (built with CUTLASS, hidden and inter multiples of 128)
   std::vector<void*> allocations_;
 };
 
