@@ -43,3 +43,17 @@ if [ $need_pip = 1 ]; then
 else
   echo "[install] PyPI test tools: all present"
 fi
+
+# CUTLASS's C++ headers for the grouped FP8 MoE prefill GEMM (src/kernels/cuda/grouped_fp8_gemm.cu),
+# from PyPI's nvidia-cutlass, pinned; CMake finds them through python3 at configure time. Headers only:
+# installed without the package's Python dependencies. Without them the build still works (MoE FP8
+# prefill then runs one GEMM per expert).
+CUTLASS_VERSION=4.2.0.0
+if "$PYTHON" -m pip show nvidia-cutlass 2>/dev/null | grep -x "Version: $CUTLASS_VERSION" >/dev/null; then
+  echo "[install] nvidia-cutlass $CUTLASS_VERSION: present"
+else
+  echo "[install] nvidia-cutlass $CUTLASS_VERSION (C++ headers)"
+  "$PYTHON" -m pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==$CUTLASS_VERSION" \
+    || "$PYTHON" -m pip install -q --disable-pip-version-check --no-deps --break-system-packages \
+      "nvidia-cutlass==$CUTLASS_VERSION"
+fi

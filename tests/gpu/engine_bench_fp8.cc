@@ -29,6 +29,7 @@
 #include "engine/runner_cuda/cuda_model_runner.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/grouped_fp8_gemm.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/moe_layer.h"
 #include "tests/gpu/bench_util.h"
@@ -240,6 +241,7 @@ struct Engine {
   std::unique_ptr<kc::Fp8Gemm> fp8;
   std::vector<std::unique_ptr<kc::MoeLayer>> moe;  // one per layer (decode: each keeps its routing)
   bool kv_fp8;
+  kc::MoePath prefill_path = kc::MoePath::kGrouped;
   size_t block_bytes;
   size_t kv_layer_bytes;
   DeviceBuffer<uint8_t> kv;  // [layers][blocks][block bytes]: bf16 or the FP8 layout
@@ -338,8 +340,7 @@ struct Engine {
                                   m.router.get() + static_cast<size_t>(l) * s.experts * h, t, s.experts, h, st));
         kc::MoeLayer& layer = *moe[moe.size() == 1 ? 0 : static_cast<size_t>(l)];
         PD_STATUS_CHECK(layer.forward(b.x.get(), b.xn.get(), b.router_logits.get(), t, m.moe(l), true,
-                                      decode ? kc::MoePath::kStream : kc::MoePath::kPerExpert, st, false, gemm.get(),
-                                      fp8.get()));
+                                      decode ? kc::MoePath::kStream : prefill_path, st, false, gemm.get(), fp8.get()));
       }
     }
     // Final norm of each sequence's last row, lm_head (bf16 in FP8 checkpoints).
@@ -478,6 +479,75 @@ void moe_stage_breakdown(const Model& m, int bsz, double copy_gbs, cudaStream_t 
   std::fflush(stdout);
 }
 
+// MoE prefill stages on the grouped path (GroupedFp8Gemm) for `tokens` tokens, each timed over
+// every layer's experts back to back (events, no graph: as the prefill pass issues them):
+// quantize + gather, gate_up, SwiGLU + quantize, down; the GEMMs' rates against fp8_tflops.
+void moe_prefill_breakdown(const Model& m, int tokens, double fp8_tflops, cudaStream_t st) {
+  const Fp8Shape& s = m.s;
+  const int h = s.hidden, inter = s.moe_inter, e = s.experts, k = s.top_k, rows = tokens * k;
+  DeviceBuffer<bf16> x(static_cast<size_t>(tokens) * h), gate_up(static_cast<size_t>(rows) * 2 * inter),
+      down(static_cast<size_t>(rows) * h);
+  PD_STATUS_CHECK(kc::fill_uniform(x.get(), x.count(), 21, 1.0f, nullptr));
+  DeviceBuffer<float> logits(static_cast<size_t>(tokens) * e), weights(static_cast<size_t>(rows));
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> hl(logits.count());
+  for (float& v : hl) v = nd(rng);
+  logits.upload(hl);
+  DeviceBuffer<int32_t> ids(static_cast<size_t>(rows)), offs(static_cast<size_t>(e) + 1),
+      padded(static_cast<size_t>(e) + 1), active(static_cast<size_t>(e)), num_active(1),
+      sorted(static_cast<size_t>(rows)), slot(static_cast<size_t>(rows));
+  kc::MoeRouting r{offs.get(), padded.get(), active.get(), num_active.get(), sorted.get(), slot.get()};
+  PD_STATUS_CHECK(kc::moe_route(logits.get(), tokens, e, k, true, ids.get(), weights.get(), st));
+  PD_STATUS_CHECK(kc::moe_align(ids.get(), tokens, k, e, r, st));
+  const std::vector<int32_t> ho = offs.download();
+  int max_rows = 0;
+  for (int i = 0; i < e; ++i)
+    max_rows = std::max(max_rows, ho[static_cast<size_t>(i) + 1] - ho[static_cast<size_t>(i)]);
+  auto g = kc::GroupedFp8Gemm::create(e, rows, std::max(2 * inter, h), std::max(h, inter));
+  PD_STATUS_CHECK(g.status());
+  kc::GroupedFp8Gemm& gg = **g;
+  auto weight = [&](int l, bool is_gate_up) {
+    const kc::MoeWeights w = m.moe(l);
+    const int kk = is_gate_up ? h : inter;
+    return kc::Fp8Weight{static_cast<const uint8_t*>(is_gate_up ? w.gate_up : w.down),
+                         is_gate_up ? w.gate_up_scale : w.down_scale, is_gate_up ? 2 * inter : h, kk,
+                         kc::fp8_weight_scale_ld(kk)};
+  };
+  const int L = s.layers;
+  auto per_layer_us = [&](auto&& one) {
+    for (int l = 0; l < std::min(L, 2); ++l) one(l);  // warm-up
+    cudaEvent_t e0, e1;
+    PD_CUDA_CHECK(cudaEventCreate(&e0));
+    PD_CUDA_CHECK(cudaEventCreate(&e1));
+    PD_CUDA_CHECK(cudaEventRecord(e0, st));
+    for (int l = 0; l < L; ++l) one(l);
+    PD_CUDA_CHECK(cudaEventRecord(e1, st));
+    PD_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    PD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    PD_CUDA_CHECK(cudaEventDestroy(e0));
+    PD_CUDA_CHECK(cudaEventDestroy(e1));
+    return 1e3 * ms / L;
+  };
+  const double q1 = per_layer_us(
+      [&](int) { PD_STATUS_CHECK(gg.quantize(x.get(), r.sorted_token, false, rows, h, r.expert_offsets, e, st)); });
+  const double gu =
+      per_layer_us([&](int l) { PD_STATUS_CHECK(gg.run(gate_up.get(), weight(l, true), r.expert_offsets, e, st)); });
+  const double q2 = per_layer_us(
+      [&](int) { PD_STATUS_CHECK(gg.quantize(gate_up.get(), nullptr, true, rows, inter, r.expert_offsets, e, st)); });
+  const double dn =
+      per_layer_us([&](int l) { PD_STATUS_CHECK(gg.run(down.get(), weight(l, false), r.expert_offsets, e, st)); });
+  const double gu_tf = 2.0 * rows * 2 * inter * h / (gu * 1e6), dn_tf = 2.0 * rows * h * inter / (dn * 1e6);
+  std::printf(
+      "moe prefill stages %d tokens (grouped path, us per layer; %.1f rows per expert, most %d): quantize+gather "
+      "%.1f, gate_up %.1f (%.0f TFLOP/s, %.0f %% of the FP8 rate), silu+quantize %.1f, down %.1f (%.0f TFLOP/s, "
+      "%.0f %%)\n",
+      tokens, static_cast<double>(rows) / e, max_rows, q1, gu, gu_tf, 100.0 * gu_tf / fp8_tflops, q2, dn, dn_tf,
+      100.0 * dn_tf / fp8_tflops);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 double measure_fp8_gemm_tflops(int m, int n, int k, std::string* note) {
@@ -598,31 +668,43 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
     Engine eng(model, n * len, blocks, false);
     eng.gemm->set_tuning(false);  // prefill shapes take cuBLASLt's first choice (as a server after load)
     PassBuffers b(model, p, 0);
-    std::vector<double> times;
-    for (int r = 0; r < 4; ++r) {
-      PD_CUDA_CHECK(cudaDeviceSynchronize());
-      cudaEvent_t e0, e1;
-      PD_CUDA_CHECK(cudaEventCreate(&e0));
-      PD_CUDA_CHECK(cudaEventCreate(&e1));
-      PD_CUDA_CHECK(cudaEventRecord(e0, nullptr));
-      eng.forward(b, p, nullptr);
-      PD_CUDA_CHECK(cudaEventRecord(e1, nullptr));
-      PD_CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      PD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      if (r >= 1) times.push_back(ms);
-      PD_CUDA_CHECK(cudaEventDestroy(e0));
-      PD_CUDA_CHECK(cudaEventDestroy(e1));
+    if (s.experts > 0 && kc::GroupedFp8Gemm::available()) moe_prefill_breakdown(model, n * len, fp8_tflops, nullptr);
+    // MoE: the grouped expert GEMMs (the runner's prefill path) and one GEMM per expert, in turn.
+    std::vector<kc::MoePath> paths{kc::MoePath::kGrouped};
+    if (s.experts > 0 && kc::GroupedFp8Gemm::available()) paths.push_back(kc::MoePath::kPerExpert);
+    for (kc::MoePath path : paths) {
+      eng.prefill_path = path;
+      std::vector<double> times;
+      for (int r = 0; r < 4; ++r) {
+        PD_CUDA_CHECK(cudaDeviceSynchronize());
+        cudaEvent_t e0, e1;
+        PD_CUDA_CHECK(cudaEventCreate(&e0));
+        PD_CUDA_CHECK(cudaEventCreate(&e1));
+        PD_CUDA_CHECK(cudaEventRecord(e0, nullptr));
+        eng.forward(b, p, nullptr);
+        PD_CUDA_CHECK(cudaEventRecord(e1, nullptr));
+        PD_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        PD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 1) times.push_back(ms);
+        PD_CUDA_CHECK(cudaEventDestroy(e0));
+        PD_CUDA_CHECK(cudaEventDestroy(e1));
+      }
+      const double t = len;
+      const double flops = 2.0 * model.active_linear_params() * t * n +
+                           4.0 * s.layers * s.hq * s.d * (t * (t + 1) / 2.0) * n + 2.0 * s.vocab * s.hidden * n;
+      const double floor_ms = flops / (fp8_tflops * 1e9);
+      const std::string how = s.experts == 0                    ? ""
+                              : path == kc::MoePath::kPerExpert ? " per-expert"
+                              : kc::GroupedFp8Gemm::available() ? " grouped"
+                                                                : " per-expert (no CUTLASS)";
+      rows->push_back({s.name + " prefill " + std::to_string(n) + "x" + std::to_string(len) + how, floor_ms,
+                       median_of(times),
+                       std::to_string(static_cast<int>(flops / 1e12)) + " TFLOP at the FP8 rate; " +
+                           std::to_string(static_cast<int>(100.0 * floor_ms / median_of(times))) + " % of it"});
+      print_row(rows->back());
+      for (const auto& f : eng.fp8->fallbacks()) std::printf("  prefill fallback: %s\n", f.c_str());
     }
-    const double t = len;
-    const double flops = 2.0 * model.active_linear_params() * t * n +
-                         4.0 * s.layers * s.hq * s.d * (t * (t + 1) / 2.0) * n + 2.0 * s.vocab * s.hidden * n;
-    const double floor_ms = flops / (fp8_tflops * 1e9);
-    rows->push_back({s.name + " prefill " + std::to_string(n) + "x" + std::to_string(len), floor_ms, median_of(times),
-                     std::to_string(static_cast<int>(flops / 1e12)) + " TFLOP at the FP8 rate; " +
-                         std::to_string(static_cast<int>(100.0 * floor_ms / median_of(times))) + " % of it"});
-    print_row(rows->back());
-    for (const auto& f : eng.fp8->fallbacks()) std::printf("  prefill fallback: %s\n", f.c_str());
   }
 }
 

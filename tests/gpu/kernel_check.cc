@@ -18,6 +18,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/grouped_fp8_gemm.h"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/moe_layer.h"
 #include "tests/gpu/bench_util.h"
@@ -43,8 +44,9 @@ std::vector<Row> g_rows;
 
 bool g_progress = false;  // --progress: each check's row on stderr as it is recorded (a crash names the last)
 
-void record(std::string name, std::string shape, const ErrorStats& e, std::string note = "") {
-  const bool pass = e.num_nan == 0 && e.rel_l2 <= kTolerance;
+void record(std::string name, std::string shape, const ErrorStats& e, std::string note = "",
+            double tolerance = kTolerance) {
+  const bool pass = e.num_nan == 0 && e.rel_l2 <= tolerance;
   if (g_progress)
     std::fprintf(stderr, "%s %s: rel_l2 %.2e %s\n", name.c_str(), shape.c_str(), e.rel_l2, pass ? "PASS" : "FAIL");
   g_rows.push_back({std::move(name), std::move(shape), e, pass, std::move(note)});
@@ -1218,6 +1220,87 @@ void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, in
          compare(to_float(d_out.download()), ref), std::to_string(h.num_active) + " active experts");
 }
 
+// GroupedFp8Gemm against the host: rows in groups of the given sizes (empty groups and sizes
+// off every tile multiple included), each group its own FP8 weight; the input quantized per
+// token per 128 columns as the checkpoint's activation scheme defines, from rows gathered out
+// of a larger x (kGather), from x's rows in order (kPlain) or from silu(gate) * up of [2k]-wide
+// rows (kSilu, bf16 rounding as silu_mul); out poisoned first.
+enum class GroupedInput { kPlain, kGather, kSilu };
+void check_grouped_fp8_gemm(const std::vector<int>& counts, int n, int k, GroupedInput input) {
+  const int groups = static_cast<int>(counts.size());
+  std::vector<int32_t> offsets(1, 0);
+  for (int c : counts) offsets.push_back(offsets.back() + c);
+  const int rows = offsets.back();
+  const int x_rows = input == GroupedInput::kGather ? rows / 2 + 3 : rows;
+  const int x_width = input == GroupedInput::kSilu ? 2 * k : k;
+  std::vector<float> x_f;
+  auto x = grouped_bf16(x_rows, x_width, &x_f);
+  std::vector<int32_t> src(static_cast<size_t>(rows));
+  std::uniform_int_distribution<int> pick(0, x_rows - 1);
+  for (auto& r : src) r = pick(rng());
+  // The rows the GEMM multiplies, before quantization.
+  std::vector<float> in(static_cast<size_t>(rows) * k);
+  for (int r = 0; r < rows; ++r) {
+    const int s = input == GroupedInput::kGather ? src[static_cast<size_t>(r)] : r;
+    for (int c = 0; c < k; ++c) {
+      if (input == GroupedInput::kSilu) {
+        const float g = x_f[static_cast<size_t>(s) * 2 * k + c], u = x_f[static_cast<size_t>(s) * 2 * k + k + c];
+        in[static_cast<size_t>(r) * k + c] = bf16_round(bf16_round(g / (1.0f + std::exp(-g))) * u);
+      } else {
+        in[static_cast<size_t>(r) * k + c] = x_f[static_cast<size_t>(s) * k + c];
+      }
+    }
+  }
+  std::vector<uint8_t> q;
+  std::vector<float> qs;
+  quantize_fp8_host(in, rows, k, &q, &qs);
+  const std::vector<float> in_deq = dequantize_host(q, qs, rows, k);
+  std::vector<uint8_t> w_q;
+  std::vector<float> w_s;
+  std::vector<float> ref(static_cast<size_t>(rows) * n);
+  for (int g = 0; g < groups; ++g) {
+    const HostFp8Weight hw = make_fp8_weight(n, k);
+    w_q.insert(w_q.end(), hw.q.begin(), hw.q.end());
+    const auto padded = kc::pad_fp8_weight_scales(hw.scales, n, k);
+    w_s.insert(w_s.end(), padded.begin(), padded.end());
+    const int count = counts[static_cast<size_t>(g)];
+    if (count > 0) {
+      cpu::matmul(in_deq.data() + static_cast<size_t>(offsets[static_cast<size_t>(g)]) * k, hw.w_deq.data(), nullptr,
+                  count, n, k, ref.data() + static_cast<size_t>(offsets[static_cast<size_t>(g)]) * n);
+    }
+  }
+  DeviceBuffer<bf16> d_x(x.size()), d_out(static_cast<size_t>(std::max(rows, 1)) * n);
+  DeviceBuffer<int32_t> d_src(src.size()), d_off(offsets.size());
+  DeviceBuffer<uint8_t> d_wq(w_q.size());
+  DeviceBuffer<float> d_ws(w_s.size());
+  d_x.upload(x);
+  d_src.upload(src);
+  d_off.upload(offsets);
+  d_wq.upload(w_q);
+  d_ws.upload(w_s);
+  d_out.poison();
+  auto gemm = kc::GroupedFp8Gemm::create(groups, std::max(rows, 1), n, k);
+  PD_STATUS_CHECK(gemm.status());
+  PD_STATUS_CHECK((*gemm)->quantize(d_x.get(), input == GroupedInput::kGather ? d_src.get() : nullptr,
+                                    input == GroupedInput::kSilu, rows, k, d_off.get(), groups, nullptr));
+  kc::Fp8Weight w;
+  w.data = d_wq.get();
+  w.scale = d_ws.get();
+  w.n = n;
+  w.k = k;
+  w.scale_ld = kc::fp8_weight_scale_ld(k);
+  PD_STATUS_CHECK((*gemm)->run(d_out.get(), w, d_off.get(), groups, nullptr));
+  PD_CUDA_CHECK(cudaDeviceSynchronize());
+  std::string sizes;
+  for (int c : counts) sizes += (sizes.empty() ? "" : ",") + std::to_string(c);
+  auto out = to_float(d_out.download());
+  out.resize(ref.size());
+  record(std::string("grouped_fp8_gemm_") + (input == GroupedInput::kPlain    ? "plain"
+                                             : input == GroupedInput::kGather ? "gather"
+                                                                              : "silu"),
+         std::to_string(n) + "x" + std::to_string(k) + " rows " + sizes, compare(out, ref));
+}
+
 // The whole expert part (MoeLayer) against the host: route, per chosen expert
 // down(silu(gate x) * up x) with bf16 rounding where the kernels store bf16, weighted sum,
 // added to the residual. The per-expert FP8 path quantizes its GEMM inputs per token, so the
@@ -1313,7 +1396,9 @@ void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int t
       const int e = ids[i];
       const int count = offs[static_cast<size_t>(e) + 1] - offs[static_cast<size_t>(e)];
       const bool quantized =
-          fp8 && path == kc::MoePath::kPerExpert && slot[i] - offs[static_cast<size_t>(e)] < kc::fp8_cublas_rows(count);
+          fp8 &&
+          (path == kc::MoePath::kGrouped ||
+           (path == kc::MoePath::kPerExpert && slot[i] - offs[static_cast<size_t>(e)] < kc::fp8_cublas_rows(count)));
       const std::vector<float> x_use = quantized ? quantize_row(xin, hidden) : xin;
       std::vector<float> gu(static_cast<size_t>(gu_n)), act(static_cast<size_t>(inter)), y(static_cast<size_t>(hidden));
       cpu::matmul(x_use.data(), gu_deq.data() + static_cast<size_t>(e) * gu_n * hidden, nullptr, 1, gu_n, hidden,
@@ -1329,10 +1414,20 @@ void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int t
   }
   std::string note;
   for (const auto& f : (*fp8_gemm)->fallbacks()) note += "fallback " + f + "; ";
-  record(std::string("moe_layer_") + (fp8 ? "fp8" : "bf16") + (path == kc::MoePath::kStream ? "_stream" : "_expert"),
+  // Every row through two e4m3 quantizations (the grouped path): the device's gate_up differs
+  // from the host's by accumulation order, a bf16 rounding flip there can move an e4m3 code of
+  // the SwiGLU output by one step (2^-3 relative), and with few rows these flips alone reach
+  // ~2e-2 (5 tokens: 2.2e-2 on an H200, 2026-12-02 03:43 UTC; the GEMM alone is checked at 1e-2
+  // by grouped_fp8_gemm_*). A misplaced scale or row gives ~1.
+  const double tolerance = fp8 && path == kc::MoePath::kGrouped ? 4e-2 : kTolerance;
+  if (tolerance != kTolerance) note += "tolerance 4e-2 (two e4m3 quantizations per row)";
+  record(std::string("moe_layer_") + (fp8 ? "fp8" : "bf16") +
+             (path == kc::MoePath::kStream    ? "_stream"
+              : path == kc::MoePath::kGrouped ? "_grouped"
+                                              : "_expert"),
          std::to_string(t_count) + " tok " + std::to_string(e_count) + "e top" + std::to_string(top_k) + " " +
              std::to_string(hidden) + "/" + std::to_string(inter),
-         compare(to_float(d_out.download()), ref), note);
+         compare(to_float(d_out.download()), ref), note, tolerance);
 }
 
 // cuBLASLt's scale layouts, checked directly: host-quantized activations with their scales
@@ -1693,6 +1788,21 @@ void check_fp8_moe() {
       check_moe_layer(fp8, path, 40, 64, 8, 512, 256);
       check_moe_layer(fp8, path, 200, 16, 4, 256, 128);  // ~50 rows per expert: cuBLASLt rows + a streamed rest
     }
+  }
+  if (kc::GroupedFp8Gemm::available()) {
+    // Groups of 0 rows, of 1, and off every multiple of 16 / 64 / 128; k / 128 = 3 (weight
+    // scales compacted from the padded layout) and 8; more rows than one tile per group.
+    check_grouped_fp8_gemm({0, 1, 17, 130, 0, 64, 200, 3}, 256, 384, GroupedInput::kPlain);
+    check_grouped_fp8_gemm({0, 1, 17, 130, 0, 64, 200, 3}, 256, 384, GroupedInput::kGather);
+    check_grouped_fp8_gemm({5, 0, 0, 129, 257, 0, 48, 127, 128, 1}, 384, 1024, GroupedInput::kSilu);
+    check_grouped_fp8_gemm({0, 0, 0, 2}, 128, 128, GroupedInput::kPlain);
+    check_grouped_fp8_gemm({300}, 640, 256, GroupedInput::kGather);
+    check_moe_layer(true, kc::MoePath::kGrouped, 5, 16, 4, 256, 128);
+    check_moe_layer(true, kc::MoePath::kGrouped, 40, 64, 8, 512, 256);
+    check_moe_layer(true, kc::MoePath::kGrouped, 200, 16, 4, 256, 128);
+    check_moe_layer(true, kc::MoePath::kGrouped, 300, 128, 8, 512, 384);  // inter / 128 = 3: compacted scales
+  } else {
+    std::printf("grouped FP8 GEMM not built (no CUTLASS headers): its checks skipped\n");
   }
 }
 

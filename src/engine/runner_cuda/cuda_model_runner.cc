@@ -567,12 +567,12 @@ Status CudaModelRunner::forward(const PassShape& shape, LayerKvHooks* hooks) {
     if (w.router != nullptr) {
       // Qwen3-MoE sparse layer (fused only): router logits from the normalized rows, then the
       // experts' weighted sum added into the residual stream. Decode passes (graphs) stream the
-      // routed experts' weights; passes with prefill rows run one GEMM per active expert.
+      // routed experts' weights; passes with prefill rows run one grouped GEMM per projection
+      // (FP8 experts; MoeLayer falls back to one GEMM per active expert).
       PD_RETURN_IF_ERROR(post_norm(w.post_norm));
       PD_RETURN_IF_ERROR(
           gemm_->run(router_logits_, kc::GemmOut::kFloat32, x_, w.router, t, c.moe.num_experts, h, stream_));
-      const kc::MoePath path =
-          shape.num_prefill > 0 || hooks != nullptr ? kc::MoePath::kPerExpert : kc::MoePath::kStream;
+      const kc::MoePath path = shape.num_prefill > 0 || hooks != nullptr ? kc::MoePath::kGrouped : kc::MoePath::kStream;
       PD_RETURN_IF_ERROR(moe_->forward(block_out, x_, router_logits_, t, w.experts, c.moe.norm_topk_prob, path, stream_,
                                        /*accumulate=*/fused, gemm_.get(), fp8_gemm_.get()));
       if (tp) PD_RETURN_IF_ERROR(all_reduce(block_out, static_cast<int64_t>(t) * h));

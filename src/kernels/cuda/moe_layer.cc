@@ -56,6 +56,13 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::create(int32_t max_tokens, int32_t t
   PD_RETURN_IF_ERROR(
       cuda_status(cudaMallocHost(reinterpret_cast<void**>(&l->host_offsets_), 2 * (num_experts + 1) * sizeof(int32_t)),
                   "cudaMallocHost(moe offsets)"));
+  // kGrouped (FP8 experts, prefill): made here, before the runner sizes its KV pool, on the
+  // per-expert path's quantization scratch (q_ holds rows x max(hidden, inter) codes, q_scales_
+  // at least rows x that / 128 scales).
+  if (GroupedFp8Gemm::available() && hidden % kFp8Block == 0 && inter % kFp8Block == 0) {
+    PD_ASSIGN_OR_RETURN(l->grouped_, GroupedFp8Gemm::create(num_experts, static_cast<int32_t>(rows),
+                                                            std::max(2 * inter, hidden), kmax, l->q_, l->q_scales_));
+  }
   return l;
 }
 
@@ -142,6 +149,28 @@ Status MoeLayer::expert_gemm(__nv_bfloat16* out, const __nv_bfloat16* in, const 
   return Status::Ok();
 }
 
+// kGrouped: gate_up = quant(x rows) . W_gate_up^T, down = quant(silu(gate) * up) . W_down^T, one
+// grouped GEMM each over all experts (empty experts included).
+Status MoeLayer::grouped_forward(const __nv_bfloat16* x, const MoeWeights& w, int32_t rows, cudaStream_t stream) {
+  const int32_t* off = routing_.expert_offsets;
+  Fp8Weight gu;
+  gu.data = static_cast<const uint8_t*>(w.gate_up);
+  gu.scale = w.gate_up_scale;
+  gu.n = 2 * inter_;
+  gu.k = hidden_;
+  gu.scale_ld = fp8_weight_scale_ld(hidden_);
+  PD_RETURN_IF_ERROR(grouped_->quantize(x, routing_.sorted_token, false, rows, hidden_, off, num_experts_, stream));
+  PD_RETURN_IF_ERROR(grouped_->run(gate_up_, gu, off, num_experts_, stream));
+  Fp8Weight dw;
+  dw.data = static_cast<const uint8_t*>(w.down);
+  dw.scale = w.down_scale;
+  dw.n = hidden_;
+  dw.k = inter_;
+  dw.scale_ld = fp8_weight_scale_ld(inter_);
+  PD_RETURN_IF_ERROR(grouped_->quantize(gate_up_, nullptr, true, rows, inter_, off, num_experts_, stream));
+  return grouped_->run(down_out_, dw, off, num_experts_, stream);
+}
+
 // silu_mul's grid has a row per y index (at most 65,535): longer runs go in pieces.
 Status MoeLayer::silu_rows(int32_t rows, cudaStream_t stream) {
   constexpr int32_t kMaxRows = 65535;
@@ -169,6 +198,7 @@ Status MoeLayer::forward(__nv_bfloat16* out, const __nv_bfloat16* x, const float
     return unimplemented("moe layer: FP8 experts need hidden {} and inter {} multiples of {}", hidden_, inter_,
                          kFp8Block);
   }
+  if (path == MoePath::kGrouped && (!w.fp8 || grouped_ == nullptr)) path = MoePath::kPerExpert;
   if (path == MoePath::kPerExpert && (w.fp8 ? fp8_gemm == nullptr : gemm == nullptr)) {
     return invalid_argument("moe layer: the per-expert path needs a {} GEMM", w.fp8 ? "FP8" : "bf16");
   }
@@ -180,7 +210,9 @@ Status MoeLayer::forward(__nv_bfloat16* out, const __nv_bfloat16* x, const float
       moe_route(router_logits, num_tokens, num_experts_, top_k_, renormalize, topk_ids_, topk_weights_, stream));
   PD_RETURN_IF_ERROR(moe_align(topk_ids_, num_tokens, top_k_, num_experts_, routing_, stream));
   const int32_t gu_n = 2 * inter_;
-  if (path == MoePath::kStream) {
+  if (path == MoePath::kGrouped) {
+    PD_RETURN_IF_ERROR(grouped_forward(x, w, rows, stream));
+  } else if (path == MoePath::kStream) {
     // A token picks an expert at most once: an expert has at most num_tokens rows.
     PD_RETURN_IF_ERROR(expert_gemm(gate_up_, x, routing_.sorted_token, w.gate_up, w.gate_up_scale, gu_n, hidden_, rows,
                                    num_tokens, w, path, stream, gemm, fp8_gemm));

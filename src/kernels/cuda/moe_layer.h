@@ -15,6 +15,10 @@
 //   activations quantized once per GEMM for all experts (quantize_fp8_grouped) for the first
 //   fp8_cublas_rows(count) rows and the streaming kernel for the rest, or the bf16 Gemm.
 //   For prefill (not capturable).
+// - kGrouped: FP8 experts through GroupedFp8Gemm (grouped_fp8_gemm.h): the rows quantized once
+//   per projection (gathered from x, then silu(gate) * up on the way into down), one grouped
+//   GEMM over all experts per projection, no host synchronization. The prefill default where
+//   GroupedFp8Gemm::available(); bf16 experts or a build without it run kPerExpert instead.
 // Not thread-safe; buffers are owned here, sized at create().
 #pragma once
 
@@ -29,6 +33,7 @@
 #include "kernels/cuda/fp8_args.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/grouped_fp8_gemm.h"
 
 namespace pd::kernels::cuda {
 
@@ -43,7 +48,7 @@ struct MoeWeights {
   const float* down_scale = nullptr;     // fp8: [E][ceil(hidden / 128)][fp8_weight_scale_ld(inter)]
 };
 
-enum class MoePath : uint8_t { kStream, kPerExpert };
+enum class MoePath : uint8_t { kStream, kPerExpert, kGrouped };
 
 class MoeLayer {
  public:
@@ -55,7 +60,8 @@ class MoeLayer {
 
   // out [num_tokens][hidden] (+)= the MoE output for x [num_tokens][hidden] given the router
   // logits [num_tokens][num_experts] (fp32). kPerExpert needs gemm (bf16 weights) or
-  // fp8_gemm (FP8 weights); out must not alias x.
+  // fp8_gemm (FP8 weights), and so does kGrouped where it falls back to kPerExpert; out must
+  // not alias x.
   Status forward(__nv_bfloat16* out, const __nv_bfloat16* x, const float* router_logits, int32_t num_tokens,
                  const MoeWeights& w, bool renormalize, MoePath path, cudaStream_t stream, bool accumulate,
                  Gemm* gemm = nullptr, Fp8Gemm* fp8_gemm = nullptr);
@@ -71,6 +77,7 @@ class MoeLayer {
  private:
   MoeLayer() = default;
   Status silu_rows(int32_t rows, cudaStream_t stream);
+  Status grouped_forward(const __nv_bfloat16* x, const MoeWeights& w, int32_t rows, cudaStream_t stream);
   Status expert_gemm(__nv_bfloat16* out, const __nv_bfloat16* in, const int32_t* in_rows, const void* w,
                      const float* w_scale, int32_t n, int32_t k, int32_t rows, int32_t rows_hint, const MoeWeights& mw,
                      MoePath path, cudaStream_t stream, Gemm* gemm, Fp8Gemm* fp8_gemm);
@@ -85,7 +92,8 @@ class MoeLayer {
   __nv_bfloat16* down_out_ = nullptr;  // [T * k][hidden]
   uint8_t* q_ = nullptr;               // [T * k][max(hidden, inter)] e4m3 (kPerExpert, FP8)
   float* q_scales_ = nullptr;
-  int32_t* host_offsets_ = nullptr;  // pinned [2 * (E + 1)]: expert_offsets, padded_offsets
+  int32_t* host_offsets_ = nullptr;          // pinned [2 * (E + 1)]: expert_offsets, padded_offsets
+  std::unique_ptr<GroupedFp8Gemm> grouped_;  // kGrouped (built with CUTLASS, hidden and inter multiples of 128)
   std::vector<void*> allocations_;
 };
 
