@@ -1,5 +1,6 @@
 #include "kernels/cuda/grouped_fp8_gemm.h"
 
+#include "kernels/cuda/device_memory.h"
 #include "kernels/cuda/grouped_fp8_launch.h"
 #include "kernels/cuda/kernels.h"
 
@@ -33,32 +34,30 @@ Result<std::unique_ptr<GroupedFp8Gemm>> GroupedFp8Gemm::create(int32_t max_group
     g->a_q_ = a_q;
     g->a_scales_ = a_scales;
   } else {
-    PD_RETURN_IF_ERROR(
-        cuda_status(cudaMalloc(reinterpret_cast<void**>(&g->a_q_), static_cast<size_t>(max_rows) * max_k),
-                    "cudaMalloc(grouped fp8 activations)"));
-    PD_RETURN_IF_ERROR(cuda_status(
-        cudaMalloc(reinterpret_cast<void**>(&g->a_scales_), static_cast<size_t>(max_rows) * k_blocks * sizeof(float)),
-        "cudaMalloc(grouped fp8 activation scales)"));
+    PD_RETURN_IF_ERROR(device_malloc(reinterpret_cast<void**>(&g->a_q_), static_cast<size_t>(max_rows) * max_k,
+                                     "cudaMalloc(grouped fp8 activations)"));
+    PD_RETURN_IF_ERROR(device_malloc(reinterpret_cast<void**>(&g->a_scales_),
+                                     static_cast<size_t>(max_rows) * k_blocks * sizeof(float),
+                                     "cudaMalloc(grouped fp8 activation scales)"));
   }
+  PD_RETURN_IF_ERROR(device_malloc(reinterpret_cast<void**>(&g->w_scales_),
+                                   static_cast<size_t>(max_groups) * (max_n / kFp8Block) * k_blocks * sizeof(float),
+                                   "cudaMalloc(grouped fp8 weight scales)"));
   PD_RETURN_IF_ERROR(
-      cuda_status(cudaMalloc(reinterpret_cast<void**>(&g->w_scales_),
-                             static_cast<size_t>(max_groups) * (max_n / kFp8Block) * k_blocks * sizeof(float)),
-                  "cudaMalloc(grouped fp8 weight scales)"));
-  PD_RETURN_IF_ERROR(
-      cuda_status(cudaMalloc(&g->args_, detail::grouped_fp8_arg_bytes(max_groups)), "cudaMalloc(grouped fp8 args)"));
+      device_malloc(&g->args_, detail::grouped_fp8_arg_bytes(max_groups), "cudaMalloc(grouped fp8 args)"));
   g->workspace_bytes_ = detail::grouped_fp8_workspace_bytes(max_groups, g->sm_count_);
-  PD_RETURN_IF_ERROR(cuda_status(cudaMalloc(&g->workspace_, std::max<size_t>(g->workspace_bytes_, 256)),
-                                 "cudaMalloc(grouped fp8 workspace)"));
+  PD_RETURN_IF_ERROR(
+      device_malloc(&g->workspace_, std::max<size_t>(g->workspace_bytes_, 256), "cudaMalloc(grouped fp8 workspace)"));
   return g;
 }
 
 GroupedFp8Gemm::~GroupedFp8Gemm() {
   if (owns_a_) {
-    if (a_q_ != nullptr) cudaFree(a_q_);
-    if (a_scales_ != nullptr) cudaFree(a_scales_);
+    device_free(a_q_);
+    device_free(a_scales_);
   }
   for (void* p : {static_cast<void*>(w_scales_), args_, workspace_}) {
-    if (p != nullptr) cudaFree(p);
+    device_free(p);
   }
 }
 
