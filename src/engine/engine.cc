@@ -491,6 +491,10 @@ class EngineImpl final : public Engine {
       {
         std::unique_lock lock(mutex_);
         batch.swap(inbox_);
+        // These adds join the scheduler's queue now: they stay counted (as waiting,
+        // until the count below is exact again), or a long step would let the bound
+        // admit another max_waiting_requests on top of them.
+        num_scheduler_waiting_ += num_inbox_adds_;
         num_inbox_adds_ = 0;
         stop = stopping_;
         woken_ = false;
@@ -522,6 +526,7 @@ class EngineImpl final : public Engine {
         wait_idle();
         continue;
       }
+      publish_num_waiting();  // exact again before a step of unknown length
       execute_step(plan);
       publish_stats();
     }
@@ -706,6 +711,13 @@ class EngineImpl final : public Engine {
     emit(callback, std::move(out));
   }
 
+  // The admission bound's view of the scheduler's queue (add_request).
+  void publish_num_waiting() {
+    const auto num_waiting = static_cast<size_t>(scheduler_.num_waiting());
+    std::lock_guard lock(mutex_);
+    num_scheduler_waiting_ = num_waiting;
+  }
+
   void publish_stats() {
     const BlockPool& pool = scheduler_.block_pool();
     const SchedulerCounters& c = scheduler_.counters();
@@ -754,10 +766,7 @@ class EngineImpl final : public Engine {
       metrics_.prefix_hit_tokens.inc(static_cast<double>(c.num_prefix_cache_hit_tokens - published_hit_tokens_));
       published_hit_tokens_ = c.num_prefix_cache_hit_tokens;
     }
-    {
-      std::lock_guard lock(mutex_);
-      num_scheduler_waiting_ = static_cast<size_t>(s.num_waiting);
-    }
+    publish_num_waiting();
     if (reports_load_) {
       EngineLoad load;
       load.num_running = s.num_running;
@@ -807,7 +816,8 @@ class EngineImpl final : public Engine {
   bool woken_ = false;
   uint64_t next_arrival_seq_ = 0;
   // Admission bound (max_waiting_requests): adds not yet drained plus the
-  // scheduler's waiting count as of the engine thread's last iteration.
+  // scheduler's waiting count, published by the engine thread before each step
+  // and after each iteration; drained adds count as waiting until then.
   size_t num_inbox_adds_ = 0;
   size_t num_scheduler_waiting_ = 0;
   // Ids of live requests and of block holds: a new request may not reuse them.
