@@ -7,7 +7,8 @@
 //   * control-plane thread (control_plane.h): sockets; decoded messages go to an
 //     inbox, then the engine is woken;
 //   * completion thread: waits on posted xfer batches (each has a deadline),
-//     puts completions in the same inbox, wakes the engine;
+//     puts completions in the same inbox, wakes the engine (and streams a READ
+//     consumer's handed-over first token when its last read completes);
 //   * registration thread (heartbeat.h), when a router address is configured;
 //   * xfer's own progress thread (UCX).
 // Nothing but the inbox (mutex) and immutable identity is shared.
