@@ -369,24 +369,64 @@ void PdConnector::on_control_message(InboundMessage in) {
   // the client now instead of after the engine's step in flight. Checked and queued
   // under one lock with the deadline: a poll that misses this message read its
   // clock before it, so the engine cannot have expired the request (engine.cc).
+  // A `read_ok` passing the same checks only records its token: the KV is not read
+  // yet (push_completion streams it). An `abort` or `error` about the transfer, queued
+  // ahead of what completes it, may fail it: nothing is streamed for it any more.
   std::optional<std::pair<std::string, int32_t>> stream;
   engine::FirstTokenSink sink;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const ControlMessage& m = in.message;
-    if (m.type == MessageType::kDone && m.ok && m.first_token) {
-      auto it = hand_overs_expected_.find(m.transfer_id);
-      if (it != hand_overs_expected_.end()) {
-        const HandOverExpected& e = it->second;
-        if (in.from == e.from && m.instance_id == e.instance_id && m.boot_nonce == e.boot_nonce &&
-            m.num_tokens == e.num_prompt_tokens && m.sampling_key == e.sampling_key && now_ns() < e.deadline_ns) {
-          stream.emplace(e.request_id, *m.first_token);
-          sink = first_token_sink_;
-          hand_overs_expected_.erase(it);
-        }
+    auto it = hand_overs_expected_.find(m.transfer_id);
+    if (it != hand_overs_expected_.end()) {
+      HandOverExpected& e = it->second;
+      const bool from_producer = in.from == e.from && m.instance_id == e.instance_id && m.boot_nonce == e.boot_nonce &&
+                                 m.sampling_key == e.sampling_key;
+      if (m.type == MessageType::kDone && !e.read_mode && m.ok && m.first_token && from_producer &&
+          m.num_tokens == e.num_prompt_tokens && now_ns() < e.deadline_ns) {
+        stream.emplace(e.request_id, *m.first_token);
+        sink = first_token_sink_;
+        hand_overs_expected_.erase(it);
+      } else if (m.type == MessageType::kReadOk && e.read_mode && m.first_token && from_producer && !e.read_token &&
+                 e.num_reads_left < 0) {
+        e.read_token = m.first_token;
+      } else if (m.type == MessageType::kAbort || m.type == MessageType::kError) {
+        hand_overs_expected_.erase(it);
       }
     }
     inbox_.push_back(std::move(in));
+  }
+  if (stream && sink) {
+    metrics_.first_tokens_streamed->inc();
+    sink(stream->first, stream->second);
+  }
+  wake();
+}
+
+void PdConnector::push_completion(Completion completion) {
+  // The last read of a READ hand-over, every read ok: the state machine finishes the
+  // transfer with the token when it takes this completion (nothing queued ahead of it
+  // can fail the transfer: on_control_message dropped the expectation for those), so
+  // the token goes to the client now, not after the engine's step in flight. Queued
+  // under the lock of the check, as for `done`.
+  std::optional<std::pair<std::string, int32_t>> stream;
+  engine::FirstTokenSink sink;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = completion.is_write ? hand_overs_expected_.end() : hand_overs_expected_.find(completion.transfer_id);
+    if (it != hand_overs_expected_.end() && it->second.read_mode && it->second.num_reads_left > 0) {
+      HandOverExpected& e = it->second;
+      if (!completion.ok) {
+        hand_overs_expected_.erase(it);
+      } else if (--e.num_reads_left == 0) {
+        if (e.read_token && now_ns() < e.deadline_ns) {
+          stream.emplace(e.request_id, *e.read_token);
+          sink = first_token_sink_;
+        }
+        hand_overs_expected_.erase(it);
+      }
+    }
+    inbox_.push_back(std::move(completion));
   }
   if (stream && sink) {
     metrics_.first_tokens_streamed->inc();
@@ -444,7 +484,7 @@ void PdConnector::completion_loop() {
       push_inbox(
           EarlyDoneSent{std::move(transfer_id)});  // before the completion: the state machine sends no second done
     }
-    push_inbox(std::move(batch.completion));
+    push_completion(std::move(batch.completion));
   }
 }
 
@@ -492,15 +532,18 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   metrics_.started_consumer->inc();
   ConsumerRequest& cr = consumer_requests_[request.request_id()];
   cr = ConsumerRequest{num_local_computed_tokens, now_ns(), std::nullopt};
-  if (want_first_token && !params.read_mode) {
+  if (want_first_token) {
     // The engine sets its deadline after this call, from the same timeout: this one is not later.
-    cr.hand_over = HandOverExpected{request.request_id(),
-                                    dealer_peer_key(params.remote_control),
-                                    params.remote_instance_id,
-                                    params.remote_boot_nonce,
-                                    request.num_prompt_tokens(),
-                                    engine::first_token_sampling_key(request.sampling()),
-                                    cr.admitted_ns + timeout_ms * 1'000'000};
+    cr.hand_over = HandOverExpected{};
+    HandOverExpected& e = *cr.hand_over;
+    e.request_id = request.request_id();
+    e.from = dealer_peer_key(params.remote_control);
+    e.instance_id = params.remote_instance_id;
+    e.boot_nonce = params.remote_boot_nonce;
+    e.num_prompt_tokens = request.num_prompt_tokens();
+    e.sampling_key = engine::first_token_sampling_key(request.sampling());
+    e.deadline_ns = cr.admitted_ns + timeout_ms * 1'000'000;
+    e.read_mode = params.read_mode;
   }
   match.num_external_tokens = num_external;
   match.includes_last_prompt_token = want_first_token;
@@ -940,12 +983,12 @@ void PdConnector::run_actions() {
 
     for (auto& out : pa.sends) send(std::move(out));
     for (auto& out : ca.sends) {
-      // `blocks` for the whole prompt: the transfer now waits for a done with the token.
-      const bool expects_token = out.message.type == MessageType::kBlocks && !out.message.block_ids.empty() &&
-                                 out.message.kv_tokens == out.message.num_tokens;
-      const std::string transfer_id = expects_token ? out.message.transfer_id : std::string();
+      // `blocks` / `read` for the whole prompt: the transfer now waits for a done /
+      // read_ok with the token. Expected before it is sent: the answer may come at once.
+      const bool expects_token = (out.message.type == MessageType::kBlocks || out.message.type == MessageType::kRead) &&
+                                 !out.message.block_ids.empty() && out.message.kv_tokens == out.message.num_tokens;
+      if (expects_token) expect_hand_over(out.message.transfer_id);
       send(std::move(out));
-      if (expects_token) expect_hand_over(transfer_id);
     }
     for (const auto& control : ca.dropped_dealers) {
       consumer_side_peers_.erase(control);
@@ -997,6 +1040,20 @@ void PdConnector::run_actions() {
         it->second.done.reset();
       }
     }
+    if (!ca.reads.empty()) {
+      // READ hand-over: the completion thread streams the token after this many reads,
+      // counted before any is posted (a read may complete before the next is posted).
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const auto& r : ca.reads) {
+        auto it = hand_overs_expected_.find(r.transfer_id);
+        if (it == hand_overs_expected_.end() || !it->second.read_mode) continue;
+        if (!it->second.read_token) {
+          hand_overs_expected_.erase(it);  // read_ok brought no token we may take
+          continue;
+        }
+        it->second.num_reads_left = std::max(it->second.num_reads_left, 0) + 1;
+      }
+    }
     for (const auto& r : ca.reads) {
       auto view = consumer_->view(r.transfer_id);
       Status status = Status::Ok();
@@ -1016,6 +1073,10 @@ void PdConnector::run_actions() {
       }
       if (!status.ok()) {
         PD_LOG_WARN("connector: cannot post read: {}", status.to_string());
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          hand_overs_expected_.erase(r.transfer_id);  // the load fails: nothing to stream
+        }
         consumer_->on_read_done(r.transfer_id, r.layer, false, r.piece);
       }
     }

@@ -7,7 +7,8 @@
 //   * control-plane thread (control_plane.h): sockets; decoded messages go to an
 //     inbox, then the engine is woken;
 //   * completion thread: waits on posted xfer batches (each has a deadline),
-//     puts completions in the same inbox, wakes the engine;
+//     puts completions in the same inbox, wakes the engine (and streams a READ
+//     consumer's handed-over first token when its last read completes);
 //   * registration thread (heartbeat.h), when a router address is configured;
 //   * xfer's own progress thread (UCX).
 // Nothing but the inbox (mutex) and immutable identity is shared.
@@ -130,10 +131,12 @@ class PdConnector final : public engine::KvConnector {
     bool failed = false;
     std::optional<OutgoingMessage> done;
   };
-  // Consumer WRITE with first-token hand-over, from the moment `blocks` went out
-  // (the transfer waits for `done`): what a `done` must carry for the state machine
-  // to accept it with its token, checked on the control-plane thread so the token
-  // is streamed at once (bind_first_token_sink).
+  // Consumer with first-token hand-over, from the moment `blocks` (WRITE) or `read`
+  // (READ) for the whole prompt went out: what the producer's answer must carry for
+  // the state machine to accept it with its token, checked on the control-plane
+  // thread so the token is streamed without waiting for the engine thread
+  // (bind_first_token_sink). WRITE streams when `done` arrives; READ takes the token
+  // from `read_ok` and streams when the completion thread sees the last read complete.
   struct HandOverExpected {
     std::string request_id;
     PeerKey from;
@@ -142,6 +145,9 @@ class PdConnector final : public engine::KvConnector {
     int32_t num_prompt_tokens = 0;
     uint64_t sampling_key = 0;
     int64_t deadline_ns = 0;  // the engine's remote-KV deadline for the request, or earlier
+    bool read_mode = false;
+    std::optional<int32_t> read_token;  // READ: from a read_ok that passed the checks
+    int32_t num_reads_left = -1;        // READ: set by the engine thread before it posts them
   };
   struct PendingBatch {
     xfer::XferId id = 0;
@@ -162,7 +168,7 @@ class PdConnector final : public engine::KvConnector {
   struct ConsumerRequest {
     int32_t num_local_computed_tokens = 0;
     int64_t admitted_ns = 0;
-    // First-token hand-over (WRITE): the expectation registered once `blocks` went out.
+    // First-token hand-over: the expectation registered once `blocks` / `read` went out.
     std::optional<HandOverExpected> hand_over;
   };
 
@@ -173,8 +179,11 @@ class PdConnector final : public engine::KvConnector {
   void wake();
   void push_inbox(InboxItem item);
   // The control-plane handler: queues the message; a `done` that completes a
-  // hand-over as expected also streams its token now.
+  // hand-over as expected also streams its token now, a `read_ok` records it.
   void on_control_message(InboundMessage in);
+  // The completion thread: queues a finished batch; the last read of a READ
+  // hand-over whose reads all completed ok also streams its token now.
+  void push_completion(Completion completion);
   void completion_loop();
   // Engine thread: registers or drops early paths after the state machines acted.
   void offer_early_done(OutgoingMessage done);

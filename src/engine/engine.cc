@@ -170,12 +170,15 @@ struct VllmMetrics {
 
 // First tokens handed over by a P/D producer, streamed from the thread that
 // received them (KvConnector::bind_first_token_sink) while the engine thread may
-// be inside a step. The engine thread arms a slot when a request that may get a
-// handed-over token arrives: the slot holds a copy of the request as it is before
-// any output, its own output state (detokenizer at the end of the prompt) and a
-// copy of the callback, so streaming touches nothing the engine thread owns.
-// The engine thread closes the slot before it emits anything for that request;
-// the one mutex orders a streamed token before every later output.
+// be inside a step. The engine thread arms a slot when a consumer request that may
+// get a handed-over token arrives: the slot holds a copy of the request as it is
+// before any output, its own output state (detokenizer at the end of the prompt)
+// and a copy of the callback, so streaming touches nothing the engine thread owns.
+// The engine thread closes the slot before it emits anything for that request.
+// The mutex guards the map and the slots' state only: the client callback runs
+// outside it (one slow client holds up no other request's arm, stream or close),
+// and close() waits for a callback of that request still running, so a streamed
+// token precedes every later output of its request and is emitted once.
 class EarlyFirstTokens {
  public:
   struct Streamed {
@@ -184,45 +187,64 @@ class EarlyFirstTokens {
   };
 
   void arm(const Request& request, OutputCallback callback, RequestOutputState output) {
-    auto slot = std::make_unique<Slot>(Slot{request, std::move(callback), std::move(output), std::nullopt});
+    auto slot = std::make_unique<Slot>(Slot{request, std::move(callback), std::move(output), std::nullopt, false});
     std::lock_guard lock(mutex_);
     slots_.insert_or_assign(request.request_id(), std::move(slot));
   }
 
-  // Any thread. Streams the token unless the slot is closed, or the token would
-  // finish the request (its final output carries what only the engine thread
-  // knows: the finish bookkeeping); the engine thread emits that one itself.
+  // Any thread. Streams the token unless the slot is closed or streamed, or the
+  // token would finish the request (its final output carries what only the engine
+  // thread knows: the finish bookkeeping); the engine thread emits that one itself.
   void stream(const std::string& request_id, int32_t token_id) {
-    std::lock_guard lock(mutex_);
-    auto it = slots_.find(request_id);
-    if (it == slots_.end() || it->second->streamed) return;
-    Slot& slot = *it->second;
-    slot.request.append_output_token(token_id);
-    TokenVerdict verdict = slot.output.on_token(slot.request, token_id);
-    if (verdict.finished) {
-      slots_.erase(it);  // the engine thread decides and emits it
-      return;
-    }
+    Slot* slot = nullptr;
     RequestOutput out;
-    out.request_id = request_id;
-    out.num_prompt_tokens = slot.request.num_prompt_tokens();
-    out.num_output_tokens = 1;
-    out.num_cached_tokens = slot.request.num_prompt_tokens();  // a hand-over computes no prompt token here
-    out.new_token_ids.push_back(token_id);
-    out.text_delta = std::move(verdict.text_delta);
-    slot.streamed = Streamed{token_id, now_ns()};
+    {
+      std::lock_guard lock(mutex_);
+      auto it = slots_.find(request_id);
+      if (it == slots_.end() || it->second->streamed) return;
+      slot = it->second.get();
+      slot->request.append_output_token(token_id);
+      TokenVerdict verdict = slot->output.on_token(slot->request, token_id);
+      if (verdict.finished) {
+        slots_.erase(it);  // the engine thread decides and emits it
+        return;
+      }
+      out.request_id = request_id;
+      out.num_prompt_tokens = slot->request.num_prompt_tokens();
+      out.num_output_tokens = 1;
+      out.num_cached_tokens = slot->request.num_prompt_tokens();  // a hand-over computes no prompt token here
+      out.new_token_ids.push_back(token_id);
+      out.text_delta = std::move(verdict.text_delta);
+      slot->streamed = Streamed{token_id, now_ns()};
+      slot->in_callback = true;  // close() waits; the slot stays until then
+    }
     num_streamed_.fetch_add(1, std::memory_order_relaxed);
-    slot.callback(std::move(out));
+    try {
+      slot->callback(std::move(out));
+    } catch (const std::exception& e) {
+      PD_LOG_ERROR("output callback threw while streaming a first token: {}", e.what());
+    } catch (...) {
+      PD_LOG_ERROR("output callback threw a non-std exception while streaming a first token");
+    }
+    {
+      std::lock_guard lock(mutex_);
+      slot->in_callback = false;
+    }
+    callback_done_.notify_all();
   }
 
   // Engine thread, before it emits anything for the request (or when it ends):
-  // what was streamed, if anything. Later stream() calls do nothing.
+  // what was streamed, if anything. Later stream() calls do nothing. Waits, as a
+  // lock would, for that request's streaming callback if one is running (callbacks
+  // must not block: request.h).
   std::optional<Streamed> close(const std::string& request_id) {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     auto it = slots_.find(request_id);
     if (it == slots_.end()) return std::nullopt;
-    std::optional<Streamed> streamed = it->second->streamed;
-    slots_.erase(it);
+    Slot* slot = it->second.get();
+    callback_done_.wait(lock, [slot] { return !slot->in_callback; });
+    std::optional<Streamed> streamed = slot->streamed;
+    slots_.erase(request_id);  // only this thread erases a slot with a stream started
     return streamed;
   }
 
@@ -234,8 +256,10 @@ class EarlyFirstTokens {
     OutputCallback callback;
     RequestOutputState output;
     std::optional<Streamed> streamed;
+    bool in_callback = false;
   };
   std::mutex mutex_;
+  std::condition_variable callback_done_;
   std::unordered_map<std::string, std::unique_ptr<Slot>> slots_;
   std::atomic<int64_t> num_streamed_{0};
 };
@@ -423,9 +447,10 @@ class EngineImpl final : public Engine {
     if (auto* add = std::get_if<AddMessage>(&message)) {
       Request& r = *add->request;
       const std::string id = r.request_id();
-      // A P/D request may get its first token handed over (kv_connector.h); without
-      // logprobs, since the producer sends none.
-      if (connector_ != nullptr && r.kv_transfer_params() && r.sampling().logprobs < 0) {
+      // A P/D consumer request may get its first token handed over (kv_connector.h);
+      // without logprobs, since the producer sends none. Producers never do.
+      if (connector_ != nullptr && r.kv_transfer_params() &&
+          r.kv_transfer_params()->side == contract::TransferSide::kConsumer && r.sampling().logprobs < 0) {
         early_.arm(r, add->callback, RequestOutputState(tokenizer_, r, config_.eos_token_ids, config_.max_model_len));
       }
       io_.emplace(id, LiveIo{std::move(add->callback),
@@ -491,6 +516,10 @@ class EngineImpl final : public Engine {
       {
         std::unique_lock lock(mutex_);
         batch.swap(inbox_);
+        // These adds join the scheduler's queue now: they stay counted (as waiting,
+        // until the count below is exact again), or a long step would let the bound
+        // admit another max_waiting_requests on top of them.
+        num_scheduler_waiting_ += num_inbox_adds_;
         num_inbox_adds_ = 0;
         stop = stopping_;
         woken_ = false;
@@ -522,6 +551,7 @@ class EngineImpl final : public Engine {
         wait_idle();
         continue;
       }
+      publish_num_waiting();  // exact again before a step of unknown length
       execute_step(plan);
       publish_stats();
     }
@@ -706,6 +736,13 @@ class EngineImpl final : public Engine {
     emit(callback, std::move(out));
   }
 
+  // The admission bound's view of the scheduler's queue (add_request).
+  void publish_num_waiting() {
+    const auto num_waiting = static_cast<size_t>(scheduler_.num_waiting());
+    std::lock_guard lock(mutex_);
+    num_scheduler_waiting_ = num_waiting;
+  }
+
   void publish_stats() {
     const BlockPool& pool = scheduler_.block_pool();
     const SchedulerCounters& c = scheduler_.counters();
@@ -754,10 +791,7 @@ class EngineImpl final : public Engine {
       metrics_.prefix_hit_tokens.inc(static_cast<double>(c.num_prefix_cache_hit_tokens - published_hit_tokens_));
       published_hit_tokens_ = c.num_prefix_cache_hit_tokens;
     }
-    {
-      std::lock_guard lock(mutex_);
-      num_scheduler_waiting_ = static_cast<size_t>(s.num_waiting);
-    }
+    publish_num_waiting();
     if (reports_load_) {
       EngineLoad load;
       load.num_running = s.num_running;
@@ -807,7 +841,8 @@ class EngineImpl final : public Engine {
   bool woken_ = false;
   uint64_t next_arrival_seq_ = 0;
   // Admission bound (max_waiting_requests): adds not yet drained plus the
-  // scheduler's waiting count as of the engine thread's last iteration.
+  // scheduler's waiting count, published by the engine thread before each step
+  // and after each iteration; drained adds count as waiting until then.
   size_t num_inbox_adds_ = 0;
   size_t num_scheduler_waiting_ = 0;
   // Ids of live requests and of block holds: a new request may not reuse them.

@@ -78,12 +78,19 @@ def registration_record(instance_id: str, role: str, http: str, *, control: str 
 
 
 class Registrar:
-    """A DEALER connected to the router's registration port; sends raw frames or records."""
+    """A DEALER connected to the router's registration port; sends raw frames or records.
+
+    Every send has a deadline (SNDTIMEO): a DEALER whose handshake the router refused outright (a plain
+    client at a CURVE router) has no connection left to queue on, and a blocking send there never returns.
+    try_send_record is for such clients: a send refused that way is the refusal under test."""
+
+    SEND_TIMEOUT_MS = 5000
 
     def __init__(self, port: int, curve_keys: dict | None = None):
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDTIMEO, self.SEND_TIMEOUT_MS)
         if curve_keys:
             self.socket.curve_serverkey = curve_keys["server_public"]
             self.socket.curve_publickey = curve_keys["client_public"]
@@ -92,6 +99,14 @@ class Registrar:
 
     def send_record(self, record: dict):
         self.socket.send(msgpack.packb(record))
+
+    def try_send_record(self, record: dict) -> bool:
+        """False when the socket has nowhere to send (its handshake was refused)."""
+        try:
+            self.socket.send(msgpack.packb(record), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def send_frames(self, frames: list[bytes]):
         self.socket.send_multipart(frames)

@@ -3,12 +3,16 @@
 #include <gtest/gtest.h>
 #include <msgpack.hpp>
 
+#include <algorithm>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <thread>
 
+#include "common/clock.h"
 #include "connector/heartbeat.h"
+#include "contract/registration.h"
 
 namespace pd::connector {
 namespace {
@@ -227,6 +231,63 @@ TEST(RegistrationHeartbeat, ARecordTheContractRefusesIsNeverSent) {
   EXPECT_EQ(converted->role, contract::Role::kConsumer);
   EXPECT_EQ(converted->mode, contract::TransferMode::kRead);
   EXPECT_EQ(converted->control->to_string(), "127.0.0.1:2");
+}
+
+// A KV-event frame the socket refuses (no router yet, queue full) is not lost: the
+// next batch is a whole snapshot, which the router gets once it is back.
+TEST(RegistrationHeartbeat, AnEventFrameTheSocketRefusedIsFollowedByAFullSnapshot) {
+  // A port nobody listens on until the router starts below.
+  std::string port;
+  {
+    zmq::context_t probe_ctx(1);
+    zmq::socket_t probe(probe_ctx, zmq::socket_type::router);
+    probe.set(zmq::sockopt::linger, 0);
+    probe.bind("tcp://127.0.0.1:0");
+    const std::string endpoint = probe.get(zmq::sockopt::last_endpoint);
+    port = endpoint.substr(endpoint.rfind(':') + 1);
+  }
+  auto feed = std::make_shared<LoadFeed>();
+  engine::EngineLoad load;
+  load.num_kv_blocks_total = 8;
+  load.num_kv_blocks_free = 8;
+  load.block_size = 4;
+  feed->post(load, {engine::KvCacheEvent{101, true}});
+  RegistrationRecord record{"consumer", "127.0.0.1:8000", "127.0.0.1:7000", "c0", 7, 1, 1, "write", "m"};
+  auto hb = RegistrationHeartbeat::start(record, "127.0.0.1:" + port, /*interval_ms=*/2, std::nullopt, feed,
+                                         /*load_interval_ms=*/1);
+  ASSERT_TRUE(hb.ok()) << hb.status().to_string();
+  // Frames queue for the absent router until the send queue is full; then sends are refused.
+  const Deadline full = Deadline::after_ms(10'000);
+  while ((*hb)->num_dropped() == 0 && !full.expired()) std::this_thread::yield();
+  ASSERT_GT((*hb)->num_dropped(), 0u) << "the send queue never filled";
+  // A new cached block: its batch is refused too (three refusals after the post: one
+  // send may have started before it, the next ones took it from the feed).
+  const uint64_t dropped = (*hb)->num_dropped();
+  feed->post(load, {engine::KvCacheEvent{202, true}});
+  const Deadline refused = Deadline::after_ms(10'000);
+  while ((*hb)->num_dropped() < dropped + 3 && !refused.expired()) std::this_thread::yield();
+  ASSERT_GE((*hb)->num_dropped(), dropped + 3);
+
+  zmq::context_t ctx(1);
+  zmq::socket_t router(ctx, zmq::socket_type::router);
+  router.set(zmq::sockopt::linger, 0);
+  router.set(zmq::sockopt::rcvtimeo, 200);
+  router.bind("tcp://127.0.0.1:" + port);
+  // The queued frames arrive first (a reset with the first block, then frames without
+  // events); then a snapshot that holds both blocks, 202 included.
+  bool snapshot_with_both = false;
+  const Deadline deadline = Deadline::after_ms(10'000);
+  while (!snapshot_with_both && !deadline.expired()) {
+    zmq::message_t identity, payload;
+    if (!router.recv(identity) || !router.recv(payload)) continue;
+    auto heartbeat = contract::decode_heartbeat(payload.data(), payload.size());
+    ASSERT_TRUE(heartbeat.ok()) << heartbeat.status().to_string();
+    if (!heartbeat->kv || !heartbeat->kv->reset) continue;
+    const auto& stored = heartbeat->kv->stored;
+    snapshot_with_both = std::find(stored.begin(), stored.end(), 101u) != stored.end() &&
+                         std::find(stored.begin(), stored.end(), 202u) != stored.end();
+  }
+  EXPECT_TRUE(snapshot_with_both) << "the refused batch's block never reached the router";
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "common/clock.h"
 #include "engine/engine.h"
@@ -65,9 +66,8 @@ class LoopbackConnector : public KvConnector {
     }
     deliver(id);
   }
-  // What a connector does on its receive thread when the KV and the producer's
-  // token have both arrived: stream the token now, report them at the next poll.
-  void stream_then_deliver(const std::string& id, int32_t token) {
+  // Calls the engine's first-token sink only.
+  void stream(const std::string& id, int32_t token) {
     FirstTokenSink sink;
     {
       std::lock_guard lock(mutex_);
@@ -75,6 +75,11 @@ class LoopbackConnector : public KvConnector {
     }
     ASSERT_TRUE(sink) << "the engine bound no first-token sink";
     sink(id, token);
+  }
+  // What a connector does on its receive thread when the KV and the producer's
+  // token have both arrived: stream the token now, report them at the next poll.
+  void stream_then_deliver(const std::string& id, int32_t token) {
+    stream(id, token);
     deliver_with_token(id, token);
   }
   void report_failed(const std::string& id, const std::string& message) {
@@ -252,6 +257,7 @@ GenerateRequest pd_request(const std::string& id, int32_t prompt_len, int32_t ma
   r.sampling.max_tokens = max_tokens;
   if (with_params) {
     r.kv_transfer_params.emplace();
+    r.kv_transfer_params->side = contract::TransferSide::kConsumer;
     r.kv_transfer_params->transfer_id = "t";
   }
   return r;
@@ -590,6 +596,117 @@ TEST(EngineConnector, AStreamedTokenThatWouldEndTheRequestIsLeftToTheEngineThrea
   EXPECT_EQ(out.last("c").new_token_ids, std::vector<int32_t>{11}) << "one output, the final one, carries it";
   rig.engine->shutdown();
   EXPECT_EQ(rig.engine->stats().num_first_tokens_streamed_on_arrival, 0);
+  EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
+}
+
+// A producer request never receives a producer's token: it has no slot, so a
+// token named for it is not streamed (its own engine samples it).
+TEST(EngineConnector, NoFirstTokenIsStreamedForAProducerRequest) {
+  Rig rig = make_rig(64, ExternalMatch{});
+  Outputs out;
+  GenerateRequest p = pd_request("p", 26, 3);
+  p.kv_transfer_params->side = contract::TransferSide::kProducer;
+  rig.runner->hold_at_step(0);
+  ASSERT_TRUE(rig.engine->add_request(p, out.callback()).ok());
+  ASSERT_TRUE(rig.runner->wait_blocked());
+  rig.connector->stream("p", 5);
+  EXPECT_TRUE(out.tokens("p").empty());
+  rig.runner->release();
+  ASSERT_TRUE(out.wait_finished("p"));
+  EXPECT_EQ(out.tokens("p"), reference_greedy(prompt_of(26), 3, kVocab));
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_first_tokens_streamed_on_arrival, 0);
+}
+
+// A client callback that blocks on its first call, until let go (bounded).
+class BlockingFirstCall {
+ public:
+  OutputCallback wrap(OutputCallback inner) {
+    return [this, inner = std::move(inner)](RequestOutput o) {
+      {
+        std::unique_lock lock(mutex_);
+        if (++num_running_ > 1) overlapped_ = true;
+        if (!entered_) {
+          entered_ = true;
+          cv_.notify_all();
+          cv_.wait_until(lock, Deadline::after_ms(20'000).when(), [&] { return let_go_; });
+        }
+      }
+      inner(std::move(o));
+      std::lock_guard lock(mutex_);
+      --num_running_;
+    };
+  }
+  bool wait_entered() {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_until(lock, Deadline::after_ms(20'000).when(), [&] { return entered_; });
+  }
+  void let_go() {
+    std::lock_guard lock(mutex_);
+    let_go_ = true;
+    cv_.notify_all();
+  }
+  bool overlapped() {
+    std::lock_guard lock(mutex_);
+    return overlapped_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool entered_ = false;
+  bool let_go_ = false;
+  int32_t num_running_ = 0;
+  bool overlapped_ = false;
+};
+
+TEST(EngineConnector, AStreamingCallbackStillRunningHoldsUpNoOtherRequest) {
+  Rig rig = make_rig(64, handover_match());
+  Outputs out;
+  BlockingFirstCall slow;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 3), slow.wrap(out.callback())).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  const std::vector<int32_t> reference = reference_greedy(prompt_of(26), 3, kVocab);
+  std::thread streamer([&] { rig.connector->stream_then_deliver("c", reference[0]); });
+  ASSERT_TRUE(slow.wait_entered());
+  // While the client of "c" is busy with its token: another consumer request is
+  // armed on the engine thread, and a plain one is served to the end.
+  ASSERT_TRUE(rig.engine->add_request(pd_request("d", 26, 2), out.callback()).ok());
+  ASSERT_TRUE(rig.engine->add_request(pd_request("plain", 20, 3, /*with_params=*/false), out.callback()).ok());
+  const bool plain_served = out.wait_finished("plain");
+  slow.let_go();
+  streamer.join();
+  EXPECT_TRUE(plain_served) << "the engine thread waited for another request's streaming callback";
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_EQ(out.tokens("c"), reference);
+  rig.engine->abort("d");
+  ASSERT_TRUE(out.wait_finished("d"));
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_first_tokens_streamed_on_arrival, 1);
+}
+
+// The engine thread takes a streamed token at its poll while the client's
+// callback for it still runs: it emits nothing of that request until the callback
+// returned, and the token reaches the client once.
+TEST(EngineConnector, TheEngineThreadWaitsForAStreamingCallbackOfTheSameRequest) {
+  Rig rig = make_rig(64, handover_match());
+  Outputs out;
+  BlockingFirstCall slow;
+  ASSERT_TRUE(rig.engine->add_request(pd_request("c", 26, 4), slow.wrap(out.callback())).ok());
+  ASSERT_TRUE(rig.connector->wait_allocated("c"));
+  const std::vector<int32_t> reference = reference_greedy(prompt_of(26), 4, kVocab);
+  std::thread streamer([&] { rig.connector->stream("c", reference[0]); });
+  ASSERT_TRUE(slow.wait_entered());
+  rig.connector->deliver_with_token("c", reference[0]);
+  ASSERT_TRUE(rig.connector->wait_drained());
+  slow.let_go();
+  streamer.join();
+  ASSERT_TRUE(out.wait_finished("c"));
+  EXPECT_FALSE(slow.overlapped()) << "an output of the request was delivered during its streaming callback";
+  EXPECT_EQ(out.tokens("c"), reference) << "the streamed token once, then the decoded ones";
+  EXPECT_EQ(out.last("c").num_output_tokens, 4);
+  rig.engine->shutdown();
+  EXPECT_EQ(rig.engine->stats().num_first_tokens_streamed_on_arrival, 1);
   EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
 }
 

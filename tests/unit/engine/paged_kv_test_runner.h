@@ -69,14 +69,22 @@ class PagedKvTestRunner : public ModelRunner {
   }
   // The step with this index blocks until release(): a deterministic
   // "mid-generation" point for abort tests.
+  // Moving the hold to a later step lets a step held at an earlier one go on.
   void hold_at_step(int64_t step_index) {
     std::lock_guard lock(mutex_);
     hold_at_step_ = step_index;
+    cv_.notify_all();
   }
   // Waits (bounded) until execute() sits in a hold; false on timeout.
   bool wait_blocked() {
     std::unique_lock lock(mutex_);
     return cv_.wait_for(lock, std::chrono::seconds(20), [this] { return blocked_ && (held_ || hold_at_step_ >= 0); });
+  }
+  // Waits (bounded) until the step with this index (0-based) sits in a hold; false on timeout.
+  bool wait_blocked_in_step(int64_t step_index) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_for(lock, std::chrono::seconds(20),
+                        [&] { return blocked_ && num_steps_.load() == step_index && (held_ || hold_at_step_ >= 0); });
   }
   void release() {
     std::lock_guard lock(mutex_);
