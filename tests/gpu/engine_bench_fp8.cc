@@ -9,10 +9,10 @@
 // - prefill: (2 x active linear params x tokens + causal attention + lm_head of the last
 //   rows) / the FP8 GEMM rate; the target ">= 60 % of the FP8 GEMM rate" is x floor <= 1.67.
 // MoE models: each decode batch also without PDL and with each expert kernel of the decode path
-// (MoeStreamKernel: tiled, warp items in registers, warp items with a cp.async ring of 4 / 8),
-// and a per-stage breakdown of the expert path (moe_stage_breakdown: route, align, gate_up and
-// down at 1 / 2 / 4 column tiles per CTA and on each warp-item kernel, SwiGLU, combine, each
-// replayed over every layer's experts in one graph, against its expert-bytes floor).
+// at every batch (MoeStreamKernel: tiled, warp items), and a per-stage breakdown of the expert
+// path (moe_stage_breakdown: route, align, gate_up and down at 1 / 2 / 4 column tiles per CTA and
+// on the warp-item kernel, SwiGLU, combine, each replayed over every layer's experts in one graph,
+// against its expert-bytes floor).
 // FP8 KV: one more decode step at kv_fp8_batch with the KV cache in FP8 (write + attention
 // kernels of the FP8 layout) beside the bf16-KV step of the same batch.
 // Dummy weights (e4m3 uniform, 128 x 128 scales of one value per weight shape shared by the
@@ -468,15 +468,10 @@ void moe_stage_breakdown(const Model& m, int bsz, double copy_gbs, cudaStream_t 
     gu[t] = per_layer_us([&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, true, 1 << t), bsz, st)); });
     dn[t] = per_layer_us([&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, false, 1 << t), bsz, st)); });
   }
-  constexpr kc::Fp8TcKernel kWarpKernels[3] = {kc::Fp8TcKernel::kWarpItems, kc::Fp8TcKernel::kWarpItemsRing4,
-                                               kc::Fp8TcKernel::kWarpItemsRing8};
-  double gu_w[3], dn_w[3];  // the warp-item kernels
-  for (int i = 0; i < 3; ++i) {
-    gu_w[i] =
-        per_layer_us([&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, true, 0, kWarpKernels[i]), bsz, st)); });
-    dn_w[i] = per_layer_us(
-        [&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, false, 0, kWarpKernels[i]), bsz, st)); });
-  }
+  const double gu_w = per_layer_us(
+      [&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, true, 0, kc::Fp8TcKernel::kWarpItems), bsz, st)); });
+  const double dn_w = per_layer_us(
+      [&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, false, 0, kc::Fp8TcKernel::kWarpItems), bsz, st)); });
   const double silu =
       per_layer_us([&](int) { PD_STATUS_CHECK(kc::silu_mul(act.get(), gate_up.get(), rows, inter, st)); });
   const double comb = per_layer_us([&](int) {
@@ -489,10 +484,8 @@ void moe_stage_breakdown(const Model& m, int bsz, double copy_gbs, cudaStream_t 
       "gate_up 1/2/4 tiles %.2f/%.2f/%.2f (floor %.2f), silu %.2f, down 1/2/4 tiles %.2f/%.2f/%.2f (floor %.2f), "
       "combine %.2f\n",
       bsz, n_active, route, align, gu[0], gu[1], gu[2], gu_floor, silu, dn[0], dn[1], dn[2], dn_floor, comb);
-  std::printf(
-      "moe stages b%d warp items registers / ring 4 / ring 8: gate_up %.2f/%.2f/%.2f (floor %.2f), down "
-      "%.2f/%.2f/%.2f (floor %.2f)\n",
-      bsz, gu_w[0], gu_w[1], gu_w[2], gu_floor, dn_w[0], dn_w[1], dn_w[2], dn_floor);
+  std::printf("moe stages b%d warp items: gate_up %.2f (floor %.2f), down %.2f (floor %.2f)\n", bsz, gu_w, gu_floor,
+              dn_w, dn_floor);
   std::fflush(stdout);
 }
 
@@ -570,10 +563,7 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
         // The same step with each expert-kernel choice of the decode path (MoeStreamKernel).
         const kc::MoeStreamKernel chosen = eng.moe[0]->stream_kernel();
         const std::pair<const char*, kc::MoeStreamKernel> choices[] = {
-            {"tiled experts", {kc::Fp8TcKernel::kTiled, 1}},
-            {"warp items", {kc::Fp8TcKernel::kWarpItems, 1}},
-            {"warp items ring 4", {kc::Fp8TcKernel::kWarpItemsRing4, 1}},
-            {"warp items ring 8", {kc::Fp8TcKernel::kWarpItemsRing8, 1}}};
+            {"tiled experts", {kc::Fp8TcKernel::kTiled, 1}}, {"warp items", {kc::Fp8TcKernel::kWarpItems, 1}}};
         for (const auto& [what, k] : choices) {
           for (auto& layer : eng.moe) layer->set_stream_kernel(k);
           std::printf("  b%d step ms with %s: %.3f\n", bsz, what, step_ms(true));

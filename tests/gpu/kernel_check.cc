@@ -1144,10 +1144,6 @@ std::string tc_kernel_name(kc::Fp8TcKernel k) {
       return "tiled";
     case kc::Fp8TcKernel::kWarpItems:
       return "warp items";
-    case kc::Fp8TcKernel::kWarpItemsRing4:
-      return "warp items ring 4";
-    case kc::Fp8TcKernel::kWarpItemsRing8:
-      return "warp items ring 8";
   }
   return "?";
 }
@@ -1668,12 +1664,32 @@ void check_fp8_kv() {
   check_attention_fp8(false, 64, 14, 2, prefill_seqs, 0);
 }
 
-// The decode (kStream) expert path: each warp-item kernel with experts of 1..8, 9..16 and > 16
+// The decode (kStream) expert path: the warp-item kernel with experts of 1..8, 9..16 and > 16
 // rows (passes of 16), n = 13 tiles of 16, the Qwen3-30B-A3B shapes and an accumulating store;
 // then the whole MoE layer on each stream kernel choice (the default, MoeStreamKernel{}, too).
 void check_moe_decode() {
-  for (auto kernel :
-       {kc::Fp8TcKernel::kWarpItems, kc::Fp8TcKernel::kWarpItemsRing4, kc::Fp8TcKernel::kWarpItemsRing8}) {
+  // The warp-item kernel refuses bf16 weights and n not a multiple of 16 before any launch.
+  {
+    kc::StreamGemmArgs a;
+    a.m = 1;
+    a.n = 32;
+    a.k = 128;
+    a.lda = 128;
+    a.ldo = 32;
+    a.tc_kernel = kc::Fp8TcKernel::kWarpItems;
+    const Status bf16_weights = kc::stream_gemm(a, 1, nullptr);  // w_scale null: bf16
+    float scale = 1.0f;
+    a.w_scale = &scale;
+    a.w_scale_ld = 4;
+    a.n = 24;
+    a.ldo = 24;
+    const Status n24 = kc::stream_gemm(a, 1, nullptr);
+    g_rows.push_back({"dispatch.rejects", "warp items: bf16 weights / n 24", ErrorStats{},
+                      bf16_weights.code() == ErrorCode::kInvalidArgument && n24.code() == ErrorCode::kInvalidArgument,
+                      bf16_weights.ok() ? "accepted!" : bf16_weights.message()});
+  }
+  {
+    const auto kernel = kc::Fp8TcKernel::kWarpItems;
     check_stream_gemm_grouped(true, 1, 16, 8, 1536, 2048, false, 0, kernel);
     check_stream_gemm_grouped(true, 1, 16, 8, 2048, 768, false, 0, kernel);
     check_stream_gemm_grouped(true, 16, 64, 8, 512, 768, false, 0, kernel);
@@ -1682,10 +1698,8 @@ void check_moe_decode() {
     check_stream_gemm_grouped(true, 12, 8, 1, 208, 384, false, 0, kernel, true);  // 9..16-row experts, accumulate
     check_stream_gemm_grouped(true, 128, 128, 8, 256, 768, false, 0, kernel);
   }
-  for (const auto& kernel :
-       {kc::MoeStreamKernel{kc::Fp8TcKernel::kTiled, 1}, kc::MoeStreamKernel{},
-        kc::MoeStreamKernel{kc::Fp8TcKernel::kWarpItems, 1}, kc::MoeStreamKernel{kc::Fp8TcKernel::kWarpItemsRing4, 1},
-        kc::MoeStreamKernel{kc::Fp8TcKernel::kWarpItemsRing8, 1}}) {
+  for (const auto& kernel : {kc::MoeStreamKernel{kc::Fp8TcKernel::kTiled, 1}, kc::MoeStreamKernel{},
+                             kc::MoeStreamKernel{kc::Fp8TcKernel::kWarpItems, 1}}) {
     for (bool fp8 : {true, false}) {
       if (!fp8 && kernel.kernel != kc::Fp8TcKernel::kTiled) continue;  // bf16 experts ignore the choice
       check_moe_layer(fp8, kc::MoePath::kStream, 1, 16, 4, 256, 128, kernel);

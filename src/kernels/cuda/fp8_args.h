@@ -56,10 +56,8 @@ struct Fp8Weight {
 
 // Tensor-core kernels of stream_gemm for FP8 weights (StreamGemmArgs::tc_kernel).
 enum class Fp8TcKernel : uint8_t {
-  kTiled,           // fp8.cu: CTAs of 1 / 2 / 4 16-column tiles, K split over the CTA's warps
-  kWarpItems,       // moe_decode.cu: warp items, 4 chunks of 64 k per round trip in registers
-  kWarpItemsRing4,  // moe_decode.cu: warp items, a per-lane cp.async ring of 4 chunks
-  kWarpItemsRing8,  // the same, 8 chunks
+  kTiled,      // fp8.cu: CTAs of 1 / 2 / 4 16-column tiles, K split over the CTA's warps
+  kWarpItems,  // moe_decode.cu: one warp per (group, 16 columns) over the whole K
 };
 
 // Weight-streaming GEMM (stream_gemm): out[r][n] (+)= a[row(r)][:] . dequant(w[n][:]) for

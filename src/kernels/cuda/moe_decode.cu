@@ -11,11 +11,11 @@
 // tile for 9..16 rows, passes of 16 rows beyond). Lane (g, t4) loads token g's 16 activations of
 // the same k; both operands use the same k permutation (a lane's 4 consecutive k per step feed
 // slots 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9), so the sum over k is unchanged.
-// Two ways to keep loads in flight (Fp8TcKernel):
-// - registers: 4 chunks loaded, then computed (one memory round trip per 4 chunks);
-// - ring: each lane streams its own weight and activation pieces through a private cp.async ring
-//   of kStages chunks in shared memory (kStages - 1 ahead of the chunk it computes; no barrier,
-//   since a lane reads only what it copied).
+// Loads in flight: a lane loads 4 chunks (2 x 4 x 16 weight bytes and its tokens' activations)
+// into registers, then computes them: one memory round trip per 4 chunks, 16 warps per SM (98
+// registers). A per-lane cp.async ring of 4 / 8 chunks in shared memory instead was measured
+// 1.2-2.2x slower (docs/perf/engine.md, 2026-12-02 03:58 UTC), as were 8 chunks in registers
+// (one 8-warp CTA per SM).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -23,7 +23,6 @@
 #include <atomic>
 #include <cstdint>
 
-#include "kernels/cuda/async_copy.cuh"
 #include "kernels/cuda/fp8_args.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
@@ -130,23 +129,23 @@ __device__ __forceinline__ PassRows pass_rows(const StreamGemmArgs& p, int r0, i
   return r;
 }
 
-constexpr int kRegDepth = 4;  // registers kernel: chunks per round trip
+constexpr int kDepth = 4;  // chunks per round trip
 
-// One pass of a warp over its 16 weight rows for up to 8 (kHi: 16) tokens r0 ..: kRegDepth
+// One pass of a warp over its 16 weight rows for up to 8 (kHi: 16) tokens r0 ..: kDepth
 // chunks loaded into registers, then computed.
 template <bool kHi>
-__device__ __forceinline__ void warp_pass_registers(const StreamGemmArgs& p, const uint8_t* w_lo, const uint8_t* w_hi,
-                                                    const float* srow, int r0, int rows, int n0, int lane) {
+__device__ __forceinline__ void warp_pass(const StreamGemmArgs& p, const uint8_t* w_lo, const uint8_t* w_hi,
+                                          const float* srow, int r0, int rows, int n0, int lane) {
   const int g = lane >> 2, t4 = lane & 3;
   const int chunks = p.k / kChunk;
   const PassRows pr = pass_rows<kHi>(p, r0, rows, g, t4);
   float acc0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int c = 0; c < chunks; c += kRegDepth) {
-    uint4 wl[kRegDepth], wh[kRegDepth];
-    float sc[kRegDepth];
+  for (int c = 0; c < chunks; c += kDepth) {
+    uint4 wl[kDepth], wh[kDepth];
+    float sc[kDepth];
 #pragma unroll
-    for (int u = 0; u < kRegDepth; ++u) {
+    for (int u = 0; u < kDepth; ++u) {
       const bool valid = c + u < chunks;
       const int koff = (c + u) * kChunk;
       wl[u] = valid ? load_weights_16(w_lo + koff) : zero;
@@ -154,7 +153,7 @@ __device__ __forceinline__ void warp_pass_registers(const StreamGemmArgs& p, con
       sc[u] = valid ? __ldg(srow + koff / kFp8Block) : 0.0f;
     }
 #pragma unroll
-    for (int u = 0; u < kRegDepth; ++u) {
+    for (int u = 0; u < kDepth; ++u) {
       if (c + u >= chunks) break;  // uniform over the warp
       const int koff = (c + u) * kChunk;
       uint32_t b0[8], b1[8];
@@ -167,84 +166,16 @@ __device__ __forceinline__ void warp_pass_registers(const StreamGemmArgs& p, con
   if constexpr (kHi) store_tile(p, acc1, r0, rows, 8 + 2 * t4, n0 + g);
 }
 
-// Ring kernel: per lane and stage 6 pieces of 16 bytes (weights of rows g and g + 8, token g's
-// 16 activations, token g + 8's), laid out [warp][stage][piece][lane] so that a warp's accesses
-// to one piece are 512 contiguous bytes (no bank conflicts).
-constexpr int kRingWarps = 4;
-constexpr int kRingPieces = 6;
-
-template <int kStages>
-constexpr int ring_smem_bytes() {
-  return kRingWarps * kStages * kRingPieces * 32 * 16;
-}
-
-template <int kStages, bool kHi>
-__device__ __forceinline__ void warp_pass_ring(const StreamGemmArgs& p, const uint8_t* w_lo, const uint8_t* w_hi,
-                                               const float* srow, int r0, int rows, int n0, int lane, uint4* ring) {
-  const int g = lane >> 2, t4 = lane & 3;
-  const int chunks = p.k / kChunk;
-  const PassRows pr = pass_rows<kHi>(p, r0, rows, g, t4);
-  auto piece = [&](int stage, int pc) { return ring + (stage * kRingPieces + pc) * 32 + lane; };
-  auto issue = [&](int c) {
-    if (c < chunks) {
-      const int stage = c % kStages, koff = c * kChunk;
-      cp_async_16(piece(stage, 0), w_lo + koff, true);
-      cp_async_16(piece(stage, 1), w_hi + koff, true);
-      cp_async_16(piece(stage, 2), pr.a0 + koff, pr.ok0);
-      cp_async_16(piece(stage, 3), pr.a0 + koff + 8, pr.ok0);
-      if constexpr (kHi) {
-        cp_async_16(piece(stage, 4), pr.a1 + koff, pr.ok1);
-        cp_async_16(piece(stage, 5), pr.a1 + koff + 8, pr.ok1);
-      }
-    }
-    cp_async_commit();  // one group per chunk, empty past the end: the wait below counts chunks
-  };
-#pragma unroll
-  for (int c = 0; c < kStages - 1; ++c) issue(c);
-  float acc0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int c = 0; c < chunks; ++c) {
-    cp_async_wait<kStages - 2>();  // chunk c has landed (this lane's own copies)
-    const int stage = c % kStages;
-    const uint4 wl = *piece(stage, 0), wh = *piece(stage, 1);
-    const uint4 t0 = *piece(stage, 2), t1 = *piece(stage, 3);
-    uint32_t b0[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
-    uint32_t b1[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-    if constexpr (kHi) {
-      const uint4 t2 = *piece(stage, 4), t3 = *piece(stage, 5);
-      b1[0] = t2.x;
-      b1[1] = t2.y;
-      b1[2] = t2.z;
-      b1[3] = t2.w;
-      b1[4] = t3.x;
-      b1[5] = t3.y;
-      b1[6] = t3.z;
-      b1[7] = t3.w;
-    }
-    const float sc = __ldg(srow + c * kChunk / kFp8Block);
-    // Refill the stage read one chunk ago (its values are in registers and were used).
-    issue(c + kStages - 1);
-    mma_chunk<kHi>(acc0, acc1, wl, wh, sc, b0, b1);
-  }
-  cp_async_wait<0>();  // nothing of this pass in flight when the ring is reused
-  store_tile(p, acc0, r0, rows, 2 * t4, n0 + g);
-  if constexpr (kHi) store_tile(p, acc1, r0, rows, 8 + 2 * t4, n0 + g);
-}
-
-// kStages 0: the registers kernel (8 warps per CTA); else the ring kernel (kRingWarps per CTA).
-template <int kStages>
-__global__ void __launch_bounds__((kStages == 0 ? kWarps : kRingWarps) * 32) fp8_warp_grouped_kernel(StreamGemmArgs p) {
+__global__ void __launch_bounds__(kWarps * 32) fp8_warp_grouped_kernel(StreamGemmArgs p) {
   wait_for_prior_grids();  // pdl.cuh: before any global access
   allow_dependents();
-  constexpr int kCtaWarps = kStages == 0 ? kWarps : kRingWarps;
-  extern __shared__ uint4 ring_smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  uint4* ring = ring_smem + warp * (kStages > 0 ? kStages : 1) * kRingPieces * 32;
   const int tiles_n = p.n / 16;
   const bool grouped = p.group_offsets != nullptr;
   const int groups = !grouped ? 1 : p.num_active != nullptr ? *p.num_active : p.max_groups;
   const int64_t items = static_cast<int64_t>(groups) * tiles_n;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kCtaWarps;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t item = blockIdx.x + static_cast<int64_t>(gridDim.x) * warp; item < items; item += stride) {
     const int y = static_cast<int>(item / tiles_n), tile = static_cast<int>(item % tiles_n);
     int group = 0, row_begin = 0, row_end = p.m;
@@ -262,18 +193,10 @@ __global__ void __launch_bounds__((kStages == 0 ? kWarps : kRingWarps) * 32) fp8
                         static_cast<int64_t>(n0 / kFp8Block) * p.w_scale_ld;
     for (int r0 = row_begin; r0 < row_end; r0 += 16) {
       const int rows = min(16, row_end - r0);
-      if constexpr (kStages == 0) {
-        if (rows > 8) {
-          warp_pass_registers<true>(p, w_lo, w_hi, srow, r0, rows, n0, lane);
-        } else {
-          warp_pass_registers<false>(p, w_lo, w_hi, srow, r0, rows, n0, lane);
-        }
+      if (rows > 8) {
+        warp_pass<true>(p, w_lo, w_hi, srow, r0, rows, n0, lane);
       } else {
-        if (rows > 8) {
-          warp_pass_ring<kStages, true>(p, w_lo, w_hi, srow, r0, rows, n0, lane, ring);
-        } else {
-          warp_pass_ring<kStages, false>(p, w_lo, w_hi, srow, r0, rows, n0, lane, ring);
-        }
+        warp_pass<false>(p, w_lo, w_hi, srow, r0, rows, n0, lane);
       }
     }
   }
@@ -282,8 +205,7 @@ __global__ void __launch_bounds__((kStages == 0 ? kWarps : kRingWarps) * 32) fp8
 constexpr int kMaxDevices = 64;
 
 // CTAs of the kernel resident on the whole device (SMs x blocks per SM), computed once per device.
-template <int kStages>
-cudaError_t resident_ctas(int threads, int smem, int* out) {
+cudaError_t resident_ctas(int* out) {
   static std::atomic<int> cached[kMaxDevices];
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -298,44 +220,25 @@ cudaError_t resident_ctas(int threads, int smem, int* out) {
   int sms = 0, per_sm = 0;
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fp8_warp_grouped_kernel<kStages>, threads, smem);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fp8_warp_grouped_kernel, kWarps * 32, 0);
   if (err != cudaSuccess) return err;
   *out = sms * (per_sm > 0 ? per_sm : 1);
   if (device >= 0 && device < kMaxDevices) cached[device].store(*out, std::memory_order_relaxed);
   return cudaSuccess;
 }
 
-template <int kStages>
-cudaError_t launch_typed(const StreamGemmArgs& p, cudaStream_t stream) {
-  constexpr int kCtaWarps = kStages == 0 ? kWarps : kRingWarps;
-  constexpr int kSmem = kStages == 0 ? 0 : ring_smem_bytes<kStages>();
-  if constexpr (kSmem > 48 * 1024) {
-    const cudaError_t err = opt_in_dynamic_smem<fp8_warp_grouped_kernel<kStages>>(kSmem);
-    if (err != cudaSuccess) return err;
-  }
-  int resident = 0;
-  const cudaError_t err = resident_ctas<kStages>(kCtaWarps * 32, kSmem, &resident);
-  if (err != cudaSuccess) return err;
-  const int64_t max_items = static_cast<int64_t>(p.group_offsets != nullptr ? p.max_groups : 1) * (p.n / 16);
-  const int64_t wanted = (max_items + kCtaWarps - 1) / kCtaWarps;
-  const unsigned grid = static_cast<unsigned>(wanted < resident ? wanted : resident);
-  const cudaError_t launch =
-      launch_dependent(fp8_warp_grouped_kernel<kStages>, dim3(grid), dim3(kCtaWarps * 32), kSmem, stream, p);
-  return launch != cudaSuccess ? launch : cudaGetLastError();
-}
-
 }  // namespace
 
 cudaError_t launch_fp8_warp_grouped(const StreamGemmArgs& p, cudaStream_t stream) {
   if (p.n == 0 || (p.group_offsets == nullptr && p.m == 0) || p.max_groups == 0) return cudaSuccess;
-  switch (p.tc_kernel) {
-    case Fp8TcKernel::kWarpItemsRing4:
-      return launch_typed<4>(p, stream);
-    case Fp8TcKernel::kWarpItemsRing8:
-      return launch_typed<8>(p, stream);
-    default:
-      return launch_typed<0>(p, stream);
-  }
+  int resident = 0;
+  const cudaError_t err = resident_ctas(&resident);
+  if (err != cudaSuccess) return err;
+  const int64_t max_items = static_cast<int64_t>(p.group_offsets != nullptr ? p.max_groups : 1) * (p.n / 16);
+  const int64_t wanted = (max_items + kWarps - 1) / kWarps;
+  const unsigned grid = static_cast<unsigned>(wanted < resident ? wanted : resident);
+  const cudaError_t launch = launch_dependent(fp8_warp_grouped_kernel, dim3(grid), dim3(kWarps * 32), 0, stream, p);
+  return launch != cudaSuccess ? launch : cudaGetLastError();
 }
 
 }  // namespace pd::kernels::cuda::detail
