@@ -8,9 +8,11 @@
 //   from the routing + KV read + lm_head) / device-to-device copy bandwidth;
 // - prefill: (2 x active linear params x tokens + causal attention + lm_head of the last
 //   rows) / the FP8 GEMM rate; the target ">= 60 % of the FP8 GEMM rate" is x floor <= 1.67.
-// MoE models: each decode batch also without PDL, and a per-stage breakdown of the expert path
-// (moe_stage_breakdown: route, align, gate_up and down at 1 / 2 / 4 column tiles per CTA, SwiGLU,
-// combine, each replayed over every layer's experts in one graph, against its expert-bytes floor).
+// MoE models: each decode batch also without PDL and with each expert kernel of the decode path
+// at every batch (MoeStreamKernel: tiled, warp items), and a per-stage breakdown of the expert
+// path (moe_stage_breakdown: route, align, gate_up and down at 1 / 2 / 4 column tiles per CTA and
+// on the warp-item kernel, SwiGLU, combine, each replayed over every layer's experts in one graph,
+// against its expert-bytes floor).
 // FP8 KV: one more decode step at kv_fp8_batch with the KV cache in FP8 (write + attention
 // kernels of the FP8 layout) beside the bf16-KV step of the same batch.
 // Dummy weights (e4m3 uniform, 128 x 128 scales of one value per weight shape shared by the
@@ -24,6 +26,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/runner_cuda/cuda_model_runner.h"
@@ -425,7 +428,8 @@ void moe_stage_breakdown(const Model& m, int bsz, double copy_gbs, cudaStream_t 
   PD_STATUS_CHECK(kc::moe_align(ids.get(), bsz, k, e, r, st));
   PD_CUDA_CHECK(cudaStreamSynchronize(st));
   const int n_active = num_active.download()[0];
-  auto gemm_args = [&](int l, bool is_gate_up, int tiles) {
+  // tiles: the tiled kernel's 16-column tiles per CTA; kernel: a warp-item kernel instead.
+  auto gemm_args = [&](int l, bool is_gate_up, int tiles, kc::Fp8TcKernel kernel = kc::Fp8TcKernel::kTiled) {
     const kc::MoeWeights w = m.moe(l);
     kc::StreamGemmArgs a;
     const int n = is_gate_up ? 2 * inter : h, kk = is_gate_up ? h : inter;
@@ -434,6 +438,7 @@ void moe_stage_breakdown(const Model& m, int bsz, double copy_gbs, cudaStream_t 
     a.a = is_gate_up ? x.get() : act.get();
     a.lda = kk;
     a.tc_tiles = tiles;
+    a.tc_kernel = kernel;
     a.a_rows = is_gate_up ? r.sorted_token : nullptr;
     a.w = is_gate_up ? w.gate_up : w.down;
     a.w_scale = is_gate_up ? w.gate_up_scale : w.down_scale;
@@ -464,6 +469,10 @@ void moe_stage_breakdown(const Model& m, int bsz, double copy_gbs, cudaStream_t 
     gu[t] = per_layer_us([&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, true, 1 << t), bsz, st)); });
     dn[t] = per_layer_us([&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, false, 1 << t), bsz, st)); });
   }
+  const double gu_w = per_layer_us(
+      [&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, true, 0, kc::Fp8TcKernel::kWarpItems), bsz, st)); });
+  const double dn_w = per_layer_us(
+      [&](int l) { PD_STATUS_CHECK(kc::stream_gemm(gemm_args(l, false, 0, kc::Fp8TcKernel::kWarpItems), bsz, st)); });
   const double silu =
       per_layer_us([&](int) { PD_STATUS_CHECK(kc::silu_mul(act.get(), gate_up.get(), rows, inter, st)); });
   const double comb = per_layer_us([&](int) {
@@ -476,6 +485,8 @@ void moe_stage_breakdown(const Model& m, int bsz, double copy_gbs, cudaStream_t 
       "gate_up 1/2/4 tiles %.2f/%.2f/%.2f (floor %.2f), silu %.2f, down 1/2/4 tiles %.2f/%.2f/%.2f (floor %.2f), "
       "combine %.2f\n",
       bsz, n_active, route, align, gu[0], gu[1], gu[2], gu_floor, silu, dn[0], dn[1], dn[2], dn_floor, comb);
+  std::printf("moe stages b%d warp items: gate_up %.2f (floor %.2f), down %.2f (floor %.2f)\n", bsz, gu_w, gu_floor,
+              dn_w, dn_floor);
   std::fflush(stdout);
 }
 
@@ -619,6 +630,15 @@ void bench_fp8_model(const std::string& name, int layers_override, int ctx, doub
       std::vector<double> times{step_ms(true)};
       if (s.experts > 0 && !fp8_kv) {
         std::printf("  b%d step ms: PDL %.3f, without PDL %.3f\n", bsz, times[0], step_ms(false));
+        // The same step with each expert-kernel choice of the decode path (MoeStreamKernel).
+        const kc::MoeStreamKernel chosen = eng.moe[0]->stream_kernel();
+        const std::pair<const char*, kc::MoeStreamKernel> choices[] = {
+            {"tiled experts", {kc::Fp8TcKernel::kTiled, 1}}, {"warp items", {kc::Fp8TcKernel::kWarpItems, 1}}};
+        for (const auto& [what, k] : choices) {
+          for (auto& layer : eng.moe) layer->set_stream_kernel(k);
+          std::printf("  b%d step ms with %s: %.3f\n", bsz, what, step_ms(true));
+        }
+        for (auto& layer : eng.moe) layer->set_stream_kernel(chosen);
         kc::set_programmatic_launch(true);
         moe_stage_breakdown(model, bsz, copy_gbs, st);
         kc::set_programmatic_launch(false);

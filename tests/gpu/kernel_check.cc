@@ -1140,11 +1140,23 @@ void check_moe_combine(int t_count, int top_k, int hidden, bool accumulate) {
          compare(to_float(d_out.download()), ref));
 }
 
+std::string tc_kernel_name(kc::Fp8TcKernel k) {
+  switch (k) {
+    case kc::Fp8TcKernel::kTiled:
+      return "tiled";
+    case kc::Fp8TcKernel::kWarpItems:
+      return "warp items";
+  }
+  return "?";
+}
+
 // Grouped streaming GEMM over the routing of random logits: sorted row r of expert e
 // = x[sorted_token[r]] . W_e^T, FP8 or bf16 experts.
-// tiles: the tensor-core kernel's 16-column tiles per CTA (0: its own choice).
+// tiles: the tensor-core kernel's 16-column tiles per CTA (0: its own choice); kernel: a warp-item
+// kernel instead; accumulate: out starts as random values and the product is added.
 void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, int n, int k, bool cuda_cores = false,
-                               int tiles = 0) {
+                               int tiles = 0, kc::Fp8TcKernel kernel = kc::Fp8TcKernel::kTiled,
+                               bool accumulate = false) {
   const int rows = t_count * top_k;
   const auto logits = random_logits(t_count, e_count);
   DeviceBuffer<float> d_logits(logits.size()), d_w(static_cast<size_t>(rows));
@@ -1183,7 +1195,13 @@ void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, in
     d_wb.upload(w_b);
   }
   d_x.upload(x);
-  d_out.poison();
+  std::vector<float> base_f;
+  const auto base = random_bf16(static_cast<size_t>(rows) * n, 1.0f, rng(), &base_f);
+  if (accumulate) {
+    d_out.upload(base);
+  } else {
+    d_out.poison();
+  }
   kc::StreamGemmArgs a;
   a.out = d_out.get();
   a.ldo = n;
@@ -1203,20 +1221,26 @@ void check_stream_gemm_grouped(bool fp8, int t_count, int e_count, int top_k, in
   a.k = k;
   a.cuda_cores = cuda_cores;
   a.tc_tiles = tiles;
+  a.tc_kernel = kernel;
+  a.accumulate = accumulate;
   PD_STATUS_CHECK(kc::stream_gemm(a, t_count, nullptr));
   const HostRouting h = r.download();
-  std::vector<float> ref(static_cast<size_t>(rows) * n);
+  std::vector<float> ref = accumulate ? base_f : std::vector<float>(static_cast<size_t>(rows) * n);
+  std::vector<float> prod(static_cast<size_t>(n));
   for (int e = 0; e < e_count; ++e) {
     for (int pos = h.offsets[static_cast<size_t>(e)]; pos < h.offsets[static_cast<size_t>(e) + 1]; ++pos) {
       cpu::matmul(x_f.data() + static_cast<size_t>(h.sorted_token[static_cast<size_t>(pos)]) * k,
-                  w_deq.data() + static_cast<size_t>(e) * n * k, nullptr, 1, n, k,
-                  ref.data() + static_cast<size_t>(pos) * n);
+                  w_deq.data() + static_cast<size_t>(e) * n * k, nullptr, 1, n, k, prod.data());
+      for (int c = 0; c < n; ++c) ref[static_cast<size_t>(pos) * n + c] += prod[static_cast<size_t>(c)];
     }
   }
+  const std::string kernel_name = kernel != kc::Fp8TcKernel::kTiled ? tc_kernel_name(kernel)
+                                  : fp8 && !cuda_cores ? "tiles " + std::to_string(kc::fp8_tc_grouped_tiles(a))
+                                                       : "";
   record(std::string("stream_gemm_grouped_") + (fp8 ? (cuda_cores ? "fp8_simt" : "fp8_tc") : "bf16"),
          std::to_string(t_count) + "x" + std::to_string(n) + "x" + std::to_string(k) + ", " + std::to_string(e_count) +
-             " exp top" + std::to_string(top_k) +
-             (fp8 && !cuda_cores ? ", tiles " + std::to_string(kc::fp8_tc_grouped_tiles(a)) : ""),
+             " exp top" + std::to_string(top_k) + (kernel_name.empty() ? "" : ", " + kernel_name) +
+             (accumulate ? ", accumulate" : ""),
          compare(to_float(d_out.download()), ref), std::to_string(h.num_active) + " active experts");
 }
 
@@ -1305,7 +1329,8 @@ void check_grouped_fp8_gemm(const std::vector<int>& counts, int n, int k, Groupe
 // down(silu(gate x) * up x) with bf16 rounding where the kernels store bf16, weighted sum,
 // added to the residual. The per-expert FP8 path quantizes its GEMM inputs per token, so the
 // host does too.
-void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int top_k, int hidden, int inter) {
+void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int top_k, int hidden, int inter,
+                     const kc::MoeStreamKernel& stream_kernel = kc::MoeStreamKernel{}) {
   const auto logits = random_logits(t_count, e_count);
   std::vector<int32_t> ids;
   std::vector<float> rw;
@@ -1368,6 +1393,7 @@ void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int t
   }
   auto layer = kc::MoeLayer::create(t_count, top_k, e_count, hidden, inter);
   PD_STATUS_CHECK(layer.status());
+  (*layer)->set_stream_kernel(stream_kernel);
   auto gemm = kc::Gemm::create(64ull << 20, kc::GemmPolicy::kHeuristic);
   PD_STATUS_CHECK(gemm.status());
   auto fp8_gemm = kc::Fp8Gemm::create(t_count * top_k, std::max(hidden, inter), kc::Fp8GemmPolicy::kCublas);
@@ -1421,12 +1447,17 @@ void check_moe_layer(bool fp8, kc::MoePath path, int t_count, int e_count, int t
   // by grouped_fp8_gemm_*). A misplaced scale or row gives ~1.
   const double tolerance = fp8 && path == kc::MoePath::kGrouped ? 4e-2 : kTolerance;
   if (tolerance != kTolerance) note += "tolerance 4e-2 (two e4m3 quantizations per row)";
+  const bool stream_fp8 = fp8 && path == kc::MoePath::kStream;
+  const std::string kernel =
+      !stream_fp8
+          ? ""
+          : ", " + tc_kernel_name(t_count >= stream_kernel.min_tokens ? stream_kernel.kernel : kc::Fp8TcKernel::kTiled);
   record(std::string("moe_layer_") + (fp8 ? "fp8" : "bf16") +
              (path == kc::MoePath::kStream    ? "_stream"
               : path == kc::MoePath::kGrouped ? "_grouped"
                                               : "_expert"),
          std::to_string(t_count) + " tok " + std::to_string(e_count) + "e top" + std::to_string(top_k) + " " +
-             std::to_string(hidden) + "/" + std::to_string(inter),
+             std::to_string(hidden) + "/" + std::to_string(inter) + kernel,
          compare(to_float(d_out.download()), ref), note, tolerance);
 }
 
@@ -1728,6 +1759,52 @@ void check_fp8_kv() {
   check_attention_fp8(false, 64, 14, 2, prefill_seqs, 0);
 }
 
+// The decode (kStream) expert path: the warp-item kernel with experts of 1..8, 9..16 and > 16
+// rows (passes of 16), n = 13 tiles of 16, the Qwen3-30B-A3B shapes and an accumulating store;
+// then the whole MoE layer on each stream kernel choice (the default, MoeStreamKernel{}, too).
+void check_moe_decode() {
+  // The warp-item kernel refuses bf16 weights and n not a multiple of 16 before any launch.
+  {
+    kc::StreamGemmArgs a;
+    a.m = 1;
+    a.n = 32;
+    a.k = 128;
+    a.lda = 128;
+    a.ldo = 32;
+    a.tc_kernel = kc::Fp8TcKernel::kWarpItems;
+    const Status bf16_weights = kc::stream_gemm(a, 1, nullptr);  // w_scale null: bf16
+    float scale = 1.0f;
+    a.w_scale = &scale;
+    a.w_scale_ld = 4;
+    a.n = 24;
+    a.ldo = 24;
+    const Status n24 = kc::stream_gemm(a, 1, nullptr);
+    g_rows.push_back({"dispatch.rejects", "warp items: bf16 weights / n 24", ErrorStats{},
+                      bf16_weights.code() == ErrorCode::kInvalidArgument && n24.code() == ErrorCode::kInvalidArgument,
+                      bf16_weights.ok() ? "accepted!" : bf16_weights.message()});
+  }
+  {
+    const auto kernel = kc::Fp8TcKernel::kWarpItems;
+    check_stream_gemm_grouped(true, 1, 16, 8, 1536, 2048, false, 0, kernel);
+    check_stream_gemm_grouped(true, 1, 16, 8, 2048, 768, false, 0, kernel);
+    check_stream_gemm_grouped(true, 16, 64, 8, 512, 768, false, 0, kernel);
+    check_stream_gemm_grouped(true, 40, 4, 2, 208, 768, false, 0, kernel);  // ~20 rows per expert
+    check_stream_gemm_grouped(true, 40, 8, 2, 208, 2048, false, 0, kernel);
+    check_stream_gemm_grouped(true, 12, 8, 1, 208, 384, false, 0, kernel, true);  // 9..16-row experts, accumulate
+    check_stream_gemm_grouped(true, 128, 128, 8, 256, 768, false, 0, kernel);
+  }
+  for (const auto& kernel : {kc::MoeStreamKernel{kc::Fp8TcKernel::kTiled, 1}, kc::MoeStreamKernel{},
+                             kc::MoeStreamKernel{kc::Fp8TcKernel::kWarpItems, 1}}) {
+    for (bool fp8 : {true, false}) {
+      if (!fp8 && kernel.kernel != kc::Fp8TcKernel::kTiled) continue;  // bf16 experts ignore the choice
+      check_moe_layer(fp8, kc::MoePath::kStream, 1, 16, 4, 256, 128, kernel);
+      check_moe_layer(fp8, kc::MoePath::kStream, 5, 16, 4, 256, 128, kernel);
+      check_moe_layer(fp8, kc::MoePath::kStream, 40, 64, 8, 512, 256, kernel);
+      check_moe_layer(fp8, kc::MoePath::kStream, 200, 16, 4, 256, 128, kernel);
+    }
+  }
+}
+
 void check_fp8_moe() {
   check_fp8_kv();
   check_fp8_scale_layouts(32, 256, 768);
@@ -1782,12 +1859,11 @@ void check_fp8_moe() {
     check_stream_gemm_grouped(true, 40, 4, 2, 208, 768, false, tiles);
     check_stream_gemm_grouped(true, 40, 8, 2, 208, 2048, false, tiles);
   }
+  check_moe_decode();
   for (bool fp8 : {true, false}) {
-    for (auto path : {kc::MoePath::kStream, kc::MoePath::kPerExpert}) {
-      check_moe_layer(fp8, path, 5, 16, 4, 256, 128);
-      check_moe_layer(fp8, path, 40, 64, 8, 512, 256);
-      check_moe_layer(fp8, path, 200, 16, 4, 256, 128);  // ~50 rows per expert: cuBLASLt rows + a streamed rest
-    }
+    check_moe_layer(fp8, kc::MoePath::kPerExpert, 5, 16, 4, 256, 128);
+    check_moe_layer(fp8, kc::MoePath::kPerExpert, 40, 64, 8, 512, 256);
+    check_moe_layer(fp8, kc::MoePath::kPerExpert, 200, 16, 4, 256, 128);  // ~50 rows per expert: cuBLASLt + streamed
   }
   if (kc::GroupedFp8Gemm::available()) {
     // Groups of 0 rows, of 1, and off every multiple of 16 / 64 / 128; k / 128 = 3 (weight
@@ -1920,14 +1996,22 @@ int main(int argc, char** argv) {
   // --decode-attention-only: the decode attention (and sampling) checks alone, for a quick run.
   bool decode_attention_only = false;
   for (int i = 1; i < argc; ++i) decode_attention_only |= std::string(argv[i]) == "--decode-attention-only";
-  // --fp8-moe-only: the FP8 and MoE checks alone.
-  bool fp8_moe_only = false, fp8_kv_only = false;
+  // --fp8-moe-only: the FP8 and MoE checks alone; --moe-decode-only: the decode expert path alone.
+  // --others-only: everything the full run checks besides decode attention, sampling and FP8 / MoE
+  // (so the full run can be split in three: --others-only, --fp8-moe-only, --decode-attention-only).
+  bool fp8_moe_only = false, fp8_kv_only = false, moe_decode_only = false, others_only = false;
   for (int i = 1; i < argc; ++i) {
+    others_only |= std::string(argv[i]) == "--others-only";
     fp8_moe_only |= std::string(argv[i]) == "--fp8-moe-only";
+    moe_decode_only |= std::string(argv[i]) == "--moe-decode-only";
     fp8_kv_only |= std::string(argv[i]) == "--fp8-kv-only";  // the FP8 KV write / attention checks alone
     g_progress |= std::string(argv[i]) == "--progress";
   }
-  if (fp8_kv_only) {
+  if (others_only) {
+    check_others();
+  } else if (moe_decode_only) {
+    check_moe_decode();
+  } else if (fp8_kv_only) {
     check_fp8_kv();
   } else if (fp8_moe_only) {
     check_fp8_moe();

@@ -54,6 +54,12 @@ struct Fp8Weight {
   int32_t scale_ld = 0;  // fp8_weight_scale_ld(k)
 };
 
+// Tensor-core kernels of stream_gemm for FP8 weights (StreamGemmArgs::tc_kernel).
+enum class Fp8TcKernel : uint8_t {
+  kTiled,      // fp8.cu: CTAs of 1 / 2 / 4 16-column tiles, K split over the CTA's warps
+  kWarpItems,  // moe_decode.cu: one warp per (group, 16 columns) over the whole K
+};
+
 // Weight-streaming GEMM (stream_gemm): out[r][n] (+)= a[row(r)][:] . dequant(w[n][:]) for
 // the rows r of each group. Built for decode, where every weight byte should be read once:
 // a CTA owns a few output columns of one group and streams their weight rows once per
@@ -87,6 +93,10 @@ struct StreamGemmArgs {
   bool cuda_cores = false;
   // Tensor-core kernel: 16-column tiles per CTA (1, 2 or 4); 0 = fp8_tc_grouped_tiles' choice.
   int32_t tc_tiles = 0;
+  // FP8 weights on tensor cores, n % 16 == 0: the tiled kernel above or a warp-item kernel
+  // (moe_decode.cu: a warp streams 16 columns of one group over the whole K, on a grid of at most
+  // one wave).
+  Fp8TcKernel tc_kernel = Fp8TcKernel::kTiled;
 };
 
 // Tiles per CTA of the tensor-core streaming kernel: grouped (MoE) GEMMs with K <= 1,024 take 4

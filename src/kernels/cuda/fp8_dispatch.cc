@@ -65,6 +65,13 @@ Status stream_gemm(const StreamGemmArgs& a, int32_t rows_hint, cudaStream_t stre
   if (a.group_offsets == nullptr && (a.active_groups != nullptr || a.num_active != nullptr)) {
     return invalid_argument("stream_gemm: active groups without group offsets");
   }
+  if (a.tc_kernel != Fp8TcKernel::kTiled) {
+    if (!fp8 || a.cuda_cores || a.n % 16 != 0) {
+      return invalid_argument(
+          "stream_gemm: a warp-item kernel needs FP8 weights on tensor cores and n % 16 == 0 (n {})", a.n);
+    }
+    return cuda_status(detail::launch_fp8_warp_grouped(a, stream), "stream_gemm launch");
+  }
   return cuda_status(detail::launch_stream_gemm(a, rows_hint, stream), "stream_gemm launch");
 }
 

@@ -61,6 +61,8 @@ cudaError_t launch_quantize_fp8(uint8_t* out, float* scales, const bf16* x, int3
                                 cudaStream_t stream);
 // rows_hint: the most rows any group has (or may have): picks the rows per weight pass.
 cudaError_t launch_stream_gemm(const StreamGemmArgs& args, int32_t rows_hint, cudaStream_t stream);
+// StreamGemmArgs::tc_kernel a warp-item kernel (moe_decode.cu).
+cudaError_t launch_fp8_warp_grouped(const StreamGemmArgs& args, cudaStream_t stream);
 // Tensor-core streaming for dense FP8 weights, 1 <= m <= 16, n % 8 == 0, k % 128 == 0 (fp8.cu).
 cudaError_t launch_fp8_tc_stream(bf16* out, const bf16* a, const uint8_t* w, const float* w_scale, int32_t scale_ld,
                                  int32_t m, int32_t n, int32_t k, bool accumulate, cudaStream_t stream);

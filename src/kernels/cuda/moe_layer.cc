@@ -94,6 +94,8 @@ Status MoeLayer::expert_gemm(__nv_bfloat16* out, const __nv_bfloat16* in, const 
     a.max_groups = std::min(num_experts_, rows);
     a.n = n;
     a.k = k;
+    // rows_hint: the pass's tokens (an expert has at most that many rows).
+    if (mw.fp8 && rows_hint >= stream_kernel_.min_tokens) a.tc_kernel = stream_kernel_.kernel;
     return stream_gemm(a, rows_hint, stream);
   }
   // kPerExpert: the rows of `in` are already in expert order; host_offsets_ holds the offsets.

@@ -8,8 +8,10 @@
 //   gate_up [E][2 * inter][hidden] (gate rows, then up rows), down [E][hidden][inter].
 // Two ways to run the expert GEMMs:
 // - kStream: the weight-streaming kernel over the active experts (stream_gemm, grouped);
-//   each routed expert's weights are read once per 8 of its rows, nothing waits for the
-//   host, so it can be captured in a CUDA graph. For decode.
+//   each routed expert's weights are read once per 16 of its rows, nothing waits for the
+//   host, so it can be captured in a CUDA graph. For decode. FP8 experts take a warp-item
+//   kernel (moe_decode.cu) from 2 tokens on and the tiled one at 1 (MoeStreamKernel); bf16
+//   experts the CUDA-core kernel (8 rows per pass).
 // - kPerExpert: copies the expert offsets to the host (one stream synchronization), then one
 //   GEMM per active expert over its contiguous rows: cuBLASLt's block-scaled FP8 GEMM on
 //   activations quantized once per GEMM for all experts (quantize_fp8_grouped) for the first
@@ -50,6 +52,13 @@ struct MoeWeights {
 
 enum class MoePath : uint8_t { kStream, kPerExpert, kGrouped };
 
+// Kernels of the kStream path's FP8 expert GEMMs (bf16 experts take the CUDA-core kernel):
+// `kernel` for passes of at least min_tokens tokens, the tiled kernel below.
+struct MoeStreamKernel {
+  Fp8TcKernel kernel = Fp8TcKernel::kWarpItems;
+  int32_t min_tokens = 2;
+};
+
 class MoeLayer {
  public:
   static Result<std::unique_ptr<MoeLayer>> create(int32_t max_tokens, int32_t top_k, int32_t num_experts,
@@ -65,6 +74,11 @@ class MoeLayer {
   Status forward(__nv_bfloat16* out, const __nv_bfloat16* x, const float* router_logits, int32_t num_tokens,
                  const MoeWeights& w, bool renormalize, MoePath path, cudaStream_t stream, bool accumulate,
                  Gemm* gemm = nullptr, Fp8Gemm* fp8_gemm = nullptr);
+
+  // Kernels of the kStream path (default: MoeStreamKernel{}); read at each forward, so a
+  // captured graph keeps the choice it was captured with.
+  void set_stream_kernel(const MoeStreamKernel& k) { stream_kernel_ = k; }
+  const MoeStreamKernel& stream_kernel() const { return stream_kernel_; }
 
   // After forward (the routing of its tokens), on the stream: the experts chosen per token
   // and the number of distinct experts (device buffers).
@@ -83,6 +97,7 @@ class MoeLayer {
                      MoePath path, cudaStream_t stream, Gemm* gemm, Fp8Gemm* fp8_gemm);
 
   int32_t max_tokens_ = 0, top_k_ = 0, num_experts_ = 0, hidden_ = 0, inter_ = 0;
+  MoeStreamKernel stream_kernel_;
   int32_t* topk_ids_ = nullptr;
   float* topk_weights_ = nullptr;
   MoeRouting routing_;
