@@ -16,7 +16,7 @@ import re
 import openai
 import pytest
 
-from conftest import start_pdserve, wait_for
+from conftest import metric_value, start_pdserve, wait_for
 from router_fixtures import TINY_MODEL, pdserve_flags, start_router
 
 try:
@@ -214,7 +214,7 @@ def test_pd_constrained_output_is_valid_and_equals_collocated(procs, client):
     router = start_router(procs)
     extra = {"defer_timeout": 5, "transfer_timeout": 10}
     start_pdserve(procs, "--kv-role", "kv_producer", *pdserve_flags("producer", router=router, extra=extra))
-    start_pdserve(procs, "--kv-role", "kv_consumer", *pdserve_flags("consumer", router=router, extra=extra))
+    consumer = start_pdserve(procs, "--kv-role", "kv_consumer", *pdserve_flags("consumer", router=router, extra=extra))
     wait_for(lambda: {i["role"] for i in router.instances()} >= {"producer", "consumer"}, 20,
              "producer and consumer registered")
     pd = openai.OpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -226,3 +226,7 @@ def test_pd_constrained_output_is_valid_and_equals_collocated(procs, client):
     check_schema(json.loads(got.choices[0].text))
     assert got.choices[0].text == expected.choices[0].text
     assert got.choices[0].finish_reason == "stop"
+    # The consumer took the producer's first token (same constraint, same key) and advanced its own
+    # matcher past it before sampling the rest.
+    accepted = metric_value(consumer.metrics(), "pd_connector_first_tokens_total", {"result": "accepted"})
+    assert accepted and accepted >= 1
