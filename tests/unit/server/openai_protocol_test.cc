@@ -360,8 +360,7 @@ TEST(ChatRequestParsing, RequiredAndNamedToolChoiceHoldTheReplyToAJsonSchema) {
   body.erase("guided_regex");
   for (const char* choice : {R"("sometimes")", "3", R"({"type": "function"})", R"({"function": {"name": 1}})"}) {
     body["tool_choice"] = ojson::parse(choice);
-    auto error = error_of(parse_chat_request(body, limits()));
-    EXPECT_EQ(error.param, "tool_choice") << choice;
+    EXPECT_EQ(error_of(parse_chat_request(body, limits())).param, "tool_choice") << choice;
   }
   ojson no_tools = ojson::parse(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"})");
   EXPECT_EQ(error_of(parse_chat_request(no_tools, limits())).param, "tool_choice");
