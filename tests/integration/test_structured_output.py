@@ -230,3 +230,17 @@ def test_pd_constrained_output_is_valid_and_equals_collocated(procs, client):
     # matcher past it before sampling the rest.
     accepted = metric_value(consumer.metrics(), "pd_connector_first_tokens_total", {"result": "accepted"})
     assert accepted and accepted >= 1
+
+
+def test_without_the_grammar_library_the_server_runs_and_says_why(procs):
+    server = start_pdserve(procs, "--model", TINY_MODEL, "--max-model-len", "512",
+                           env={"PDSERVE_LLGUIDANCE_LIBRARY": "/nonexistent/llguidance/_lib.abi3.so"})
+    status, raw, _ = server.post("/v1/completions", {"prompt": "a", "max_tokens": 2, "guided_regex": "a+"})
+    assert status == 400, raw
+    error = json.loads(raw)["error"]
+    assert error["param"] == "guided_regex"
+    assert "unavailable" in error["message"] and "/nonexistent/llguidance/_lib.abi3.so" in error["message"]
+    status, raw, _ = server.post("/v1/completions", {"prompt": "a", "max_tokens": 2})
+    assert status == 200, raw
+    assert sum("structured output disabled" in line for line in server.process.output) == 1
+
