@@ -337,8 +337,11 @@ grammar::ConstraintSpec with_json_whitespace(grammar::ConstraintSpec spec, const
   ojson schema = ojson::parse(spec.source);
   ojson& options = schema["x-guidance"];
   if (!options.is_object()) options = ojson::object();
-  if (fields.json_compact_whitespace) options["whitespace_flexible"] = false;
-  if (fields.json_whitespace_pattern) options["whitespace_pattern"] = *fields.json_whitespace_pattern;
+  // Defaults, as vLLM passes them: options the schema sets itself win.
+  if (fields.json_compact_whitespace && !options.contains("whitespace_flexible"))
+    options["whitespace_flexible"] = false;
+  if (fields.json_whitespace_pattern && !options.contains("whitespace_pattern"))
+    options["whitespace_pattern"] = *fields.json_whitespace_pattern;
   spec.source = schema.dump();
   return spec;
 }
