@@ -14,7 +14,7 @@ DEBIAN_PACKAGES=(
   clang-14 libclang-rt-14-dev clang-format
   iproute2 curl python3 python3-pip python3-venv
 )
-PYPI_PACKAGES=(pytest pytest-timeout openai tokenizers transformers jinja2 numpy msgpack pyzmq matplotlib)
+PYPI_PACKAGES=(pytest pytest-timeout openai tokenizers transformers jinja2 numpy msgpack pyzmq matplotlib llguidance==1.9.1)
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
@@ -33,7 +33,7 @@ fi
 
 PYTHON=${PYTHON:-python3}
 need_pip=0
-for mod in pytest pytest_timeout openai tokenizers transformers jinja2 numpy msgpack zmq matplotlib; do
+for mod in pytest pytest_timeout openai tokenizers transformers jinja2 numpy msgpack zmq matplotlib llguidance; do
   "$PYTHON" -c "import $mod" 2>/dev/null || need_pip=1
 done
 if [ $need_pip = 1 ]; then

@@ -188,6 +188,7 @@ class EarlyFirstTokens {
 
   void arm(const Request& request, OutputCallback callback, RequestOutputState output) {
     auto slot = std::make_unique<Slot>(Slot{request, std::move(callback), std::move(output), std::nullopt, false});
+    slot->request.constraint.reset();  // the engine thread alone drives a request's constraint
     std::lock_guard lock(mutex_);
     slots_.insert_or_assign(request.request_id(), std::move(slot));
   }
@@ -322,6 +323,7 @@ class EngineImpl final : public Engine {
     auto r = std::make_unique<Request>(std::move(request.request_id), seq, std::move(request.prompt_token_ids),
                                        std::move(request.sampling), std::move(request.kv_transfer_params), arrival,
                                        rng_base, max_output);
+    r->constraint = std::move(request.constraint);
     ++num_inbox_adds_;
     inbox_.emplace_back(AddMessage{std::move(r), std::move(on_output)});
     cv_.notify_one();
@@ -571,6 +573,7 @@ class EngineImpl final : public Engine {
   void execute_step(const StepPlan& plan) {
     StepInput input = scheduler_.build_step_input(plan);
     attach_token_history(plan, input);
+    attach_allowed_token_masks(plan, input);
     const int64_t step_start = now_ns();
     for (const ScheduledSeq& s : plan.seqs)
       if (s.request->first_scheduled_ns == 0) s.request->first_scheduled_ns = step_start;
@@ -665,6 +668,35 @@ class EngineImpl final : public Engine {
     }
   }
 
+  // Structured output: each constrained row's mask, computed before the step (a step without
+  // constrained rows pays one null check per row). A mask that fails leaves
+  // the row unconstrained and the request ends with that error when its token comes back.
+  void attach_allowed_token_masks(const StepPlan& plan, StepInput& input) {
+    const size_t num_words = (static_cast<size_t>(vocab_size_) + 31) / 32;
+    for (size_t i = 0; i < plan.seqs.size() && i < input.seqs.size(); ++i) {
+      SeqStep& step = input.seqs[i];
+      Request& r = *plan.seqs[i].request;
+      if (!step.sample || r.constraint == nullptr || !r.constraint_error.empty()) continue;
+      r.allowed_token_mask.resize(num_words);
+      Status status = r.constraint->fill_allowed_mask(r.allowed_token_mask);
+      if (!status.ok()) {
+        r.constraint_error = status.message();
+        continue;
+      }
+      step.allowed_token_mask = r.allowed_token_mask;
+    }
+  }
+
+  // Advances a constrained request past its new token (sampled or handed over); false when
+  // the request ended with an error instead.
+  bool advance_constraint(Request& r, int32_t token_id) {
+    Status status =
+        r.constraint_error.empty() ? r.constraint->consume_token(token_id) : invalid_argument("{}", r.constraint_error);
+    if (status.ok()) return true;
+    finish_live(r, RequestState::kFinishedError, FinishReason::kError, status.message());
+    return false;
+  }
+
   void process_token(Request& r, SampledToken& token, int64_t now) {
     auto it = io_.find(r.request_id());
     // A handed-over first token may have been streamed already: it is taken here
@@ -684,6 +716,7 @@ class EngineImpl final : public Engine {
                   fmt::format("runner sampled token {} outside the vocabulary [0, {})", token.token_id, vocab_size_));
       return;
     }
+    if (r.constraint != nullptr && !advance_constraint(r, token.token_id)) return;
     scheduler_.append_token(r, token.token_id);
     if (connector_ != nullptr && r.num_output_tokens() == 1) connector_->first_token_sampled(r, token.token_id);
     metrics_.generation_tokens.inc();
@@ -703,6 +736,14 @@ class EngineImpl final : public Engine {
     r.last_token_ns = now;
 
     TokenVerdict verdict = it->second.output.on_token(r, token.token_id);
+    if (!verdict.finished && r.constraint != nullptr && r.constraint->is_finished()) {
+      // The grammar is complete and allows only the end: the output ends here, as it would
+      // with the EOS that is all the mask still allows (vLLM samples it; this saves the step).
+      verdict.text_delta += it->second.output.flush();
+      verdict.finished = true;
+      verdict.final_state = RequestState::kFinishedStopped;
+      verdict.reason = FinishReason::kStop;
+    }
     RequestOutput out = base_output(r);
     out.new_token_ids.push_back(token.token_id);
     out.text_delta = std::move(verdict.text_delta);

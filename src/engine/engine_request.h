@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -15,6 +16,7 @@
 #include "common/status.h"
 #include "engine/request.h"
 #include "engine/sampling_params.h"
+#include "engine/token_constraint.h"
 
 namespace pd::engine {
 
@@ -87,6 +89,14 @@ class Request {
   // Prompt logprobs computed so far, entry i for prompt token i + 1 (sized on the
   // first chunk; a recompute after preemption overwrites); sent with the first token.
   std::vector<PromptTokenLogprob> prompt_logprobs;
+
+  // --- structured output (engine thread only) ---------------------------------
+  // The request's constraint (null for most requests: then nothing below is touched); the
+  // mask of its next sampled row (SeqStep::allowed_token_mask views it during execute()); a
+  // mask that could not be computed, which ends the request when its token comes back.
+  std::shared_ptr<TokenConstraint> constraint;
+  std::vector<uint32_t> allowed_token_mask;
+  std::string constraint_error;
 
  private:
   std::string request_id_;

@@ -68,6 +68,11 @@ struct SeqStep {
   // into the engine's request, valid during execute(); empty when unused.
   std::span<const int32_t> prompt_token_ids;
   std::span<const int32_t> output_token_ids;
+  // Structured output: when non-empty, only the ids whose bit is set may be sampled (bit t % 32
+  // of word t / 32; engine/token_constraint.h), applied before every other step of sampling, so
+  // the returned logprobs see disallowed ids as -inf (vLLM applies its grammar bitmask to the
+  // logits the same way). A view into the engine's request, valid during execute().
+  std::span<const uint32_t> allowed_token_mask;
   // >= 0: the runner returns prompt logprobs (StepOutput::prompt_logprobs) for
   // each new position p < prompt_token_ids.size() - 1: the log-softmax of p's
   // raw logits at prompt_token_ids[p + 1], its rank and this many top entries.

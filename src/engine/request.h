@@ -3,12 +3,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "contract/transfer_types.h"
 #include "engine/sampling_params.h"
+#include "engine/token_constraint.h"
 
 namespace pd::engine {
 
@@ -39,6 +41,9 @@ struct GenerateRequest {
   // at the HTTP edge (the connector's parser); the connector acts on it.
   std::optional<contract::TransferParams> kv_transfer_params;
   int64_t arrival_ns = 0;  // 0 = stamped by the engine on arrival
+  // Structured output (compiled at the HTTP edge): every sampled token obeys it; the engine
+  // takes it over, and nothing else may use it once the request is added.
+  std::shared_ptr<TokenConstraint> constraint;
 };
 
 struct TopLogprob {

@@ -239,7 +239,19 @@ int32_t num_prompt_logprob_rows(const SeqStep& step) {
   return std::max(0, end - step.num_computed_tokens);
 }
 
+void apply_allowed_token_mask(std::span<float> logits, std::span<const uint32_t> mask_words) {
+  if (mask_words.empty()) return;
+  for (size_t word = 0; word * 32 < logits.size(); ++word) {
+    const uint32_t bits = word < mask_words.size() ? mask_words[word] : 0u;
+    if (bits == ~0u) continue;
+    const size_t end = std::min(logits.size(), word * 32 + 32);
+    for (size_t i = word * 32; i < end; ++i)
+      if (((bits >> (i - word * 32)) & 1u) == 0) logits[i] = kNegInf;
+  }
+}
+
 SampledToken sample_step_token(std::span<float> logits, const SeqStep& step) {
+  apply_allowed_token_mask(logits, step.allowed_token_mask);
   return sample_token(logits, step.sampling, step.rng_seed, step.suppressed_token_ids,
                       SamplingHistory{step.prompt_token_ids, step.output_token_ids});
 }

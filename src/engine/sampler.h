@@ -59,8 +59,13 @@ PromptPositionLogprobs prompt_position_logprobs(std::span<const float> logits, i
 // counted from the step's first new position. 0 when the step does not ask.
 int32_t num_prompt_logprob_rows(const SeqStep& step);
 
+// Sets every id the mask does not allow to -inf (SeqStep::allowed_token_mask; ids beyond the
+// mask's words are not allowed). An empty mask changes nothing.
+void apply_allowed_token_mask(std::span<float> logits, std::span<const uint32_t> mask_words);
+
 // sample_token for one sequence of a step: its params, seed, suppressed ids
-// and token history. What every runner calls for a row it samples on the host.
+// and token history, after its allowed-token mask. What every runner calls for
+// a row it samples on the host.
 SampledToken sample_step_token(std::span<float> logits, const SeqStep& step);
 
 }  // namespace pd::engine

@@ -144,6 +144,8 @@ uint64_t first_token_sampling_key(const SamplingParams& params) {
     h.add(word.size());
     for (int32_t id : word) h.add(id);
   }
+  // Only when set, so that the keys of unconstrained requests stay what they were.
+  if (params.constraint_digest != 0) h.add(params.constraint_digest);
   // The first token is drawn with EOS and stop ids suppressed iff min_tokens > 0.
   const bool suppresses = params.min_tokens > 0;
   h.add(suppresses);

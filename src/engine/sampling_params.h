@@ -40,6 +40,9 @@ struct SamplingParams {
   // Token sequences that must not be generated: the last token of a sequence
   // is banned whenever the generated tokens end with the rest of it.
   std::vector<std::vector<int32_t>> bad_words_token_ids;
+  // Structured output: a digest of the request's constraint (kind and source), 0 = none. The
+  // constraint itself travels as GenerateRequest::constraint; the digest keys the first token.
+  uint64_t constraint_digest = 0;
 
   bool greedy() const { return temperature <= 0.0f; }
   // True when any of the processors above changes the logits.
@@ -53,10 +56,10 @@ struct SamplingParams {
 
 // A digest of every parameter that shapes the distribution of a request's
 // first output token (temperature, top-k/p, min-p, seed, the ids that
-// min_tokens suppresses, penalties, logit_bias, allowed and banned ids). Two legs of one P/D request whose keys are
-// equal sample their first token from the same distribution (the same token when seeded or greedy), so the consumer may
-// take the producer's token instead of computing the last prompt token again. Length limits, stop strings and output
-// formatting are not part of it: they act after sampling, on the side that streams.
+// min_tokens suppresses, penalties, logit_bias, allowed and banned ids, the structured-output constraint). Two legs of
+// one P/D request whose keys are equal sample their first token from the same distribution (the same token when seeded
+// or greedy), so the consumer may take the producer's token instead of computing the last prompt token again. Length
+// limits, stop strings and output formatting are not part of it: they act after sampling, on the side that streams.
 uint64_t first_token_sampling_key(const SamplingParams& params);
 
 }  // namespace pd::engine

@@ -15,6 +15,8 @@
 #include "connector/pd_connector.h"
 #include "engine/engine.h"
 #include "engine/runner/load_model.h"
+#include "grammar/constraint.h"
+#include "grammar/grammar_library.h"
 #include "server/http_server.h"
 #include "server/load_options.h"
 #include "server/openai_service.h"
@@ -63,6 +65,7 @@ int run(pd::server::ServerConfig config) {
   if (engine_config.eos_token_ids.empty() && tokenizer && tokenizer->eos_token_id())
     engine_config.eos_token_ids.push_back(*tokenizer->eos_token_id());
   const int32_t max_model_len = loaded->max_model_len;
+  const int32_t runner_vocab_size = loaded->runner->vocab_size();
   const std::string architecture = loaded->architecture;
 
   // P/D connector: built before the engine, which then owns it and
@@ -107,6 +110,25 @@ int run(pd::server::ServerConfig config) {
   // The service outlives the HTTP server: coroutine frames that the server
   // destroys at the end still refer to it.
   server::OpenAiService service(config, *engine, tokenizer, max_model_len);
+  {
+    // Structured output: llguidance over this model's tokenizer, built once. Without it the
+    // server still serves; requests that ask for structured output get a 400 saying why.
+    std::string reason;
+    std::shared_ptr<const grammar::GrammarTokenizer> grammar_tokenizer;
+    if (tokenizer == nullptr) {
+      reason = "the model has no tokenizer";
+    } else if (auto library = grammar::GrammarLibrary::load(grammar::default_library_paths()); !library.ok()) {
+      reason = "the grammar library (llguidance) is unavailable: " + library.status().message();
+    } else if (auto made = grammar::GrammarTokenizer::create(*library, tokenizer, runner_vocab_size,
+                                                             engine->config().eos_token_ids);
+               !made.ok()) {
+      reason = "the grammar library (llguidance) refused the tokenizer: " + made.status().message();
+    } else {
+      grammar_tokenizer = std::move(made).value();
+    }
+    if (grammar_tokenizer == nullptr) PD_LOG_WARN("structured output disabled: {}", reason);
+    service.set_grammar(std::move(grammar_tokenizer), std::move(reason));
+  }
   server::HttpServer http(http_options);
   if (pd_connector != nullptr) {
     service.set_kv_params_parser([pd_connector](const nlohmann::json& params, int32_t num_prompt_tokens) {

@@ -252,15 +252,7 @@ struct UnsupportedField {
 constexpr UnsupportedField kUnsupportedFields[] = {
     {"use_beam_search", "false", "beam search is not supported by this server"},
     {"length_penalty", "1.0", "'length_penalty' applies to beam search, which this server does not support"},
-    {"guided_json", nullptr, "structured output (guided_json) is not supported by this server"},
-    {"guided_regex", nullptr, "structured output (guided_regex) is not supported by this server"},
-    {"guided_choice", nullptr, "structured output (guided_choice) is not supported by this server"},
-    {"guided_grammar", nullptr, "structured output (guided_grammar) is not supported by this server"},
-    {"guided_decoding_backend", nullptr, "structured output (guided_decoding_backend) is not supported by this server"},
-    {"guided_whitespace_pattern", nullptr,
-     "structured output (guided_whitespace_pattern) is not supported by this server"},
-    {"structured_outputs", nullptr, "structured output is not supported by this server"},
-    {"structural_tag", nullptr, "structured output (structural_tag) is not supported by this server"},
+    {"structural_tag", nullptr, "structured output with 'structural_tag' is not supported by this server"},
     {"logits_processors", nullptr, "request-supplied logits processors are not supported by this server", true},
     {"vllm_xargs", nullptr, "'vllm_xargs' is not supported by this server", true},
     {"spaces_between_special_tokens", "true", "only 'spaces_between_special_tokens' true is supported"},
@@ -299,6 +291,179 @@ void refuse_unsupported_fields(FieldReader& reader, bool is_chat) {
       return reader.fail(unsupported("tool calling is not supported by this server", "tools"));
     if (const ojson* choice = reader.raw("tool_choice"); choice && !is_off(*choice, "\"none\"", false))
       return reader.fail(unsupported("tool calling is not supported by this server", "tool_choice"));
+  }
+}
+
+// ---- structured output (vLLM's fields) ----
+
+void add_constraint(FieldReader& reader, std::optional<StructuredOutput>& out, StructuredOutput next) {
+  if (reader.error()) return;
+  if (out) {
+    return reader.fail(bad_request(fmt::format("a request may hold one structured-output constraint; it sets both "
+                                               "'{}' and '{}'",
+                                               out->field, next.field),
+                                   next.field));
+  }
+  out = std::move(next);
+}
+
+// A JSON schema given as an object, or (guided_json) as a string holding one.
+std::optional<std::string> schema_source(FieldReader& reader, const ojson& value, const std::string& field,
+                                         const RequestLimits& limits, bool string_allowed) {
+  const char* shape = string_allowed ? "a JSON schema object (or a string holding one)" : "a JSON schema object";
+  if (value.is_object()) return value.dump();
+  if (string_allowed && value.is_string()) {
+    const auto& text = value.get_ref<const std::string&>();
+    if (json_nesting_depth(text) <= limits.max_json_depth) {
+      ojson parsed = ojson::parse(text, nullptr, /*allow_exceptions=*/false);
+      if (!parsed.is_discarded() && parsed.is_object()) return parsed.dump();
+    }
+  }
+  reader.fail(bad_request(fmt::format("'{}' must be {}", field, shape), field));
+  return std::nullopt;
+}
+
+std::optional<std::string> nonempty_string(FieldReader& reader, const ojson& value, const std::string& field) {
+  if (value.is_string() && !value.get_ref<const std::string&>().empty()) return value.get<std::string>();
+  reader.fail(bad_request(fmt::format("'{}' must be a non-empty string", field), field));
+  return std::nullopt;
+}
+
+std::optional<std::vector<std::string>> choice_list(FieldReader& reader, const ojson& value, const std::string& field) {
+  std::vector<std::string> out;
+  if (value.is_array() && !value.empty()) {
+    for (const auto& item : value) {
+      if (!item.is_string()) break;
+      out.push_back(item.get<std::string>());
+    }
+    if (out.size() == value.size()) return out;
+  }
+  reader.fail(bad_request(fmt::format("'{}' must be a non-empty list of strings", field), field));
+  return std::nullopt;
+}
+
+// One of json / regex / choice / grammar, under its wire name.
+void add_keyed_constraint(FieldReader& reader, const RequestLimits& limits, std::optional<StructuredOutput>& out,
+                          const std::string& field, const std::string& key, const ojson& value) {
+  StructuredOutput next;
+  next.field = field;
+  if (key == "json") {
+    auto source = schema_source(reader, value, field, limits, /*string_allowed=*/true);
+    if (!source) return;
+    next.kind = StructuredOutput::Kind::kJsonSchema;
+    next.source = std::move(*source);
+  } else if (key == "regex" || key == "grammar") {
+    auto source = nonempty_string(reader, value, field);
+    if (!source) return;
+    next.kind = key == "regex" ? StructuredOutput::Kind::kRegex : StructuredOutput::Kind::kGrammar;
+    next.source = std::move(*source);
+  } else {
+    auto choices = choice_list(reader, value, field);
+    if (!choices) return;
+    next.kind = StructuredOutput::Kind::kChoice;
+    next.choices = std::move(*choices);
+  }
+  add_constraint(reader, out, std::move(next));
+}
+
+void parse_response_format(FieldReader& reader, const RequestLimits& limits, std::optional<StructuredOutput>& out) {
+  const ojson* format = reader.raw("response_format");
+  if (format == nullptr || format->is_null()) return;
+  // Not value("type", ""): it throws when the client sends a non-string type.
+  auto type = format->is_object() ? format->find("type") : format->end();
+  if (!format->is_object() || type == format->end() || !type->is_string()) {
+    return reader.fail(bad_request(
+        "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}", "response_format"));
+  }
+  const auto& kind = type->get_ref<const std::string&>();
+  if (kind == "text") return;
+  if (kind == "json_object") {
+    return add_constraint(reader, out,
+                          StructuredOutput{StructuredOutput::Kind::kJsonObject, "", {}, "response_format"});
+  }
+  if (kind != "json_schema") {
+    return reader.fail(unsupported(
+        fmt::format("'response_format' type \"{}\" is not supported (text, json_object, json_schema are)", kind),
+        "response_format"));
+  }
+  auto spec = format->find("json_schema");
+  if (spec == format->end() || !spec->is_object()) {
+    return reader.fail(bad_request("'response_format.json_schema' must be an object with 'name' and 'schema'",
+                                   "response_format.json_schema"));
+  }
+  auto name = spec->find("name");
+  if (name == spec->end() || !name->is_string() || name->get_ref<const std::string&>().empty())
+    return reader.fail(bad_request("'response_format.json_schema.name' must be a non-empty string",
+                                   "response_format.json_schema.name"));
+  if (auto strict = spec->find("strict"); strict != spec->end() && !strict->is_null() && !strict->is_boolean())
+    return reader.fail(
+        bad_request("'response_format.json_schema.strict' must be a boolean", "response_format.json_schema.strict"));
+  auto schema = spec->find("schema");
+  if (schema == spec->end() || schema->is_null())
+    return reader.fail(
+        bad_request("'response_format.json_schema.schema' is required", "response_format.json_schema.schema"));
+  auto source = schema_source(reader, *schema, "response_format.json_schema.schema", limits, /*string_allowed=*/false);
+  if (!source) return;
+  StructuredOutput next{StructuredOutput::Kind::kJsonSchema, std::move(*source), {}, "response_format"};
+  add_constraint(reader, out, std::move(next));
+}
+
+// vLLM's structured_outputs object: json, regex, choice, grammar, json_object; the JSON
+// whitespace keys (disable_any_whitespace, whitespace_pattern); disable_fallback (there is no
+// other backend to fall back to); disable_additional_properties only false.
+void parse_structured_outputs_object(FieldReader& reader, const RequestLimits& limits, GenerationFields& fields) {
+  std::optional<StructuredOutput>& out = fields.structured_output;
+  const ojson* params = reader.raw("structured_outputs");
+  if (params == nullptr || params->is_null()) return;
+  if (!params->is_object()) return reader.type_error("structured_outputs", "an object", *params);
+  for (const auto& [key, value] : params->items()) {
+    const std::string field = "structured_outputs." + key;
+    if (value.is_null()) continue;
+    if (key == "json" || key == "regex" || key == "choice" || key == "grammar") {
+      add_keyed_constraint(reader, limits, out, field, key, value);
+    } else if (key == "json_object") {
+      if (!value.is_boolean()) return reader.fail(bad_request("'" + field + "' must be a boolean", field));
+      if (value.get<bool>())
+        add_constraint(reader, out, StructuredOutput{StructuredOutput::Kind::kJsonObject, "", {}, field});
+    } else if (key == "disable_fallback" || key == "disable_any_whitespace" || key == "disable_additional_properties") {
+      if (!value.is_boolean()) return reader.fail(bad_request("'" + field + "' must be a boolean", field));
+      if (key == "disable_any_whitespace") fields.json_compact_whitespace = value.get<bool>();
+      if (value.get<bool>() && key == "disable_additional_properties")
+        return reader.fail(unsupported("'" + field + "' true is not supported by this server", field));
+    } else if (key == "whitespace_pattern") {
+      auto pattern = nonempty_string(reader, value, field);
+      if (pattern) fields.json_whitespace_pattern = std::move(*pattern);
+    } else if (key == "structural_tag") {
+      return reader.fail(unsupported("'" + field + "' is not supported by this server", field));
+    } else {
+      return reader.fail(bad_request(fmt::format("unknown field '{}'", field), field));
+    }
+    if (reader.error()) return;
+  }
+}
+
+// Every structured-output field of a request, into at most one constraint.
+void parse_structured_output(FieldReader& reader, const RequestLimits& limits, GenerationFields& fields) {
+  std::optional<StructuredOutput>& out = fields.structured_output;
+  parse_response_format(reader, limits, out);
+  for (const char* key : {"guided_json", "guided_regex", "guided_choice", "guided_grammar"}) {
+    const ojson* value = reader.raw(key);
+    if (value == nullptr || value->is_null()) continue;
+    add_keyed_constraint(reader, limits, out, key, std::string(key).substr(7), *value);
+  }
+  parse_structured_outputs_object(reader, limits, fields);
+  if (const ojson* pattern = reader.raw("guided_whitespace_pattern"); pattern && !pattern->is_null()) {
+    if (auto value = nonempty_string(reader, *pattern, "guided_whitespace_pattern"))
+      fields.json_whitespace_pattern = std::move(*value);
+  }
+  if (const ojson* backend = reader.raw("guided_decoding_backend"); backend && !backend->is_null()) {
+    if (!backend->is_string()) return reader.type_error("guided_decoding_backend", "a string", *backend);
+    const auto& name = backend->get_ref<const std::string&>();
+    if (name != "auto" && name != "guidance" && name != "llguidance")
+      reader.fail(unsupported(fmt::format("structured output here is llguidance's; 'guided_decoding_backend' \"{}\" "
+                                          "is not available (\"auto\" or \"guidance\" are)",
+                                          name),
+                              "guided_decoding_backend"));
   }
 }
 
@@ -387,17 +552,7 @@ GenerationFields parse_generation_fields(FieldReader& reader, const ojson& body,
     }
     (void)truncate;
   }
-  if (const ojson* format = reader.raw("response_format")) {
-    // Not value("type", ""): it throws when the client sends a non-string type.
-    auto type = format->find("type");
-    bool is_text = format->is_object() && type != format->end() && type->is_string() &&
-                   type->get_ref<const std::string&>() == "text";
-    if (!is_text)
-      reader.fail(
-          unsupported("structured output ('response_format' other than {\"type\": \"text\"}) is not "
-                      "supported by this server",
-                      "response_format"));
-  }
+  parse_structured_output(reader, limits, fields);
   refuse_unsupported_fields(reader, is_chat);
   reader.string("user");
 
@@ -629,9 +784,8 @@ void parse_template_extras(FieldReader& reader, ojson& tools, ojson& kwargs) {
 }
 
 // tool_choice as vLLM takes it: "none", "auto" (the default with tools),
-// "required" or {"type": "function", "function": {"name"}}. vLLM holds the
-// model to the last two with guided decoding; this server has none, so it
-// refuses them rather than return a reply that may not be a call.
+// "required" or {"type": "function", "function": {"name"}}. The last two hold
+// the reply to a JSON schema (tool_choice_schema) with structured output.
 void parse_tool_choice(FieldReader& reader, ChatRequest& request) {
   const bool has_tools = !request.tools.is_null() && !request.tools.empty();
   const ojson* choice = reader.raw("tool_choice");
@@ -654,15 +808,67 @@ void parse_tool_choice(FieldReader& reader, ChatRequest& request) {
                     "tool_choice"));
   }
   if (!has_tools) return reader.fail(bad_request("'tool_choice' needs 'tools'", "tool_choice"));
-  if (!choice->is_string() || choice->get_ref<const std::string&>() == "required")
-    return reader.fail(
-        unsupported("'tool_choice' \"required\" and named functions need guided decoding, which this server does "
-                    "not have; use \"auto\"",
-                    "tool_choice"));
-  request.parse_tool_calls = true;
+  if (choice->is_string() && choice->get_ref<const std::string&>() == "auto") {
+    request.parse_tool_calls = true;
+    return;
+  }
+  if (choice->is_string()) {
+    request.forced_tool = ChatRequest::ForcedTool::kRequired;
+  } else {
+    request.forced_tool = ChatRequest::ForcedTool::kNamed;
+    request.forced_tool_name = (*choice)["function"]["name"].get<std::string>();
+  }
+  auto schema = tool_choice_schema(request.tools, request.forced_tool, request.forced_tool_name);
+  if (failed(schema)) return reader.fail(std::get<ApiError>(std::move(schema)));
+  add_constraint(
+      reader, request.fields.structured_output,
+      StructuredOutput{StructuredOutput::Kind::kJsonSchema, std::get<ojson>(schema).dump(), {}, "tool_choice"});
 }
 
 }  // namespace
+
+Parsed<ojson> tool_choice_schema(const ojson& tools, ChatRequest::ForcedTool forced, const std::string& name) {
+  const ojson kAnyObject = {{"type", "object"}};
+  auto parameters_of = [&](const ojson& function) {
+    auto p = function.find("parameters");
+    return p != function.end() && p->is_object() ? *p : kAnyObject;
+  };
+  if (forced == ChatRequest::ForcedTool::kNamed) {
+    for (const auto& tool : tools) {
+      const ojson& function = tool["function"];
+      if (function["name"] == name) return parameters_of(function);
+    }
+    return bad_request(fmt::format("'tool_choice' names function '{}', which is not among 'tools'", name),
+                       "tool_choice");
+  }
+  ojson defs = ojson::object();
+  ojson alternatives = ojson::array();
+  for (const auto& tool : tools) {
+    const ojson& function = tool["function"];
+    ojson parameters = parameters_of(function);
+    if (auto d = parameters.find("$defs"); d != parameters.end()) {
+      if (!d->is_object()) return bad_request("a tool's 'parameters.$defs' must be an object", "tools");
+      for (const auto& [key, value] : d->items()) {
+        if (defs.contains(key) && defs[key] != value)
+          return bad_request(fmt::format("tools define '$defs.{}' differently; 'tool_choice' \"required\" needs "
+                                         "one definition per name",
+                                         key),
+                             "tools");
+        defs[key] = value;
+      }
+      parameters.erase("$defs");
+    }
+    ojson alternative = {{"properties",
+                          {{"name", {{"type", "string"}, {"enum", ojson::array({function["name"]})}}},
+                           {"parameters", std::move(parameters)}}},
+                         {"required", ojson::array({"name", "parameters"})}};
+    alternatives.push_back(std::move(alternative));
+  }
+  ojson schema = {
+      {"type", "array"}, {"minItems", 1}, {"items", {{"type", "object"}, {"anyOf", std::move(alternatives)}}}};
+  if (!defs.empty()) schema["$defs"] = std::move(defs);
+  return schema;
+}
 
 Parsed<ojson> parse_json_object(std::string_view body, size_t max_depth) {
   if (json_nesting_depth(body) > max_depth)
@@ -935,7 +1141,8 @@ ResponseJson chat_response(const ResponseHeader& header, const std::vector<Choic
     for (const auto& call : c.tool_calls) calls.push_back(tool_call_json(call));
     ResponseJson content = c.content_is_null ? ResponseJson(nullptr) : ResponseJson(c.text);
     // vLLM: a reply whose tool calls were parsed finishes with "tool_calls".
-    ResponseJson finish = c.tool_calls.empty() ? finish_reason_json(c.finish_reason) : ResponseJson("tool_calls");
+    ResponseJson finish =
+        c.tool_calls.empty() || c.keep_finish_reason ? finish_reason_json(c.finish_reason) : ResponseJson("tool_calls");
     out_choices.push_back(
         {{"index", i},
          {"message", {{"role", "assistant"}, {"content", std::move(content)}, {"tool_calls", std::move(calls)}}},

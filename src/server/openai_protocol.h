@@ -56,6 +56,16 @@ struct PromptInput {
   std::vector<int32_t> token_ids;  // used when text is empty
 };
 
+// Structured output as a request asks for it (vLLM's fields; at most one per request). The
+// service compiles it (src/grammar) into the constraint every choice of the request obeys.
+struct StructuredOutput {
+  enum class Kind { kJsonSchema, kJsonObject, kRegex, kChoice, kGrammar };
+  Kind kind = Kind::kJsonSchema;
+  std::string source;                // kJsonSchema: the schema as JSON text; kRegex: the regex; kGrammar: Lark
+  std::vector<std::string> choices;  // kChoice
+  std::string field;                 // the request field it came from, for errors (error.param)
+};
+
 // Fields shared by /v1/completions and /v1/chat/completions.
 struct GenerationFields {
   std::string model;  // empty = the default served model
@@ -73,6 +83,13 @@ struct GenerationFields {
   std::optional<std::string> request_id;    // vLLM extension: a client-chosen id prefix
   bool return_tokens_as_token_ids = false;  // vLLM extension: logprobs name tokens "token_id:<id>"
   bool return_token_ids = false;            // vLLM extension: each choice (and chunk) lists its token ids
+  // response_format json_object / json_schema, guided_json / guided_regex / guided_choice /
+  // guided_grammar, structured_outputs, or (chat) tool_choice "required" / a named function.
+  std::optional<StructuredOutput> structured_output;
+  // Whitespace a JSON constraint allows between tokens (structured_outputs.disable_any_whitespace,
+  // guided_whitespace_pattern): llguidance's JSON options; ignored by regex, choice and grammar.
+  bool json_compact_whitespace = false;
+  std::optional<std::string> json_whitespace_pattern;
 };
 
 struct CompletionRequest {
@@ -90,6 +107,11 @@ struct ChatRequest {
   // "auto" (the default with tools): the reply is parsed for tool calls; "none":
   // tools are rendered (as vLLM does) but the reply is plain text.
   bool parse_tool_calls = false;
+  // tool_choice "required" / {"type": "function", ...}: the reply is held to a JSON schema
+  // (fields.structured_output, field "tool_choice") and returned as tool calls, as vLLM does.
+  enum class ForcedTool { kNone, kRequired, kNamed };
+  ForcedTool forced_tool = ForcedTool::kNone;
+  std::string forced_tool_name;  // kNamed
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool logprobs = false;
   bool add_special_tokens = false;  // the template writes its own special tokens
@@ -113,6 +135,12 @@ struct DetokenizeRequest {
 
 Parsed<CompletionRequest> parse_completion_request(const nlohmann::ordered_json& body, const RequestLimits& limits);
 Parsed<ChatRequest> parse_chat_request(const nlohmann::ordered_json& body, const RequestLimits& limits);
+// vLLM's schema for tool_choice: a named function's `parameters` (an object schema when it
+// has none); "required": a non-empty array of {"name": one of the tools, "parameters": its
+// schema}, with the tools' `$defs` lifted to the top so their `$ref`s still resolve.
+Parsed<nlohmann::ordered_json> tool_choice_schema(const nlohmann::ordered_json& tools, ChatRequest::ForcedTool forced,
+                                                  const std::string& name);
+
 Parsed<TokenizeRequest> parse_tokenize_request(const nlohmann::ordered_json& body, const RequestLimits& limits);
 Parsed<DetokenizeRequest> parse_detokenize_request(const nlohmann::ordered_json& body, const RequestLimits& limits);
 
@@ -188,6 +216,7 @@ struct ChoiceResult {
   std::optional<std::vector<int32_t>> token_ids;  // return_token_ids
   bool content_is_null = false;                   // chat: "content": null (a reply of tool calls only)
   std::vector<ToolCall> tool_calls{};             // chat: finish_reason becomes "tool_calls" when any
+  bool keep_finish_reason = false;                // ... unless set (tool_choice named: the engine's, as vLLM)
   // prompt_logprobs_json of the choice's prompt when asked for: per choice in
   // completions, once at the top of a chat response (from its first choice).
   std::optional<ResponseJson> prompt_logprobs{};

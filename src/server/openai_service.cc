@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "common/metrics.h"
 #include "contract/transfer_params.h"
+#include "grammar/constraint.h"
 #include "server/tool_calls.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -85,9 +86,11 @@ struct OpenAiService::Generation {
     int32_t num_output_tokens = 0;
     std::optional<contract::ProducerAnswer> kv_transfer_params;  // a P/D producer's, with the final output
     std::string error;
-    bool invalid_request = false;                     // the error is the client's (HTTP 400)
-    bool conflict = false;                            // ... a duplicate of state in flight (HTTP 409)
-    std::optional<ToolCallStreamParser> tool_parser;  // chat streams that parse tool calls
+    bool invalid_request = false;                            // the error is the client's (HTTP 400)
+    bool conflict = false;                                   // ... a duplicate of state in flight (HTTP 409)
+    std::optional<ToolCallStreamParser> tool_parser;         // chat streams that parse tool calls
+    std::shared_ptr<engine::TokenConstraint> constraint;     // structured output; handed to the engine
+    std::optional<ForcedToolCallStream> forced_tool_stream;  // chat streams with tool_choice required / named
   };
   struct Pending {
     size_t index;
@@ -97,7 +100,9 @@ struct OpenAiService::Generation {
   explicit Generation(const ConnectionExecutor& executor) : wake(executor) {}
 
   Api api = Api::kCompletion;
-  ToolCallFormat tool_format = ToolCallFormat::kNone;  // chat with tool_choice "auto"
+  ToolCallFormat tool_format = ToolCallFormat::kNone;                    // chat with tool_choice "auto"
+  ChatRequest::ForcedTool forced_tool = ChatRequest::ForcedTool::kNone;  // chat with tool_choice required / named
+  std::string forced_tool_name;
   GenerationFields fields;
   ResponseHeader header;
   std::vector<Choice> choices;
@@ -318,6 +323,70 @@ std::optional<ApiError> OpenAiService::prepare_sampling(GenerationFields& fields
   return std::nullopt;
 }
 
+void OpenAiService::set_grammar(std::shared_ptr<const grammar::GrammarTokenizer> grammar,
+                                std::string unavailable_reason) {
+  grammar_ = std::move(grammar);
+  grammar_unavailable_ = std::move(unavailable_reason);
+}
+
+namespace {
+
+// llguidance's JSON options ("x-guidance" in the schema): the request's whitespace wishes.
+grammar::ConstraintSpec with_json_whitespace(grammar::ConstraintSpec spec, const GenerationFields& fields) {
+  if (!fields.json_compact_whitespace && !fields.json_whitespace_pattern) return spec;
+  ojson schema = ojson::parse(spec.source);
+  ojson& options = schema["x-guidance"];
+  if (!options.is_object()) options = ojson::object();
+  // Defaults, as vLLM passes them: options the schema sets itself win.
+  if (fields.json_compact_whitespace && !options.contains("whitespace_flexible"))
+    options["whitespace_flexible"] = false;
+  if (fields.json_whitespace_pattern && !options.contains("whitespace_pattern"))
+    options["whitespace_pattern"] = *fields.json_whitespace_pattern;
+  spec.source = schema.dump();
+  return spec;
+}
+
+grammar::ConstraintSpec constraint_spec(const StructuredOutput& wanted, const GenerationFields& fields) {
+  switch (wanted.kind) {
+    case StructuredOutput::Kind::kJsonObject:
+      return with_json_whitespace(grammar::json_object_constraint(), fields);
+    case StructuredOutput::Kind::kChoice:
+      return grammar::choice_constraint(wanted.choices);
+    case StructuredOutput::Kind::kRegex:
+      return grammar::ConstraintSpec{grammar::ConstraintKind::kRegex, wanted.source};
+    case StructuredOutput::Kind::kGrammar:
+      return grammar::ConstraintSpec{grammar::ConstraintKind::kLark, wanted.source};
+    case StructuredOutput::Kind::kJsonSchema:
+      break;
+  }
+  return with_json_whitespace(grammar::ConstraintSpec{grammar::ConstraintKind::kJsonSchema, wanted.source}, fields);
+}
+
+}  // namespace
+
+// Compiled here, at the edge: an invalid constraint is the client's 400 before any engine
+// work, and the engine thread never compiles a grammar. Choice 0 compiles; the others copy it.
+std::optional<ApiError> OpenAiService::prepare_constraints(Generation& generation) const {
+  const std::optional<StructuredOutput>& wanted = generation.fields.structured_output;
+  if (!wanted) return std::nullopt;
+  if (grammar_ == nullptr) {
+    return unsupported(fmt::format("structured output is unavailable on this server: {}", grammar_unavailable_),
+                       wanted->field);
+  }
+  const grammar::ConstraintSpec spec = constraint_spec(*wanted, generation.fields);
+  auto first = grammar_->new_matcher(spec);
+  if (!first.ok()) return bad_request(fmt::format("'{}': {}", wanted->field, first.status().message()), wanted->field);
+  generation.fields.sampling.constraint_digest = grammar::constraint_digest(spec);
+  std::unique_ptr<grammar::Matcher> matcher = std::move(first).value();
+  for (size_t i = 1; i < generation.choices.size(); ++i) {
+    auto copy = matcher->clone();
+    if (!copy.ok()) return internal(copy.status().message());
+    generation.choices[i].constraint = std::move(copy).value();
+  }
+  if (!generation.choices.empty()) generation.choices.front().constraint = std::move(matcher);
+  return std::nullopt;
+}
+
 net::awaitable<void> OpenAiService::handle_completions(HttpExchange& exchange) {
   auto body = parse_json_object(exchange.request().body(), limits_.max_json_depth);
   if (failed(body)) {
@@ -362,6 +431,10 @@ net::awaitable<void> OpenAiService::handle_completions(HttpExchange& exchange) {
     co_return;
   }
   generation->fields = std::move(request.fields);
+  if (auto error = prepare_constraints(*generation)) {
+    co_await exchange.respond_error(*error);
+    co_return;
+  }
   co_await run_generation(exchange, generation);
 }
 
@@ -413,6 +486,8 @@ net::awaitable<void> OpenAiService::handle_chat(HttpExchange& exchange) {
   auto generation = std::make_shared<Generation>(exchange.executor());
   generation->api = Generation::Api::kChat;
   generation->tool_format = tool_format;
+  generation->forced_tool = request.forced_tool;
+  generation->forced_tool_name = request.forced_tool_name;
   auto prompt = std::get<std::vector<int32_t>>(std::move(ids));
   truncate_prompt(prompt, request.fields.truncate_prompt_tokens);
   add_choices(*generation, std::move(prompt), request.fields.n, std::nullopt);
@@ -421,6 +496,10 @@ net::awaitable<void> OpenAiService::handle_chat(HttpExchange& exchange) {
     co_return;
   }
   generation->fields = std::move(request.fields);
+  if (auto error = prepare_constraints(*generation)) {
+    co_await exchange.respond_error(*error);
+    co_return;
+  }
   co_await run_generation(exchange, generation);
 }
 
@@ -513,6 +592,7 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     // The siblings share the first choice's prompt logprobs (and so may read its prompt from the prefix cache).
     if (choice.sample_index > 0) request.sampling.prompt_logprobs = -1;
     request.kv_transfer_params = transfer_params;
+    request.constraint = std::move(choice.constraint);
     request.arrival_ns = now_ns();
     std::string id = request.request_id;
     Status status = engine_.add_request(std::move(request), [generation, i, executor](engine::RequestOutput output) {
@@ -665,7 +745,13 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     // (a possible "<tool_call>") is not sent yet.
     ResponseJson delta = ResponseJson::object();
     bool tool_calls_finish = false;
-    if (chat && g.tool_format != ToolCallFormat::kNone) {
+    if (chat && g.forced_tool != ChatRequest::ForcedTool::kNone) {
+      if (!choice.forced_tool_stream)
+        choice.forced_tool_stream.emplace(g.forced_tool, g.forced_tool_name, random_tool_call_id);
+      ToolCallStreamDelta parsed = choice.forced_tool_stream->feed(out.text_delta, out.finished);
+      tool_calls_finish = out.finished && choice.forced_tool_stream->finishes_with_tool_calls();
+      delta = tool_call_stream_delta_json(parsed);
+    } else if (chat && g.tool_format != ToolCallFormat::kNone) {
       if (!choice.tool_parser) choice.tool_parser.emplace(g.tool_format, random_tool_call_id);
       ToolCallStreamDelta parsed = choice.tool_parser->feed(out.text_delta);
       if (out.finished) {
@@ -801,6 +887,8 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     result.stop_reason = choice.stop_reason;
     if (g.fields.return_token_ids) result.token_ids = std::move(choice.token_ids);
     if (chat && g.tool_format != ToolCallFormat::kNone) apply_tool_calls(result, g.tool_format, random_tool_call_id);
+    if (chat && g.forced_tool != ChatRequest::ForcedTool::kNone)
+      apply_forced_tool_calls(result, g.forced_tool, g.forced_tool_name, random_tool_call_id);
     results.push_back(std::move(result));
   }
   ResponseJson response = chat ? chat_response(g.header, results, usage, kv_transfer_params)

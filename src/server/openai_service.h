@@ -29,6 +29,9 @@
 namespace pd::tokenizer {
 class Tokenizer;
 }
+namespace pd::grammar {
+class GrammarTokenizer;
+}
 
 namespace pd::server {
 
@@ -49,6 +52,9 @@ class OpenAiService {
   // With a P/D connector: parses a request's kv_transfer_params against this instance (its
   // role, mode, block size, peer policy). Without one they are ignored, as vLLM does.
   void set_kv_params_parser(KvParamsParser parser) { kv_params_parser_ = std::move(parser); }
+  // Structured output: the model's tokenizer for llguidance, or null with the reason it is
+  // unavailable (then requests that ask for structured output get a 400 saying so).
+  void set_grammar(std::shared_ptr<const grammar::GrammarTokenizer> grammar, std::string unavailable_reason);
 
   void register_routes(HttpServer& server);
 
@@ -74,6 +80,9 @@ class OpenAiService {
                           std::optional<std::string> echo);
   // Turns the request's words (bad_words) into token sequences for the engine.
   std::optional<ApiError> prepare_sampling(GenerationFields& fields) const;
+  // Compiles the request's structured output (400 naming the field when it is invalid) into
+  // one constraint per choice of the generation.
+  std::optional<ApiError> prepare_constraints(Generation& generation) const;
   std::string response_model(const std::string& requested) const;
   std::string token_text(int32_t token_id) const;
 
@@ -85,6 +94,8 @@ class OpenAiService {
   int64_t created_unix_s_;
   TransferReleaser releaser_;
   KvParamsParser kv_params_parser_;
+  std::shared_ptr<const grammar::GrammarTokenizer> grammar_;
+  std::string grammar_unavailable_ = "structured output is not configured";
 
   // vLLM's per-prompt series (a prompt's n choices are one group there).
   metrics::Histogram& max_generation_tokens_;

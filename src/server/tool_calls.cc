@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "common/json_depth.h"
 #include "server/openai_protocol.h"
 
 namespace pd::server {
@@ -319,6 +320,78 @@ ojson tool_call_stream_delta_json(const ToolCallStreamDelta& delta) {
     calls.push_back(std::move(item));
   }
   out["tool_calls"] = std::move(calls);
+  return out;
+}
+
+namespace {
+
+// The calls of a "required" reply: a JSON array of {"name": string, "parameters": object}.
+std::optional<std::vector<ToolCall>> read_required_calls(std::string_view text, const ToolCallIdFn& new_id) {
+  if (json_nesting_depth(text) > kMaxCallJsonDepth) return std::nullopt;
+  ojson value = ojson::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (value.is_discarded() || !value.is_array() || value.empty()) return std::nullopt;
+  std::vector<ToolCall> calls;
+  for (const ojson& item : value) {
+    if (!item.is_object()) return std::nullopt;
+    auto name = item.find("name");
+    auto parameters = item.find("parameters");
+    if (name == item.end() || !name->is_string() || parameters == item.end()) return std::nullopt;
+    ToolCall call{new_id(), name->get<std::string>(), ""};
+    python_dumps(*parameters, call.arguments);
+    calls.push_back(std::move(call));
+  }
+  return calls;
+}
+
+}  // namespace
+
+void apply_forced_tool_calls(ChoiceResult& result, ChatRequest::ForcedTool forced, const std::string& name,
+                             const ToolCallIdFn& new_id) {
+  if (forced == ChatRequest::ForcedTool::kNamed) {
+    result.tool_calls = {ToolCall{new_id(), name, std::move(result.text)}};
+    result.text.clear();
+    result.keep_finish_reason = true;
+    return;
+  }
+  if (forced != ChatRequest::ForcedTool::kRequired) return;
+  auto calls = read_required_calls(result.text, new_id);
+  if (!calls) return;
+  result.tool_calls = std::move(*calls);
+  result.text.clear();
+}
+
+ForcedToolCallStream::ForcedToolCallStream(ChatRequest::ForcedTool forced, std::string name, ToolCallIdFn new_id)
+    : forced_(forced), name_(std::move(name)), new_id_(std::move(new_id)) {}
+
+ToolCallStreamDelta ForcedToolCallStream::feed(std::string_view text, bool finished) {
+  ToolCallStreamDelta out;
+  if (forced_ == ChatRequest::ForcedTool::kNamed) {
+    if (text.empty() && opened_) return out;
+    ToolCallDelta delta;
+    if (!opened_) {
+      opened_ = true;
+      num_calls_ = 1;
+      delta.id = new_id_();
+      delta.name = name_;
+    }
+    delta.arguments = std::string(text);
+    out.calls.push_back(std::move(delta));
+    return out;
+  }
+  held_ += text;
+  if (!finished) return out;
+  auto calls = read_required_calls(held_, new_id_);
+  if (!calls) {
+    out.content = std::move(held_);
+    held_.clear();
+    return out;
+  }
+  for (ToolCall& call : *calls) {
+    const auto index = num_calls_++;
+    out.calls.push_back(ToolCallDelta{index, std::move(call.id), std::move(call.name), ""});
+    out.calls.push_back(ToolCallDelta{index, std::nullopt, std::nullopt, std::move(call.arguments)});
+  }
+  held_.clear();
   return out;
 }
 

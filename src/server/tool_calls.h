@@ -94,4 +94,32 @@ ParsedToolCalls parse_tool_calls(ToolCallFormat format, std::string_view text, c
 void apply_tool_calls(ChoiceResult& result, ToolCallFormat format, const ToolCallIdFn& new_id);
 nlohmann::ordered_json tool_call_stream_delta_json(const ToolCallStreamDelta& delta);
 
+// tool_choice "required" / named (vLLM): the reply was held to tool_choice_schema, so it is
+// the call itself. Named: one call of that function whose arguments are the reply's text,
+// content "", finish_reason the engine's ("stop", as OpenAI and vLLM give a named call).
+// Required: the reply is a JSON array of {"name", "parameters"}; each item becomes a call
+// (arguments spelled as Python's json.dumps), content "", finish_reason "tool_calls". A reply
+// cut short (max_tokens) that does not parse stays content.
+void apply_forced_tool_calls(ChoiceResult& result, ChatRequest::ForcedTool forced, const std::string& name,
+                             const ToolCallIdFn& new_id);
+
+// The same for a stream: a named call opens with the first text (id, type, name, arguments
+// so far) and streams its arguments as they come; a "required" reply is held to the end and
+// sent as calls (each: id, type and name, then arguments), or as content if it does not parse.
+class ForcedToolCallStream {
+ public:
+  ForcedToolCallStream(ChatRequest::ForcedTool forced, std::string name, ToolCallIdFn new_id);
+  ToolCallStreamDelta feed(std::string_view text, bool finished);
+  // finish_reason "tool_calls" (required, and its calls parsed) rather than the engine's.
+  bool finishes_with_tool_calls() const { return forced_ == ChatRequest::ForcedTool::kRequired && num_calls_ > 0; }
+
+ private:
+  ChatRequest::ForcedTool forced_;
+  std::string name_;
+  ToolCallIdFn new_id_;
+  bool opened_ = false;
+  std::string held_;
+  int32_t num_calls_ = 0;
+};
+
 }  // namespace pd::server

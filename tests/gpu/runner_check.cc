@@ -408,7 +408,7 @@ int check_fp8_kv_prefill_groups() {
   return failures;
 }
 
-// Rows with penalties, logit_bias, allowed_token_ids or bad words: the runner
+// Rows with penalties, logit_bias, allowed_token_ids, bad words or a structured-output mask: the runner
 // must sample each from its own logits exactly as engine::sample_step_token
 // does (the token history reaches the sampler), and each processor must act.
 int check_logits_processing_rows() {
@@ -427,8 +427,9 @@ int check_logits_processing_rows() {
   struct Case {
     const char* name;
     engine::SamplingParams sampling;
+    std::vector<uint32_t> allowed_token_mask;  // SeqStep::allowed_token_mask (structured output)
   };
-  std::vector<Case> cases(7);
+  std::vector<Case> cases(8);
   for (auto& c : cases) c.sampling.temperature = 0.0f;
   cases[0].name = "presence+frequency";
   cases[0].sampling.presence_penalty = 1.5f;
@@ -449,6 +450,9 @@ int check_logits_processing_rows() {
   cases[6].sampling.temperature = 1.1f;
   cases[6].sampling.top_p = 0.9f;
   cases[6].sampling.frequency_penalty = -1.0f;
+  cases[7].name = "grammar mask";
+  cases[7].allowed_token_mask.assign((static_cast<size_t>(cfg.vocab_size) + 31) / 32, 0u);
+  for (int32_t id : {5, 1234, 4090}) cases[7].allowed_token_mask[static_cast<size_t>(id) / 32] |= 1u << (id % 32);
   engine::StepInput in;
   for (size_t k = 0; k < cases.size(); ++k) {
     engine::SeqStep st;
@@ -460,6 +464,7 @@ int check_logits_processing_rows() {
     st.rng_seed = engine::derive_rng_seed(1000 + k, 4);
     st.prompt_token_ids = prompt;
     st.output_token_ids = history;
+    st.allowed_token_mask = cases[k].allowed_token_mask;
     in.token_ids.insert(in.token_ids.end(), prompt.begin(), prompt.end());
     in.seqs.push_back(st);
   }
@@ -477,6 +482,7 @@ int check_logits_processing_rows() {
     if (k == 2) acts = got == 4000;
     if (k == 3) acts = got == 7 || got == 3001 || got == 4095;
     if (k == 4) acts = got != 4001 && got != 4002;
+    if (k == 7) acts = got == 5 || got == 1234 || got == 4090;
     const bool pass = got == want && acts;
     if (!pass) ++failures;
     std::printf("logits processing %-20s token %6d cpu sampler %6d %s\n", cases[k].name, got, want,

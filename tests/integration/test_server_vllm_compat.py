@@ -229,9 +229,8 @@ def test_text_offset_counts_characters(client):
 # ---- refused, never ignored ----
 
 REFUSED = [
-    ("use_beam_search", True), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"choice": ["a"]}),
-    ("response_format", {"type": "json_object"}), ("length_penalty", 0.5), ("logits_processors", ["x"]),
+    ("use_beam_search", True), ("guided_decoding_backend", "xgrammar"), ("structural_tag", "x"),
+    ("response_format", {"type": "structural_tag"}), ("length_penalty", 0.5), ("logits_processors", ["x"]),
     ("priority", 1), ("cache_salt", "s"), ("spaces_between_special_tokens", False),
     ("tool_choice", "required"), ("best_of", 3),
 ]
@@ -263,8 +262,8 @@ def test_chat_tools_are_served_and_completion_tools_refused(client):
 
 
 def test_errors_share_one_shape(server):
-    for path, body in [("/v1/completions", {"model": MODEL, "prompt": "a", "guided_json": {}}),
-                       ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_choice": ["x"]}),
+    for path, body in [("/v1/completions", {"model": MODEL, "prompt": "a", "guided_decoding_backend": "outlines"}),
+                       ("/v1/completions", {"model": MODEL, "prompt": "a", "structural_tag": "x"}),
                        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                                                  "use_beam_search": True})]:
         status, raw, _ = server.post(path, body)

@@ -25,11 +25,11 @@ int32_t ceil_div(int32_t a, int32_t b) {
 
 // A row needs the CPU sampler when it asks for something the GPU kernel does not do
 // (top-k/top-p, top logprobs, long suppression lists, penalties, logit_bias,
-// allowed_token_ids, bad words).
+// allowed_token_ids, bad words, a structured-output mask).
 bool needs_host_sampling(const SeqStep& s) {
   return (s.sampling.temperature > 0.0f && (s.sampling.top_k > 0 || s.sampling.top_p < 1.0f)) ||
          s.sampling.logprobs > 0 || static_cast<int32_t>(s.suppressed_token_ids.size()) > kc::kMaxSuppressedPerRow ||
-         s.sampling.has_logits_processing();
+         s.sampling.has_logits_processing() || !s.allowed_token_mask.empty();
 }
 
 }  // namespace

@@ -465,5 +465,50 @@ TEST(PromptLogprobs, ValidationBoundsTheCount) {
   EXPECT_FALSE(p.validate(100).ok());
 }
 
+// ---- structured output: the allowed-token mask ----
+
+TEST(SamplerMask, OnlyMaskedIdsAreSampledAndLogprobsSeeTheMaskedRow) {
+  // 40 ids: the mask allows 3 and 35 (bits across two words); 7 has the largest raw logit.
+  std::vector<float> row(40, 0.0f);
+  row[7] = 9.0f;
+  row[3] = 1.0f;
+  row[35] = 2.0f;
+  const std::vector<uint32_t> mask = {1u << 3, 1u << (35 - 32)};
+  SeqStep step;
+  step.sample = true;
+  step.sampling.temperature = 0.0f;
+  step.sampling.logprobs = 2;
+  step.allowed_token_mask = mask;
+  std::vector<float> logits = row;
+  SampledToken greedy = sample_step_token(logits, step);
+  EXPECT_EQ(greedy.token_id, 35);
+  // vLLM applies its grammar bitmask to the logits the sampler sees: the rest are -inf there.
+  const float norm = std::log(std::exp(1.0f) + std::exp(2.0f));
+  EXPECT_NEAR(greedy.logprob, 2.0f - norm, 1e-5);
+  ASSERT_EQ(greedy.top_logprobs.size(), 2u);
+  EXPECT_EQ(greedy.top_logprobs[0].first, 35);
+  EXPECT_EQ(greedy.top_logprobs[1].first, 3);
+  step.sampling.temperature = 1.0f;
+  step.sampling.logprobs = -1;
+  std::set<int32_t> seen;
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    logits = row;
+    step.rng_seed = seed;
+    seen.insert(sample_step_token(logits, step).token_id);
+  }
+  EXPECT_EQ(seen, (std::set<int32_t>{3, 35}));
+}
+
+TEST(SamplerMask, IdsBeyondTheMaskWordsAreNotAllowedAndAnEmptyMaskChangesNothing) {
+  std::vector<float> logits(70, 0.5f);
+  const std::vector<uint32_t> one_word = {1u << 4};
+  apply_allowed_token_mask(logits, one_word);
+  for (size_t i = 0; i < logits.size(); ++i)
+    EXPECT_EQ(logits[i], i == 4 ? 0.5f : -std::numeric_limits<float>::infinity()) << i;
+  std::vector<float> untouched(70, 0.5f);
+  apply_allowed_token_mask(untouched, {});
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float v) { return v == 0.5f; }));
+}
+
 }  // namespace
 }  // namespace pd::engine

@@ -189,18 +189,9 @@ TEST(RequestParsing, UnimplementedVllmFieldsAreRefusedNamingTheField) {
   const std::vector<std::pair<const char*, const char*>> refused = {
       {"use_beam_search", "true"},
       {"length_penalty", "0.5"},
-      {"guided_json", R"({"type": "object"})"},
-      {"guided_json", "{}"},  // the empty schema still constrains the output to JSON
-      {"structured_outputs", "{}"},
-      {"guided_regex", R"("a+")"},
-      {"guided_choice", R"(["a", "b"])"},
-      {"guided_grammar", R"("root ::= 'a'")"},
       {"guided_decoding_backend", R"("xgrammar")"},
-      {"guided_whitespace_pattern", R"(" ")"},
-      {"structured_outputs", R"({"choice": ["a"]})"},
       {"structural_tag", R"("x")"},
-      {"response_format", R"({"type": "json_object"})"},
-      {"response_format", R"({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})"},
+      {"response_format", R"({"type": "structural_tag"})"},
       {"logits_processors", R"(["x"])"},
       {"vllm_xargs", R"({"a": 1})"},
       {"spaces_between_special_tokens", "false"},
@@ -333,20 +324,43 @@ TEST(ChatRequestParsing, ToolChoiceAutoIsTheDefaultWithTools) {
   EXPECT_FALSE(std::get<ChatRequest>(parsed).parse_tool_calls);
 }
 
-TEST(ChatRequestParsing, RequiredAndNamedToolChoiceAreRefused) {
+TEST(ChatRequestParsing, RequiredAndNamedToolChoiceHoldTheReplyToAJsonSchema) {
   ojson body = chat_body_with_tools();
-  for (const char* choice : {R"("required")", R"({"type": "function", "function": {"name": "get_weather"}})"}) {
-    body["tool_choice"] = ojson::parse(choice);
-    auto error = error_of(parse_chat_request(body, limits()));
-    EXPECT_EQ(error.http_status, 400);
-    EXPECT_EQ(error.param, "tool_choice");
-    EXPECT_EQ(error.code, "unsupported_parameter");
-    EXPECT_NE(error.message.find("guided decoding"), std::string::npos) << error.message;
-  }
+  body["tool_choice"] = "required";
+  auto parsed = parse_chat_request(body, limits());
+  ASSERT_FALSE(failed(parsed)) << error_of(std::move(parsed)).message;
+  const ChatRequest& required = std::get<ChatRequest>(parsed);
+  EXPECT_EQ(required.forced_tool, ChatRequest::ForcedTool::kRequired);
+  EXPECT_FALSE(required.parse_tool_calls);
+  ASSERT_TRUE(required.fields.structured_output.has_value());
+  EXPECT_EQ(required.fields.structured_output->field, "tool_choice");
+  EXPECT_EQ(required.fields.structured_output->kind, StructuredOutput::Kind::kJsonSchema);
+  EXPECT_EQ(ojson::parse(required.fields.structured_output->source),
+            std::get<ojson>(tool_choice_schema(body["tools"], ChatRequest::ForcedTool::kRequired, "")));
+
+  body["tool_choice"] = ojson::parse(R"({"type": "function", "function": {"name": "get_weather"}})");
+  parsed = parse_chat_request(body, limits());
+  ASSERT_FALSE(failed(parsed));
+  const ChatRequest& named = std::get<ChatRequest>(parsed);
+  EXPECT_EQ(named.forced_tool, ChatRequest::ForcedTool::kNamed);
+  EXPECT_EQ(named.forced_tool_name, "get_weather");
+  EXPECT_EQ(ojson::parse(named.fields.structured_output->source), body["tools"][0]["function"]["parameters"]);
+
+  body["tool_choice"] = ojson::parse(R"({"type": "function", "function": {"name": "not_a_tool"}})");
+  auto error = error_of(parse_chat_request(body, limits()));
+  EXPECT_EQ(error.param, "tool_choice");
+  EXPECT_NE(error.message.find("not_a_tool"), std::string::npos) << error.message;
+
+  // A forced tool call is a constraint: another one in the same request is a 400 naming both.
+  body["tool_choice"] = "required";
+  body["guided_regex"] = "a+";
+  error = error_of(parse_chat_request(body, limits()));
+  EXPECT_EQ(error.param, "tool_choice");
+  EXPECT_NE(error.message.find("guided_regex"), std::string::npos) << error.message;
+  body.erase("guided_regex");
   for (const char* choice : {R"("sometimes")", "3", R"({"type": "function"})", R"({"function": {"name": 1}})"}) {
     body["tool_choice"] = ojson::parse(choice);
-    auto error = error_of(parse_chat_request(body, limits()));
-    EXPECT_EQ(error.param, "tool_choice") << choice;
+    EXPECT_EQ(error_of(parse_chat_request(body, limits())).param, "tool_choice") << choice;
   }
   ojson no_tools = ojson::parse(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"})");
   EXPECT_EQ(error_of(parse_chat_request(no_tools, limits())).param, "tool_choice");
@@ -491,12 +505,11 @@ TEST(CompletionRequestParsing, KvTransferParamsNeedExactlyOnePrompt) {
   EXPECT_EQ(completion(R"({"prompt": ["a", "b"], "kv_transfer_params": null})").prompts.size(), 2u);
 }
 
-TEST(CompletionRequestParsing, ResponseFormatOtherThanTextIs400EvenWhenTypeIsNotAString) {
+TEST(CompletionRequestParsing, ResponseFormatOfAnUnknownTypeIs400EvenWhenTypeIsNotAString) {
   for (const char* body :
        {R"({"prompt": "a", "response_format": {"type": 5}})", R"({"prompt": "a", "response_format": {"type": null}})",
         R"({"prompt": "a", "response_format": {"type": ["text"]}})", R"({"prompt": "a", "response_format": {}})",
-        R"({"prompt": "a", "response_format": {"type": "json_object"}})",
-        R"({"prompt": "a", "response_format": "text"})"}) {
+        R"({"prompt": "a", "response_format": {"type": "xml"}})", R"({"prompt": "a", "response_format": "text"})"}) {
     auto error = completion_error(body);
     EXPECT_EQ(error.http_status, 400) << body;
     EXPECT_EQ(error.param, "response_format") << body;
@@ -562,6 +575,11 @@ TEST(RequestParsing, NoFieldValueOfAnyTypeMakesAParserThrow) {
                                            "prompt_logprobs",
                                            "guided_json",
                                            "guided_choice",
+                                           "guided_regex",
+                                           "guided_grammar",
+                                           "guided_decoding_backend",
+                                           "guided_whitespace_pattern",
+                                           "structured_outputs",
                                            "priority",
                                            "spaces_between_special_tokens",
                                            "include_reasoning"};
@@ -572,7 +590,8 @@ TEST(RequestParsing, NoFieldValueOfAnyTypeMakesAParserThrow) {
   for (const auto& v : scalars) {
     values.push_back(ojson::array({v}));
     values.push_back(ojson::array({ojson::array({v})}));
-    for (const char* key : {"type", "include_usage", "continuous_usage_stats", "text"})
+    for (const char* key : {"type", "include_usage", "continuous_usage_stats", "text", "json_schema", "json", "choice",
+                            "json_object", "disable_any_whitespace"})
       values.push_back(ojson::object({{key, v}}));
     values.push_back(ojson::array({ojson::object({{"role", v}, {"content", "x"}})}));
     values.push_back(ojson::array({ojson::object({{"role", "user"}, {"content", v}})}));
@@ -777,6 +796,144 @@ TEST(ResponseShaping, SseEventsAreFramedAndSurviveInvalidUtf8) {
   std::string event = sse_event({{"text", std::string("\xff")}});
   EXPECT_EQ(event.rfind("data: ", 0), 0u);
   EXPECT_EQ(event.substr(event.size() - 2), "\n\n");
+}
+
+// ---- structured output ----
+
+StructuredOutput structured_of(const std::string& extra, bool chat = false) {
+  const std::string body =
+      chat ? R"({"messages": [{"role": "user", "content": "x"}], )" + extra + "}" : R"({"prompt": "a", )" + extra + "}";
+  if (chat) {
+    auto parsed = parse_chat_request(ojson::parse(body), limits());
+    EXPECT_FALSE(failed(parsed)) << body << ": " << (failed(parsed) ? std::get<ApiError>(parsed).message : "");
+    if (failed(parsed) || !std::get<ChatRequest>(parsed).fields.structured_output) return {};
+    return *std::get<ChatRequest>(parsed).fields.structured_output;
+  }
+  auto parsed = parse_completion_request(ojson::parse(body), limits());
+  EXPECT_FALSE(failed(parsed)) << body << ": " << (failed(parsed) ? std::get<ApiError>(parsed).message : "");
+  if (failed(parsed) || !std::get<CompletionRequest>(parsed).fields.structured_output) return {};
+  return *std::get<CompletionRequest>(parsed).fields.structured_output;
+}
+
+TEST(StructuredOutputParsing, EachVllmFieldBecomesOneConstraintNamingItsField) {
+  using Kind = StructuredOutput::Kind;
+  for (bool chat : {false, true}) {
+    StructuredOutput s = structured_of(R"("guided_json": {"type": "integer"})", chat);
+    EXPECT_EQ(s.kind, Kind::kJsonSchema);
+    EXPECT_EQ(ojson::parse(s.source), ojson::parse(R"({"type": "integer"})"));
+    EXPECT_EQ(s.field, "guided_json");
+    s = structured_of(R"("guided_json": "{\"type\": \"integer\"}")", chat);  // a schema in a string, as vLLM takes
+    EXPECT_EQ(ojson::parse(s.source), ojson::parse(R"({"type": "integer"})"));
+    s = structured_of(R"("guided_regex": "a+b")", chat);
+    EXPECT_EQ(s.kind, Kind::kRegex);
+    EXPECT_EQ(s.source, "a+b");
+    EXPECT_EQ(s.field, "guided_regex");
+    s = structured_of(R"("guided_choice": ["yes", "no"])", chat);
+    EXPECT_EQ(s.kind, Kind::kChoice);
+    EXPECT_EQ(s.choices, (std::vector<std::string>{"yes", "no"}));
+    s = structured_of(R"("guided_grammar": "start: \"a\"")", chat);
+    EXPECT_EQ(s.kind, Kind::kGrammar);
+    EXPECT_EQ(s.source, "start: \"a\"");
+    s = structured_of(R"("response_format": {"type": "json_object"})", chat);
+    EXPECT_EQ(s.kind, Kind::kJsonObject);
+    EXPECT_EQ(s.field, "response_format");
+    s = structured_of(
+        R"("response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": true, "schema": {"type": "object"}}})",
+        chat);
+    EXPECT_EQ(s.kind, Kind::kJsonSchema);
+    EXPECT_EQ(ojson::parse(s.source), ojson::parse(R"({"type": "object"})"));
+    s = structured_of(R"("structured_outputs": {"regex": "[0-9]+", "disable_fallback": true})", chat);
+    EXPECT_EQ(s.kind, Kind::kRegex);
+    EXPECT_EQ(s.field, "structured_outputs.regex");
+    s = structured_of(R"("structured_outputs": {"json_object": true})", chat);
+    EXPECT_EQ(s.kind, Kind::kJsonObject);
+    s = structured_of(R"("structured_outputs": {"choice": ["a"]})", chat);
+    EXPECT_EQ(s.kind, Kind::kChoice);
+    s = structured_of(R"("structured_outputs": {"grammar": "start: \"a\""})", chat);
+    EXPECT_EQ(s.kind, Kind::kGrammar);
+    s = structured_of(R"("structured_outputs": {"json": {"type": "object"}}, "guided_decoding_backend": "guidance")",
+                      chat);
+    EXPECT_EQ(s.field, "structured_outputs.json");
+  }
+}
+
+TEST(StructuredOutputParsing, JsonWhitespaceOptionsAreKept) {
+  auto parsed = parse_completion_request(
+      ojson::parse(R"({"prompt": "a", "guided_json": {}, "structured_outputs": {"disable_any_whitespace": true}})"),
+      limits());
+  ASSERT_FALSE(failed(parsed));
+  EXPECT_TRUE(std::get<CompletionRequest>(parsed).fields.json_compact_whitespace);
+  parsed = parse_completion_request(
+      ojson::parse(R"({"prompt": "a", "guided_json": {}, "guided_whitespace_pattern": "[ ]?"})"), limits());
+  ASSERT_FALSE(failed(parsed));
+  EXPECT_EQ(std::get<CompletionRequest>(parsed).fields.json_whitespace_pattern, "[ ]?");
+}
+
+TEST(StructuredOutputParsing, TwoConstraintsAre400NamingBothFields) {
+  for (const char* extra :
+       {R"("guided_json": {}, "guided_regex": "a")", R"("guided_choice": ["a"], "guided_grammar": "x")",
+        R"("response_format": {"type": "json_object"}, "guided_regex": "a")",
+        R"("guided_regex": "a", "structured_outputs": {"choice": ["a"]})",
+        R"("structured_outputs": {"regex": "a", "choice": ["a"]})"}) {
+    auto error = completion_error((std::string(R"({"prompt": "a", )") + extra + "}").c_str());
+    EXPECT_EQ(error.http_status, 400) << extra;
+    EXPECT_NE(error.message.find("one structured-output constraint"), std::string::npos) << error.message;
+    EXPECT_FALSE(error.param.empty());
+    EXPECT_NE(error.message.find(error.param), std::string::npos) << error.message;
+  }
+}
+
+TEST(StructuredOutputParsing, MalformedFieldsAre400NamingTheField) {
+  const std::vector<std::pair<const char*, const char*>> cases = {
+      {R"("guided_json": 5)", "guided_json"},
+      {R"("guided_json": "not json")", "guided_json"},
+      {R"("guided_json": "[1]")", "guided_json"},
+      {R"("guided_regex": "")", "guided_regex"},
+      {R"("guided_regex": ["a"])", "guided_regex"},
+      {R"("guided_choice": [])", "guided_choice"},
+      {R"("guided_choice": ["a", 1])", "guided_choice"},
+      {R"("guided_grammar": 3)", "guided_grammar"},
+      {R"("structured_outputs": 3)", "structured_outputs"},
+      {R"("structured_outputs": {"jsn": {}})", "structured_outputs.jsn"},
+      {R"("structured_outputs": {"json_object": "yes"})", "structured_outputs.json_object"},
+      {R"("structured_outputs": {"structural_tag": "x"})", "structured_outputs.structural_tag"},
+      {R"("structured_outputs": {"disable_additional_properties": true})",
+       "structured_outputs.disable_additional_properties"},
+      {R"("response_format": {"type": "json_schema"})", "response_format.json_schema"},
+      {R"("response_format": {"type": "json_schema", "json_schema": {"schema": {}}})",
+       "response_format.json_schema.name"},
+      {R"("response_format": {"type": "json_schema", "json_schema": {"name": "n"}})",
+       "response_format.json_schema.schema"},
+      {R"("response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": "{}"}})",
+       "response_format.json_schema.schema"},
+      {R"("guided_decoding_backend": "outlines")", "guided_decoding_backend"},
+      {R"("guided_whitespace_pattern": 1)", "guided_whitespace_pattern"},
+  };
+  for (const auto& [extra, param] : cases) {
+    auto error = completion_error((std::string(R"({"prompt": "a", )") + extra + "}").c_str());
+    EXPECT_EQ(error.http_status, 400) << extra;
+    EXPECT_EQ(error.param, param) << extra << ": " << error.message;
+  }
+}
+
+TEST(StructuredOutputParsing, ToolChoiceSchemasAreVllms) {
+  const ojson tools = ojson::parse(R"([
+      {"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {"x": {"$ref": "#/$defs/X"}},
+                                                                     "$defs": {"X": {"type": "integer"}}}}},
+      {"type": "function", "function": {"name": "b"}}])");
+  auto named = tool_choice_schema(tools, ChatRequest::ForcedTool::kNamed, "b");
+  ASSERT_FALSE(failed(named));
+  EXPECT_EQ(std::get<ojson>(named), ojson::parse(R"({"type": "object"})"));
+  auto required = tool_choice_schema(tools, ChatRequest::ForcedTool::kRequired, "");
+  ASSERT_FALSE(failed(required));
+  EXPECT_EQ(std::get<ojson>(required), ojson::parse(R"({"type": "array", "minItems": 1, "items": {"type": "object",
+      "anyOf": [{"properties": {"name": {"type": "string", "enum": ["a"]},
+                                "parameters": {"type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}}},
+                 "required": ["name", "parameters"]},
+                {"properties": {"name": {"type": "string", "enum": ["b"]}, "parameters": {"type": "object"}},
+                 "required": ["name", "parameters"]}]},
+      "$defs": {"X": {"type": "integer"}}})"));
+  EXPECT_EQ(error_of(tool_choice_schema(tools, ChatRequest::ForcedTool::kNamed, "c")).param, "tool_choice");
 }
 
 }  // namespace

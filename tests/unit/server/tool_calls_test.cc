@@ -283,5 +283,81 @@ TEST(ToolCallResponses, StreamDeltaJsonHasVllmsShape) {
   EXPECT_TRUE(tool_call_stream_delta_json(parser.finish()).empty());
 }
 
+// ---- tool_choice "required" / named: the constrained reply is the call ----
+
+TEST(ForcedToolCalls, ANamedCallsArgumentsAreTheReplyAndFinishAsTheEngineSaid) {
+  ChoiceResult result;
+  result.text = R"({"city": "Paris"})";
+  result.finish_reason = engine::FinishReason::kStop;
+  apply_forced_tool_calls(result, ChatRequest::ForcedTool::kNamed, "get_weather", counting_ids());
+  ASSERT_EQ(result.tool_calls.size(), 1u);
+  EXPECT_EQ(result.tool_calls[0].id, "id0");
+  EXPECT_EQ(result.tool_calls[0].name, "get_weather");
+  EXPECT_EQ(result.tool_calls[0].arguments, R"({"city": "Paris"})");
+  EXPECT_EQ(result.text, "");
+  EXPECT_FALSE(result.content_is_null);
+  const ResponseJson response = chat_response({"id", 0, "m"}, {result}, Usage{}, std::nullopt);
+  EXPECT_EQ(response["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(response["choices"][0]["message"]["content"], "");
+}
+
+TEST(ForcedToolCalls, ARequiredReplyIsAListOfCallsFinishingWithToolCalls) {
+  ChoiceResult result;
+  result.text = R"([{"name":"a","parameters":{"x":1,"y":["é"]}},{"name":"b","parameters":{}}])";
+  result.finish_reason = engine::FinishReason::kStop;
+  apply_forced_tool_calls(result, ChatRequest::ForcedTool::kRequired, "", counting_ids());
+  ASSERT_EQ(result.tool_calls.size(), 2u);
+  EXPECT_EQ(result.tool_calls[0].name, "a");
+  EXPECT_EQ(result.tool_calls[0].arguments, R"({"x": 1, "y": ["é"]})");  // json.dumps(ensure_ascii=False)
+  EXPECT_EQ(result.tool_calls[1].name, "b");
+  EXPECT_EQ(result.tool_calls[1].arguments, "{}");
+  const ResponseJson response = chat_response({"id", 0, "m"}, {result}, Usage{}, std::nullopt);
+  EXPECT_EQ(response["choices"][0]["finish_reason"], "tool_calls");
+}
+
+TEST(ForcedToolCalls, ARequiredReplyCutShortStaysContent) {
+  ChoiceResult result;
+  result.text = R"([{"name":"a","parameters":{"x":1)";
+  result.finish_reason = engine::FinishReason::kLength;
+  apply_forced_tool_calls(result, ChatRequest::ForcedTool::kRequired, "", counting_ids());
+  EXPECT_TRUE(result.tool_calls.empty());
+  EXPECT_EQ(result.text, R"([{"name":"a","parameters":{"x":1)");
+}
+
+TEST(ForcedToolCalls, StreamsANamedCallAsItsArgumentsArrive) {
+  ForcedToolCallStream stream(ChatRequest::ForcedTool::kNamed, "f", counting_ids());
+  ToolCallStreamDelta first = stream.feed("{\"a\"", false);
+  ASSERT_EQ(first.calls.size(), 1u);
+  EXPECT_EQ(first.calls[0].id, "id0");
+  EXPECT_EQ(first.calls[0].name, "f");
+  EXPECT_EQ(first.calls[0].arguments, "{\"a\"");
+  ToolCallStreamDelta next = stream.feed(": 1}", false);
+  ASSERT_EQ(next.calls.size(), 1u);
+  EXPECT_FALSE(next.calls[0].id.has_value());
+  EXPECT_EQ(next.calls[0].arguments, ": 1}");
+  EXPECT_TRUE(stream.feed("", true).empty());
+  EXPECT_FALSE(stream.finishes_with_tool_calls());
+  EXPECT_EQ(tool_call_stream_delta_json(first)["tool_calls"][0]["function"]["name"], "f");
+}
+
+TEST(ForcedToolCalls, StreamsARequiredReplyAtTheEndAsTheWholeReplyParses) {
+  const std::string text = R"([{"name":"a","parameters":{"x":1}},{"name":"b","parameters":{}}])";
+  ForcedToolCallStream stream(ChatRequest::ForcedTool::kRequired, "", counting_ids());
+  EXPECT_TRUE(stream.feed(text.substr(0, 10), false).empty());
+  ToolCallStreamDelta tail = stream.feed(text.substr(10), true);
+  ASSERT_EQ(tail.calls.size(), 4u);
+  EXPECT_EQ(tail.calls[0].name, "a");
+  EXPECT_EQ(tail.calls[1].arguments, R"({"x": 1})");
+  EXPECT_EQ(tail.calls[2].index, 1);
+  EXPECT_EQ(tail.calls[2].name, "b");
+  EXPECT_TRUE(stream.finishes_with_tool_calls());
+
+  ForcedToolCallStream cut(ChatRequest::ForcedTool::kRequired, "", counting_ids());
+  ToolCallStreamDelta content = cut.feed(text.substr(0, 12), true);
+  EXPECT_TRUE(content.calls.empty());
+  EXPECT_EQ(content.content, text.substr(0, 12));
+  EXPECT_FALSE(cut.finishes_with_tool_calls());
+}
+
 }  // namespace
 }  // namespace pd::server
