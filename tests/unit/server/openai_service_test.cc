@@ -52,7 +52,11 @@ class ScriptedEngine final : public engine::Engine {
   engine::EngineStats stats() const override { return {}; }
   const engine::EngineConfig& config() const override { return config_; }
   const engine::KvCacheSpec& kv_cache_spec() const override { return spec_; }
-  void shutdown() override {}
+  // As the real engine does at shutdown: no callback (each holds its generation) outlives it.
+  void shutdown() override {
+    std::lock_guard lock(mutex_);
+    for (auto& a : added_) a.callback = nullptr;
+  }
 
   // The next add_request calls after the first `after` ones are refused with `status`.
   void refuse(Status status, size_t after) {
@@ -81,7 +85,11 @@ class ScriptedEngine final : public engine::Engine {
       callback = added_.at(index).callback;
       out.request_id = added_.at(index).id;
     }
+    const bool finished = out.finished;
     callback(std::move(out));
+    if (!finished) return;
+    std::lock_guard lock(mutex_);
+    added_.at(index).callback = nullptr;  // a final output is the last one
   }
 
  private:
@@ -137,7 +145,10 @@ class OpenAiServiceTest : public ::testing::Test {
     service_->register_routes(*server_);
     ASSERT_TRUE(server_->start().ok());
   }
-  void TearDown() override { server_->stop(); }
+  void TearDown() override {
+    engine_.shutdown();
+    server_->stop();
+  }
 
   tcp::socket post(const std::string& body) {
     tcp::socket socket(client_context_);
@@ -187,7 +198,7 @@ TEST_F(OpenAiServiceTest, StreamedChoiceTheEngineFailsAfterItsFirstTokensEndsWit
   engine_.emit(0, failure("model execution failed: device lost"));
   data += read_until(socket, "data: [DONE]");
   EXPECT_EQ(data.rfind("HTTP/1.1 200", 0), 0u) << data;
-  const size_t error_at = data.find(R"("error":{"message":"model execution failed: device lost")");
+  const size_t error_at = data.find(R"("message":"model execution failed: device lost")");
   ASSERT_NE(error_at, std::string::npos) << data;
   EXPECT_NE(data.find(R"("type":"internal_error")", error_at), std::string::npos) << data;
   EXPECT_LT(error_at, data.find("data: [DONE]"));
