@@ -35,6 +35,12 @@ struct AbortMessage {
 };
 using Message = std::variant<AddMessage, AbortMessage>;
 
+// A counter series follows its owner's count (several engines in one process
+// add up, as they share the series).
+void advance(metrics::Counter& counter, int64_t now, int64_t before) {
+  if (now > before) counter.inc(static_cast<double>(now - before));
+}
+
 struct EngineMetrics {
   metrics::Gauge& running;
   metrics::Gauge& waiting;
@@ -68,6 +74,21 @@ struct EngineMetrics {
         r.gauge("pd_num_requests_waiting_for_remote_kv", "Requests whose prompt KV is being loaded from a producer"),
         r.counter("pd_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache"),
     };
+  }
+
+  void publish(const EngineStats& now, const EngineStats& before) {
+    running.set(now.num_running);
+    waiting.set(now.num_waiting);
+    waiting_for_remote_kv.set(now.num_waiting_for_remote_kv);
+    blocks_used.set(now.num_blocks_in_use);
+    blocks_free.set(now.num_blocks_free);
+    advance(prompt_tokens, now.engine.num_prompt_tokens, before.engine.num_prompt_tokens);
+    advance(generation_tokens, now.engine.num_generation_tokens, before.engine.num_generation_tokens);
+    advance(preemptions, now.scheduler.num_preemptions, before.scheduler.num_preemptions);
+    advance(recomputed_tokens, now.scheduler.num_recomputed_tokens, before.scheduler.num_recomputed_tokens);
+    advance(remote_admissions_deferred, now.scheduler.num_remote_admissions_deferred,
+            before.scheduler.num_remote_admissions_deferred);
+    advance(prefix_hit_tokens, now.scheduler.num_prefix_cache_hit_tokens, before.scheduler.num_prefix_cache_hit_tokens);
   }
 };
 
@@ -145,6 +166,16 @@ struct VllmMetrics {
           &r.counter("vllm:request_success_total", "Count of successfully processed requests.", with_reason);
     }
     return m;
+  }
+
+  void publish(const EngineStats& now, const EngineStats& before) {
+    running.set(now.num_running);
+    waiting.set(now.num_waiting);
+    kv_cache_usage.set(now.num_blocks_total > 0 ? static_cast<double>(now.num_blocks_in_use) / now.num_blocks_total
+                                                : 0.0);
+    advance(prompt_tokens, now.engine.num_prompt_tokens, before.engine.num_prompt_tokens);
+    advance(generation_tokens, now.engine.num_generation_tokens, before.engine.num_generation_tokens);
+    advance(preemptions, now.scheduler.num_preemptions, before.scheduler.num_preemptions);
   }
 
   // A request's end: latencies of its phases (those it reached) and its sizes.
@@ -281,6 +312,7 @@ class EngineImpl final : public Engine {
         vllm_(VllmMetrics::create(config_.model_name, config_.max_model_len)) {
     stats_.num_blocks_total = kv_spec_.num_blocks;
     stats_.num_blocks_free = kv_spec_.num_blocks;
+    published_ = stats_;
     if (connector_ != nullptr) {
       connector_->bind_engine_wakeup([this] { wake(); });
       connector_->bind_first_token_sink(
@@ -389,7 +421,10 @@ class EngineImpl final : public Engine {
   }
 
   // Delivers one output; a throwing callback is a caller bug that must not kill the engine.
+  // A final output goes out after a snapshot that counts it, so a client that
+  // has its response reads the request's tokens in /metrics.
   void emit(OutputCallback& callback, RequestOutput output) {
+    if (output.finished) publish_snapshot(snapshot());
     try {
       callback(std::move(output));
     } catch (const std::exception& e) {
@@ -457,9 +492,7 @@ class EngineImpl final : public Engine {
       }
       io_.emplace(id, LiveIo{std::move(add->callback),
                              RequestOutputState(tokenizer_, r, config_.eos_token_ids, config_.max_model_len)});
-      metrics_.prompt_tokens.inc(r.num_prompt_tokens());
-      vllm_.prompt_tokens.inc(r.num_prompt_tokens());
-      num_prompt_tokens_ += r.num_prompt_tokens();
+      counters_.num_prompt_tokens += r.num_prompt_tokens();
       Status s = scheduler_.add_request(std::move(add->request));
       if (!s.ok()) {
         // Cannot happen while ids_in_use_ mirrors the scheduler; answered, not crashed.
@@ -507,8 +540,8 @@ class EngineImpl final : public Engine {
       token.token_id = h.token_id;
       process_token(*h.request, token, now);
     }
-    num_handed_over_tokens_ += static_cast<int64_t>(handed_over.size());
-    num_handed_over_tokens_ignored_ += static_cast<int64_t>(events.first_tokens.size() - handed_over.size());
+    counters_.num_handed_over_tokens += static_cast<int64_t>(handed_over.size());
+    counters_.num_handed_over_tokens_ignored += static_cast<int64_t>(events.first_tokens.size() - handed_over.size());
   }
 
   void run() {
@@ -527,6 +560,7 @@ class EngineImpl final : public Engine {
         woken_ = false;
       }
       for (Message& m : batch) handle_message(m);
+      if (!batch.empty()) publish_snapshot(snapshot());  // admitted prompts count before their first token
       batch.clear();
       if (stop) {
         fail_all_live(RequestState::kFinishedAborted, FinishReason::kAbort, "");
@@ -588,9 +622,9 @@ class EngineImpl final : public Engine {
     }
     if (status.ok()) status = check_prompt_logprobs(input, result->prompt_logprobs);
     if (connector_ != nullptr) connector_->after_step(plan, status);
-    ++num_steps_;
+    ++counters_.num_steps;
     if (!status.ok()) {
-      ++num_step_errors_;
+      ++counters_.num_step_errors;
       PD_LOG_ERROR("model step failed; failing its {} requests: {}", plan.seqs.size(), status.to_string());
       for (const ScheduledSeq& s : plan.seqs) {
         finish_live(*s.request, RequestState::kFinishedError, FinishReason::kError,
@@ -719,9 +753,7 @@ class EngineImpl final : public Engine {
     if (r.constraint != nullptr && !advance_constraint(r, token.token_id)) return;
     scheduler_.append_token(r, token.token_id);
     if (connector_ != nullptr && r.num_output_tokens() == 1) connector_->first_token_sampled(r, token.token_id);
-    metrics_.generation_tokens.inc();
-    vllm_.generation_tokens.inc();
-    ++num_generation_tokens_;
+    ++counters_.num_generation_tokens;
     if (r.first_token_ns == 0) {
       r.first_token_ns = now;
       const double ttft = static_cast<double>(now - r.arrival_ns()) * 1e-9;
@@ -784,9 +816,8 @@ class EngineImpl final : public Engine {
     num_scheduler_waiting_ = num_waiting;
   }
 
-  void publish_stats() {
+  EngineStats snapshot() const {
     const BlockPool& pool = scheduler_.block_pool();
-    const SchedulerCounters& c = scheduler_.counters();
     EngineStats s;
     s.num_running = scheduler_.num_running();
     s.num_waiting = scheduler_.num_waiting();
@@ -794,45 +825,31 @@ class EngineImpl final : public Engine {
     s.num_blocks_total = pool.num_blocks();
     s.num_blocks_free = pool.num_free_blocks();
     s.num_blocks_in_use = pool.num_used_blocks();
-    s.num_prompt_tokens = num_prompt_tokens_;
-    s.num_generation_tokens = num_generation_tokens_;
-    s.num_preemptions = c.num_preemptions;
-    s.num_recomputed_tokens = c.num_recomputed_tokens;
-    s.num_remote_admissions_deferred = c.num_remote_admissions_deferred;
-    s.num_prefix_cache_hit_tokens = c.num_prefix_cache_hit_tokens;
-    s.num_steps = num_steps_;
-    s.num_step_errors = num_step_errors_;
-    s.num_handed_over_tokens = num_handed_over_tokens_;
-    s.num_handed_over_tokens_ignored = num_handed_over_tokens_ignored_;
+    s.scheduler = scheduler_.counters();
+    s.engine = counters_;
     s.num_first_tokens_streamed_on_arrival = early_.num_streamed();
-    metrics_.running.set(s.num_running);
-    metrics_.waiting.set(s.num_waiting);
-    vllm_.running.set(s.num_running);
-    vllm_.waiting.set(s.num_waiting);
-    vllm_.kv_cache_usage.set(s.num_blocks_total > 0 ? static_cast<double>(s.num_blocks_in_use) / s.num_blocks_total
-                                                    : 0.0);
-    metrics_.blocks_used.set(s.num_blocks_in_use);
-    metrics_.blocks_free.set(s.num_blocks_free);
-    metrics_.waiting_for_remote_kv.set(s.num_waiting_for_remote_kv);
-    if (c.num_preemptions > published_preemptions_) {
-      metrics_.preemptions.inc(static_cast<double>(c.num_preemptions - published_preemptions_));
-      vllm_.preemptions.inc(static_cast<double>(c.num_preemptions - published_preemptions_));
-      published_preemptions_ = c.num_preemptions;
+    return s;
+  }
+
+  // The snapshot becomes what stats() returns and what /metrics shows: gauges
+  // are set, counters advance by what their owners counted since the last one.
+  void publish_snapshot(const EngineStats& s) {
+    metrics_.publish(s, published_);
+    vllm_.publish(s, published_);
+    published_ = s;
+    std::lock_guard lock(stats_mutex_);
+    stats_ = s;
+  }
+
+  // End of an engine-thread iteration: the snapshot, the admission bound and
+  // (with a connector that wants them) the load report.
+  void publish_stats() {
+    const EngineStats s = snapshot();
+    publish_snapshot(s);
+    {
+      std::lock_guard lock(mutex_);
+      num_scheduler_waiting_ = static_cast<size_t>(s.num_waiting);
     }
-    if (c.num_recomputed_tokens > published_recomputed_tokens_) {
-      metrics_.recomputed_tokens.inc(static_cast<double>(c.num_recomputed_tokens - published_recomputed_tokens_));
-      published_recomputed_tokens_ = c.num_recomputed_tokens;
-    }
-    if (c.num_remote_admissions_deferred > published_deferred_) {
-      metrics_.remote_admissions_deferred.inc(
-          static_cast<double>(c.num_remote_admissions_deferred - published_deferred_));
-      published_deferred_ = c.num_remote_admissions_deferred;
-    }
-    if (c.num_prefix_cache_hit_tokens > published_hit_tokens_) {
-      metrics_.prefix_hit_tokens.inc(static_cast<double>(c.num_prefix_cache_hit_tokens - published_hit_tokens_));
-      published_hit_tokens_ = c.num_prefix_cache_hit_tokens;
-    }
-    publish_num_waiting();
     if (reports_load_) {
       EngineLoad load;
       load.num_running = s.num_running;
@@ -843,8 +860,6 @@ class EngineImpl final : public Engine {
       load.block_size = kv_spec_.block_size;
       connector_->report_load(load, scheduler_.take_cache_events());
     }
-    std::lock_guard lock(stats_mutex_);
-    stats_ = s;
   }
 
   const EngineConfig config_;
@@ -860,16 +875,8 @@ class EngineImpl final : public Engine {
   // Engine thread only.
   Scheduler scheduler_;
   std::unordered_map<std::string, LiveIo> io_;
-  int64_t num_prompt_tokens_ = 0;
-  int64_t num_generation_tokens_ = 0;
-  int64_t num_steps_ = 0;
-  int64_t num_step_errors_ = 0;
-  int64_t num_handed_over_tokens_ = 0;
-  int64_t num_handed_over_tokens_ignored_ = 0;
-  int64_t published_preemptions_ = 0;
-  int64_t published_hit_tokens_ = 0;
-  int64_t published_recomputed_tokens_ = 0;
-  int64_t published_deferred_ = 0;
+  EngineCounters counters_;
+  EngineStats published_;      // the last snapshot the metrics were written from
   bool reports_load_ = false;  // set before the thread starts
   EngineMetrics metrics_;
   VllmMetrics vllm_;

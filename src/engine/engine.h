@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "engine/engine_stats.h"
 #include "engine/kv_connector.h"
 #include "engine/model_runner.h"
 #include "engine/request.h"
@@ -35,27 +36,6 @@ struct EngineConfig {
   double remote_output_reserve = 1.0;
   double kv_watermark = 0.01;
   std::string model_name = "pdserve";  // the model_name label of the vllm:* metrics (served model name)
-};
-
-// A consistent snapshot, cheap to take from any thread.
-struct EngineStats {
-  int32_t num_running = 0;
-  int32_t num_waiting = 0;
-  int32_t num_blocks_total = 0;
-  int32_t num_blocks_free = 0;    // free, including cached-but-unreferenced blocks
-  int32_t num_blocks_in_use = 0;  // referenced by a live request (or held for a transfer)
-  int64_t num_prompt_tokens = 0;  // cumulative
-  int64_t num_generation_tokens = 0;
-  int64_t num_preemptions = 0;
-  int64_t num_recomputed_tokens = 0;           // KV thrown away by preemptions, computed again
-  int64_t num_remote_admissions_deferred = 0;  // remote requests that waited for the reserve
-  int64_t num_prefix_cache_hit_tokens = 0;
-  int64_t num_steps = 0;
-  int64_t num_step_errors = 0;            // runner failures (each failed its step's requests)
-  int32_t num_waiting_for_remote_kv = 0;  // included in num_waiting
-  int64_t num_handed_over_tokens = 0;     // first tokens taken from a P/D producer
-  int64_t num_handed_over_tokens_ignored = 0;
-  int64_t num_first_tokens_streamed_on_arrival = 0;  // of those, streamed before the engine thread took them
 };
 
 class Engine {

@@ -21,6 +21,7 @@
 #include "common/status.h"
 #include "engine/block_pool.h"
 #include "engine/engine_request.h"
+#include "engine/engine_stats.h"
 #include "engine/kv_connector.h"
 #include "engine/model_runner.h"
 #include "engine/step_plan.h"
@@ -50,20 +51,6 @@ struct SchedulerConfig {
   bool record_cache_events = false;
   // Suppressed while a request has fewer than min_tokens outputs.
   std::vector<int32_t> eos_token_ids;
-};
-
-struct SchedulerCounters {
-  // Requests whose computed KV was dropped for lack of blocks (tail
-  // preemption, or blocks taken back from a waiting request); each computes
-  // its tokens again.
-  int64_t num_preemptions = 0;
-  int64_t num_recomputed_tokens = 0;  // computed (or received) tokens those drops threw away
-  // Remote requests that had to wait at least once for the reserve (room for
-  // their prompt alone was there); counted once per request.
-  int64_t num_remote_admissions_deferred = 0;
-  int64_t num_prefix_cache_queries = 0;     // tokens looked up on admission
-  int64_t num_prefix_cache_hit_tokens = 0;  // of those, served from the cache
-  int64_t num_external_hit_tokens = 0;      // served by the connector
 };
 
 // A request leaving the scheduler: the record (for its last output) and what

@@ -27,6 +27,10 @@ ApiError request_timeout(std::string message) {
   return ApiError{504, std::move(message), "timeout_error", "", "timeout"};
 }
 
+ApiError conflict(std::string message, std::string param) {
+  return ApiError{409, std::move(message), "invalid_request_error", std::move(param), "conflict"};
+}
+
 ApiError model_not_found(const std::string& model) {
   return ApiError{404, fmt::format("The model `{}` does not exist.", model), "invalid_request_error", "model",
                   "model_not_found"};

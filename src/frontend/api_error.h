@@ -32,6 +32,8 @@ ApiError bad_request(std::string message, std::string param = {});
 ApiError unsupported(std::string message, std::string param);
 // The request ran past --request-timeout-ms (or another deadline): 504.
 ApiError request_timeout(std::string message);
+// The request names state already in flight here (e.g. a duplicate transfer id): 409.
+ApiError conflict(std::string message, std::string param);
 ApiError model_not_found(const std::string& model);
 ApiError route_not_found(const std::string& target);
 ApiError method_not_allowed(const std::string& method, const std::string& target);

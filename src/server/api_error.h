@@ -11,6 +11,7 @@ using frontend::api_error_from_status;
 using frontend::ApiError;
 using frontend::bad_request;
 using frontend::body_too_large;
+using frontend::conflict;
 using frontend::internal;
 using frontend::method_not_allowed;
 using frontend::model_not_found;

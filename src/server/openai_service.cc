@@ -61,6 +61,17 @@ ApiError take_error(Parsed<T>& parsed) {
 
 // One HTTP generation request: one engine request per prompt (choice).
 // Lives on the connection's strand; the engine reaches it only via post().
+struct OpenAiService::LiveGeneration {
+  explicit LiveGeneration(OpenAiService& s) : service(s) { service.num_live_generations_.fetch_add(1); }
+  ~LiveGeneration() {
+    std::lock_guard lock(service.idle_mutex_);
+    if (service.num_live_generations_.fetch_sub(1) == 1) service.idle_cv_.notify_all();
+  }
+  LiveGeneration(const LiveGeneration&) = delete;
+  LiveGeneration& operator=(const LiveGeneration&) = delete;
+  OpenAiService& service;
+};
+
 struct OpenAiService::Generation {
   enum class Api { kCompletion, kChat };
 
@@ -85,28 +96,30 @@ struct OpenAiService::Generation {
     int32_t num_prompt_tokens = 0;
     int32_t num_output_tokens = 0;
     std::optional<contract::ProducerAnswer> kv_transfer_params;  // a P/D producer's, with the final output
-    std::string error;
-    bool invalid_request = false;                            // the error is the client's (HTTP 400)
-    bool conflict = false;                                   // ... a duplicate of state in flight (HTTP 409)
-    std::optional<ToolCallStreamParser> tool_parser;         // chat streams that parse tool calls
-    std::shared_ptr<engine::TokenConstraint> constraint;     // structured output; handed to the engine
-    std::optional<ForcedToolCallStream> forced_tool_stream;  // chat streams with tool_choice required / named
+    std::optional<GenerationFailure> failure;                    // the engine failed this choice
+    std::optional<ToolCallStreamParser> tool_parser;             // chat streams that parse tool calls
+    std::shared_ptr<engine::TokenConstraint> constraint;         // structured output; handed to the engine
+    std::optional<ForcedToolCallStream> forced_tool_stream;      // chat streams with tool_choice required / named
   };
   struct Pending {
     size_t index;
     engine::RequestOutput output;
   };
 
-  explicit Generation(const ConnectionExecutor& executor) : wake(executor) {}
+  explicit Generation(const ConnectionExecutor& connection) : executor(connection), wake(connection) {}
 
+  ConnectionExecutor executor;
   Api api = Api::kCompletion;
   ToolCallFormat tool_format = ToolCallFormat::kNone;                    // chat with tool_choice "auto"
   ChatRequest::ForcedTool forced_tool = ChatRequest::ForcedTool::kNone;  // chat with tool_choice required / named
   std::string forced_tool_name;
   GenerationFields fields;
   ResponseHeader header;
+  std::optional<contract::TransferParams> transfer_params;  // every choice's (one prompt's transfer)
   std::vector<Choice> choices;
   size_t num_finished = 0;
+  std::optional<GenerationFailure> failure;  // ends the generation
+  bool stream_started = false;               // the stream's 200 went out
 
   std::deque<Pending> pending;  // outputs posted by the engine, not yet handled
   bool client_gone = false;
@@ -387,36 +400,20 @@ std::optional<ApiError> OpenAiService::prepare_constraints(Generation& generatio
   return std::nullopt;
 }
 
-net::awaitable<void> OpenAiService::handle_completions(HttpExchange& exchange) {
-  auto body = parse_json_object(exchange.request().body(), limits_.max_json_depth);
-  if (failed(body)) {
-    ApiError error = take_error(body);
-    co_await exchange.respond_error(error);
-    co_return;
-  }
-  auto parsed = parse_completion_request(std::get<ojson>(body), limits_);
-  if (failed(parsed)) {
-    ApiError error = take_error(parsed);
-    co_await exchange.respond_error(error);
-    co_return;
-  }
+// The completion request's generation (its prompts tokenized), or the error that refuses it.
+std::optional<ApiError> OpenAiService::build_completion(std::string_view body, Generation& g) const {
+  auto json_body = parse_json_object(body, limits_.max_json_depth);
+  if (failed(json_body)) return take_error(json_body);
+  auto parsed = parse_completion_request(std::get<ojson>(json_body), limits_);
+  if (failed(parsed)) return take_error(parsed);
   auto& request = std::get<CompletionRequest>(parsed);
-  if (auto error = check_model(request.fields.model)) {
-    ApiError e = *error;
-    co_await exchange.respond_error(e);
-    co_return;
-  }
-  auto generation = std::make_shared<Generation>(exchange.executor());
-  generation->api = Generation::Api::kCompletion;
+  if (auto error = check_model(request.fields.model)) return error;
+  g.api = Generation::Api::kCompletion;
   for (auto& prompt : request.prompts) {
     std::vector<int32_t> ids;
     if (prompt.text) {
       auto tokenized = tokenize_text(tokenizer_.get(), *prompt.text, request.add_special_tokens);
-      if (failed(tokenized)) {
-        ApiError error = take_error(tokenized);
-        co_await exchange.respond_error(error);
-        co_return;
-      }
+      if (failed(tokenized)) return take_error(tokenized);
       ids = std::get<std::vector<int32_t>>(std::move(tokenized));
     } else {
       ids = std::move(prompt.token_ids);
@@ -424,83 +421,57 @@ net::awaitable<void> OpenAiService::handle_completions(HttpExchange& exchange) {
     truncate_prompt(ids, request.fields.truncate_prompt_tokens);
     std::optional<std::string> echo;
     if (request.echo) echo = prompt.text && !request.fields.truncate_prompt_tokens ? *prompt.text : echo_text(ids);
-    add_choices(*generation, std::move(ids), request.fields.n, std::move(echo));
+    add_choices(g, std::move(ids), request.fields.n, std::move(echo));
   }
-  if (auto error = prepare_sampling(request.fields)) {
-    co_await exchange.respond_error(*error);
-    co_return;
-  }
-  generation->fields = std::move(request.fields);
-  if (auto error = prepare_constraints(*generation)) {
-    co_await exchange.respond_error(*error);
-    co_return;
-  }
-  co_await run_generation(exchange, generation);
+  if (auto error = prepare_sampling(request.fields)) return error;
+  g.fields = std::move(request.fields);
+  return prepare_constraints(g);
 }
 
-net::awaitable<void> OpenAiService::handle_chat(HttpExchange& exchange) {
-  auto body = parse_json_object(exchange.request().body(), limits_.max_json_depth);
-  if (failed(body)) {
-    ApiError error = take_error(body);
-    co_await exchange.respond_error(error);
-    co_return;
-  }
-  auto parsed = parse_chat_request(std::get<ojson>(body), limits_);
-  if (failed(parsed)) {
-    ApiError error = take_error(parsed);
-    co_await exchange.respond_error(error);
-    co_return;
-  }
+// The chat request's generation (its messages rendered and tokenized), or the error that refuses it.
+std::optional<ApiError> OpenAiService::build_chat(std::string_view body, Generation& g) const {
+  auto json_body = parse_json_object(body, limits_.max_json_depth);
+  if (failed(json_body)) return take_error(json_body);
+  auto parsed = parse_chat_request(std::get<ojson>(json_body), limits_);
+  if (failed(parsed)) return take_error(parsed);
   auto& request = std::get<ChatRequest>(parsed);
-  if (auto error = check_model(request.fields.model)) {
-    ApiError e = *error;
-    co_await exchange.respond_error(e);
-    co_return;
-  }
+  if (auto error = check_model(request.fields.model)) return error;
   auto text = render_chat(tokenizer_.get(), request.messages, request.add_generation_prompt, request.tools,
                           request.chat_template_kwargs);
-  if (failed(text)) {
-    ApiError error = take_error(text);
-    co_await exchange.respond_error(error);
-    co_return;
-  }
+  if (failed(text)) return take_error(text);
   // The template already writes any BOS it wants (add_special_tokens defaults to false).
   auto ids = tokenize_text(tokenizer_.get(), std::get<std::string>(text), request.add_special_tokens);
-  if (failed(ids)) {
-    ApiError error = take_error(ids);
-    co_await exchange.respond_error(error);
-    co_return;
-  }
-  ToolCallFormat tool_format = ToolCallFormat::kNone;
+  if (failed(ids)) return take_error(ids);
+  g.api = Generation::Api::kChat;
+  g.forced_tool = request.forced_tool;
+  g.forced_tool_name = request.forced_tool_name;
   if (request.parse_tool_calls) {
-    tool_format = tool_call_format_for_template(tokenizer_->chat_template()->source());
-    if (tool_format == ToolCallFormat::kNone) {
-      ApiError error = unsupported(
+    g.tool_format = tool_call_format_for_template(tokenizer_->chat_template()->source());
+    if (g.tool_format == ToolCallFormat::kNone) {
+      return unsupported(
           "this model's chat template asks for no tool-call format this server parses (Hermes "
           "<tool_call> blocks or Llama 3 JSON); send 'tool_choice' \"none\" to only show the tools",
           "tools");
-      co_await exchange.respond_error(error);
-      co_return;
     }
   }
-  auto generation = std::make_shared<Generation>(exchange.executor());
-  generation->api = Generation::Api::kChat;
-  generation->tool_format = tool_format;
-  generation->forced_tool = request.forced_tool;
-  generation->forced_tool_name = request.forced_tool_name;
   auto prompt = std::get<std::vector<int32_t>>(std::move(ids));
   truncate_prompt(prompt, request.fields.truncate_prompt_tokens);
-  add_choices(*generation, std::move(prompt), request.fields.n, std::nullopt);
-  if (auto error = prepare_sampling(request.fields)) {
-    co_await exchange.respond_error(*error);
-    co_return;
-  }
-  generation->fields = std::move(request.fields);
-  if (auto error = prepare_constraints(*generation)) {
-    co_await exchange.respond_error(*error);
-    co_return;
-  }
-  co_await run_generation(exchange, generation);
+  add_choices(g, std::move(prompt), request.fields.n, std::nullopt);
+  if (auto error = prepare_sampling(request.fields)) return error;
+  g.fields = std::move(request.fields);
+  return prepare_constraints(g);
+}
+
+net::awaitable<void> OpenAiService::handle_completions(HttpExchange& exchange) {
+  auto generation = std::make_shared<Generation>(exchange.executor());
+  std::optional<ApiError> refusal = build_completion(exchange.request().body(), *generation);
+  co_await run_generation(exchange, std::move(generation), std::move(refusal));
+}
+
+net::awaitable<void> OpenAiService::handle_chat(HttpExchange& exchange) {
+  auto generation = std::make_shared<Generation>(exchange.executor());
+  std::optional<ApiError> refusal = build_chat(exchange.request().body(), *generation);
+  co_await run_generation(exchange, std::move(generation), std::move(refusal));
 }
 
 namespace {
@@ -516,290 +487,289 @@ ResponseJson chat_role_delta() {
   return {{"role", "assistant"}, {"content", ""}};
 }
 
-json timeout_error_json() {
-  return request_timeout("request exceeded --request-timeout-ms").to_json();
-}
-
-// A request that names state already in flight here (a duplicate transfer id).
-ApiError conflict(std::string message) {
-  return ApiError{409, std::move(message), "invalid_request_error", "kv_transfer_params", "conflict"};
-}
-
-json error_event(const std::string& message) {
-  return internal(message).to_json();
+// The engine refused a choice's launch (its message names the field: prompt ids, stop ids, lengths).
+ApiError launch_error(const Status& status) {
+  ApiError error = api_error_from_status(status);
+  if (status.code() == ErrorCode::kResourceExhausted)
+    error.message = "the engine's queue is full; retry later (" + status.message() + ")";
+  return error;
 }
 
 }  // namespace
 
-net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::shared_ptr<Generation> generation) {
-  auto& g = *generation;
-  const bool chat = g.api == Generation::Api::kChat;
-  const bool want_logprobs = g.fields.sampling.logprobs >= 0;
-  const int32_t default_max_tokens = chat ? max_model_len_ : 16;
+// The one way a generation that was launched fails, as the ApiError its client sees.
+OpenAiService::GenerationFailure OpenAiService::GenerationFailure::timeout() {
+  GenerationFailure failure;
+  failure.error = request_timeout("request exceeded --request-timeout-ms");
+  failure.stream_event = failure.error;
+  failure.is_timeout = true;
+  return failure;
+}
 
-  // Resolve every choice's length before adding any, so a bad prompt in a
+OpenAiService::GenerationFailure OpenAiService::GenerationFailure::launch(const Status& status) {
+  GenerationFailure failure;
+  failure.error = launch_error(status);
+  failure.stream_event = internal(failure.error.message);
+  return failure;
+}
+
+OpenAiService::GenerationFailure OpenAiService::GenerationFailure::engine(const engine::RequestOutput& out) {
+  std::string message = out.error.empty() ? "the engine failed this request" : out.error;
+  GenerationFailure failure;
+  failure.error = out.conflict          ? conflict(message, "kv_transfer_params")
+                  : out.invalid_request ? bad_request(message, "kv_transfer_params")
+                                        : internal(message);
+  failure.stream_event = internal(std::move(message));
+  failure.refuses_request = out.conflict || out.invalid_request;
+  return failure;
+}
+
+TokenTextFn OpenAiService::text_of(const Generation& g) const {
+  return [this, as_ids = g.fields.return_tokens_as_token_ids](int32_t id) {
+    return as_ids ? fmt::format("token_id:{}", id) : token_text(id);
+  };
+}
+
+std::optional<ApiError> OpenAiService::prepare(Generation& g) const {
+  const bool chat = g.api == Generation::Api::kChat;
+  const int32_t default_max_tokens = chat ? max_model_len_ : 16;
+  // Every choice's length is resolved before any is added, so a bad prompt in a
   // batch refuses the whole request without engine work.
   for (auto& choice : g.choices) {
     auto max_tokens = resolve_max_tokens(static_cast<int32_t>(choice.prompt.size()), g.fields.max_tokens,
                                          default_max_tokens, max_model_len_);
-    if (failed(max_tokens)) {
-      ApiError error = take_error(max_tokens);
-      co_await exchange.respond_error(error);
-      co_return;
-    }
+    if (failed(max_tokens)) return take_error(max_tokens);
     choice.max_tokens = std::get<int32_t>(max_tokens);
   }
-
   // kv_transfer_params name one prompt's transfer (the parser refused them with more prompts or
   // choices): parsed here, once, into the typed params the engine and the connector carry.
   const int32_t num_first_prompt_tokens = g.choices.empty() ? 0 : static_cast<int32_t>(g.choices.front().prompt.size());
   auto kv_params = parse_kv_params(g.fields.kv_transfer_params, num_first_prompt_tokens, kv_params_parser_);
-  if (failed(kv_params)) {
-    ApiError error = take_error(kv_params);
-    co_await exchange.respond_error(error);
-    co_return;
-  }
-  const std::optional<contract::TransferParams>& transfer_params = std::get<0>(kv_params);
-
-  std::string base_id = g.fields.request_id ? *g.fields.request_id : random_hex_id();
+  if (failed(kv_params)) return take_error(kv_params);
+  g.transfer_params = std::get<0>(std::move(kv_params));
+  const std::string base_id = g.fields.request_id ? *g.fields.request_id : random_hex_id();
   g.header = ResponseHeader{(chat ? "chatcmpl-" : "cmpl-") + base_id, unix_seconds(), response_model(g.fields.model)};
+  return std::nullopt;
+}
 
-  num_live_generations_.fetch_add(1);
-  struct LiveGuard {
-    OpenAiService* service;
-    ~LiveGuard() {
-      std::lock_guard lock(service->idle_mutex_);
-      if (service->num_live_generations_.fetch_sub(1) == 1) service->idle_cv_.notify_all();
-    }
-  } live_guard{this};
-
-  auto abort_unfinished = [&] {
-    for (const auto& choice : g.choices)
-      if (!choice.request_id.empty() && !choice.finished) engine_.abort(choice.request_id);
-  };
-
-  // Hands choice i to the engine.
-  auto executor = exchange.executor();
-  auto launch = [&](size_t i) -> Status {
-    auto& choice = g.choices[i];
-    engine::GenerateRequest request;
-    request.request_id = g.choices.size() == 1 ? g.header.id : fmt::format("{}-{}", g.header.id, i);
-    request.prompt_token_ids = choice.prompt;
-    request.sampling = g.fields.sampling;
-    request.sampling.max_tokens = choice.max_tokens;
-    // vLLM's parallel sampling: choice j of a prompt draws from seed + j.
-    if (request.sampling.seed) *request.sampling.seed += static_cast<uint64_t>(choice.sample_index);
-    // The siblings share the first choice's prompt logprobs (and so may read its prompt from the prefix cache).
-    if (choice.sample_index > 0) request.sampling.prompt_logprobs = -1;
-    request.kv_transfer_params = transfer_params;
-    request.constraint = std::move(choice.constraint);
-    request.arrival_ns = now_ns();
-    std::string id = request.request_id;
-    Status status = engine_.add_request(std::move(request), [generation, i, executor](engine::RequestOutput output) {
-      // Engine thread: hand over and return; the strand does the rest.
-      net::post(executor, [generation, i, output = std::move(output)]() mutable {
-        generation->pending.push_back(Generation::Pending{i, std::move(output)});
-        generation->wake.cancel();
+Status OpenAiService::launch(const std::shared_ptr<Generation>& generation, size_t i) {
+  Generation& g = *generation;
+  auto& choice = g.choices[i];
+  engine::GenerateRequest request;
+  request.request_id = g.choices.size() == 1 ? g.header.id : fmt::format("{}-{}", g.header.id, i);
+  request.prompt_token_ids = choice.prompt;
+  request.sampling = g.fields.sampling;
+  request.sampling.max_tokens = choice.max_tokens;
+  // vLLM's parallel sampling: choice j of a prompt draws from seed + j.
+  if (request.sampling.seed) *request.sampling.seed += static_cast<uint64_t>(choice.sample_index);
+  // The siblings share the first choice's prompt logprobs (and so may read its prompt from the prefix cache).
+  if (choice.sample_index > 0) request.sampling.prompt_logprobs = -1;
+  request.kv_transfer_params = g.transfer_params;
+  request.constraint = std::move(choice.constraint);
+  request.arrival_ns = now_ns();
+  std::string id = request.request_id;
+  Status status =
+      engine_.add_request(std::move(request), [generation, i, executor = g.executor](engine::RequestOutput output) {
+        // Engine thread: hand over and return; the strand does the rest.
+        net::post(executor, [generation, i, output = std::move(output)]() mutable {
+          generation->pending.push_back(Generation::Pending{i, std::move(output)});
+          generation->wake.cancel();
+        });
       });
-    });
-    if (status.ok()) choice.request_id = std::move(id);
-    return status;
-  };
-  auto launch_error = [](const Status& status) {
-    // The engine's message names the field (prompt ids, stop ids, lengths).
-    ApiError error = api_error_from_status(status);
-    if (status.code() == ErrorCode::kResourceExhausted)
-      error.message = "the engine's queue is full; retry later (" + status.message() + ")";
-    return error;
-  };
+  if (status.ok()) choice.request_id = std::move(id);
+  return status;
+}
 
-  // n > 1: a prompt's first choice goes first and its siblings once it has
-  // produced its first output. A block enters the prefix cache after the step
-  // that wrote its KV, so the siblings then find the prompt's full blocks
-  // cached and compute only the rest. A prompt without a full block shares
-  // nothing: its choices all go at once.
+// n > 1: a prompt's first choice goes first and its siblings once it has
+// produced its first output (launch_siblings). A block enters the prefix cache
+// after the step that wrote its KV, so the siblings then find the prompt's full
+// blocks cached and compute only the rest. A prompt without a full block shares
+// nothing: its choices all go at once.
+std::optional<ApiError> OpenAiService::launch_first_choices(const std::shared_ptr<Generation>& generation) {
+  Generation& g = *generation;
   const auto block_size = static_cast<size_t>(engine_.kv_cache_spec().block_size);
   for (auto& choice : g.choices) choice.deferred = choice.sample_index > 0 && choice.prompt.size() > block_size;
   for (size_t i = 0; i < g.choices.size(); ++i) {
     if (g.choices[i].deferred) continue;
-    Status status = launch(i);
+    Status status = launch(generation, i);
     if (!status.ok()) {
-      abort_unfinished();
-      ApiError error = launch_error(status);
-      co_await exchange.respond_error(error);
-      co_return;
+      abort_unfinished(g);
+      return launch_error(status);
     }
   }
-  std::optional<ApiError> deferred_error;
-  auto launch_siblings = [&](size_t first) {
-    for (size_t k = first + 1; k < g.choices.size() && g.choices[k].sample_index > 0; ++k) {
-      auto& sibling = g.choices[k];
-      if (!sibling.deferred) continue;
-      sibling.deferred = false;
-      Status status = launch(k);
-      if (status.ok()) continue;
-      sibling.finished = true;
-      ++g.num_finished;
-      if (!deferred_error) deferred_error = launch_error(status);
+  return std::nullopt;
+}
+
+// A sibling the engine refuses ends the generation (the first refusal is its failure).
+void OpenAiService::launch_siblings(const std::shared_ptr<Generation>& generation, size_t first) {
+  Generation& g = *generation;
+  for (size_t k = first + 1; k < g.choices.size() && g.choices[k].sample_index > 0; ++k) {
+    auto& sibling = g.choices[k];
+    if (!sibling.deferred) continue;
+    sibling.deferred = false;
+    Status status = launch(generation, k);
+    if (status.ok()) continue;
+    sibling.finished = true;
+    ++g.num_finished;
+    if (!g.failure) g.failure = GenerationFailure::launch(status);
+  }
+}
+
+void OpenAiService::abort_unfinished(const Generation& g) {
+  for (const auto& choice : g.choices)
+    if (!choice.request_id.empty() && !choice.finished) engine_.abort(choice.request_id);
+}
+
+// What an engine output says about its choice, streamed or not.
+void OpenAiService::record_output(Generation& g, size_t index, const engine::RequestOutput& out) {
+  auto& choice = g.choices[index];
+  choice.num_prompt_tokens = out.num_prompt_tokens;
+  choice.num_output_tokens = out.num_output_tokens;
+  if (!out.finished) return;
+  choice.finished = true;
+  ++g.num_finished;
+  choice.finish_reason = out.finish_reason;
+  choice.stop_reason = stop_reason_json(out.stop_string, out.stop_token_id);
+  choice.kv_transfer_params = out.kv_transfer_params;
+  if (out.finish_reason == engine::FinishReason::kError) choice.failure = GenerationFailure::engine(out);
+}
+
+// A non-streamed choice keeps its text, tokens and logprobs for the response.
+void OpenAiService::accumulate(Generation& g, size_t index, engine::RequestOutput& out) {
+  auto& choice = g.choices[index];
+  if (choice.echo) {
+    choice.text = std::move(*choice.echo) + choice.text;
+    choice.echo.reset();
+  }
+  choice.text += out.text_delta;
+  if (g.fields.return_token_ids)
+    choice.token_ids.insert(choice.token_ids.end(), out.new_token_ids.begin(), out.new_token_ids.end());
+  if (g.fields.sampling.logprobs >= 0)
+    choice.logprobs.insert(choice.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
+  if (!out.prompt_logprobs.empty()) choice.prompt_logprobs = std::move(out.prompt_logprobs);
+}
+
+// The SSE events one output of a streamed choice sends (empty: nothing to send yet).
+std::string OpenAiService::stream_events(Generation& g, size_t index, engine::RequestOutput& out) const {
+  const bool chat = g.api == Generation::Api::kChat;
+  auto& choice = g.choices[index];
+  ResponseJson logprobs = nullptr;
+  if (g.fields.sampling.logprobs >= 0 && !out.logprobs.empty())
+    logprobs = logprobs_for(chat, out.logprobs, text_of(g), choice.text_offset);
+  std::string events;
+  if (chat && !choice.sent_role) {
+    choice.sent_role = true;
+    events +=
+        sse_event(chat_chunk(g.header, static_cast<int32_t>(index), chat_role_delta(), nullptr, nullptr, nullptr));
+  }
+  // Without a tokenizer there is never text: each step's tokens still get their chunk,
+  // or a streaming client would see nothing until the end (and measure TTFT as e2e).
+  const bool untokenized_tokens = !tokenizer_ && !out.new_token_ids.empty();
+  if (choice.echo) {
+    out.text_delta = std::move(*choice.echo) + out.text_delta;
+    choice.echo.reset();
+  }
+  const bool listed_tokens = g.fields.return_token_ids && !out.new_token_ids.empty();
+  // Chat: the delta object; with a tool-call parser, text it holds back
+  // (a possible "<tool_call>") is not sent yet.
+  ResponseJson delta = ResponseJson::object();
+  bool tool_calls_finish = false;
+  if (chat && g.forced_tool != ChatRequest::ForcedTool::kNone) {
+    if (!choice.forced_tool_stream)
+      choice.forced_tool_stream.emplace(g.forced_tool, g.forced_tool_name, random_tool_call_id);
+    ToolCallStreamDelta parsed = choice.forced_tool_stream->feed(out.text_delta, out.finished);
+    tool_calls_finish = out.finished && choice.forced_tool_stream->finishes_with_tool_calls();
+    delta = tool_call_stream_delta_json(parsed);
+  } else if (chat && g.tool_format != ToolCallFormat::kNone) {
+    if (!choice.tool_parser) choice.tool_parser.emplace(g.tool_format, random_tool_call_id);
+    ToolCallStreamDelta parsed = choice.tool_parser->feed(out.text_delta);
+    if (out.finished) {
+      ToolCallStreamDelta tail = choice.tool_parser->finish();
+      parsed.content += tail.content;
+      parsed.calls.insert(parsed.calls.end(), tail.calls.begin(), tail.calls.end());
+      tool_calls_finish = choice.tool_parser->num_calls() > 0;
     }
-  };
+    delta = tool_call_stream_delta_json(parsed);
+  } else if (chat && !out.text_delta.empty()) {
+    delta["content"] = out.text_delta;
+  }
+  const bool has_text = chat ? !delta.empty() : !out.text_delta.empty();
+  if (!has_text && logprobs.is_null() && !out.finished && !untokenized_tokens && !listed_tokens) return events;
+  ResponseJson finish = !out.finished       ? ResponseJson(nullptr)
+                        : tool_calls_finish ? ResponseJson("tool_calls")
+                                            : finish_reason_json(choice.finish_reason);
+  ResponseJson stop = out.finished ? choice.stop_reason : ResponseJson(nullptr);
+  ResponseJson chunk = chat ? chat_chunk(g.header, static_cast<int32_t>(index), std::move(delta), std::move(logprobs),
+                                         std::move(finish), std::move(stop))
+                            : completion_chunk(g.header, static_cast<int32_t>(index), out.text_delta,
+                                               std::move(logprobs), std::move(finish), std::move(stop));
+  if (out.finished && choice.kv_transfer_params)
+    chunk["kv_transfer_params"] = kv_params_json(*choice.kv_transfer_params);
+  if (g.fields.return_token_ids) chunk["choices"][0]["token_ids"] = out.new_token_ids;
+  // vLLM's continuous usage: each chunk carries its choice's counts so far.
+  if (g.fields.include_usage && g.fields.continuous_usage_stats)
+    chunk["usage"] = usage_json(Usage{choice.num_prompt_tokens, choice.num_output_tokens, 0});
+  events += sse_event(chunk);
+  return events;
+}
 
-  exchange.watch_for_disconnect([generation] {
-    generation->client_gone = true;
-    generation->wake.cancel();
-  });
-
-  // A stream's 200 goes out with its first event, not before: an error that
-  // comes first (a P/D producer refusing the request's kv_transfer_params) can
-  // still be answered with its own status.
-  const bool stream = g.fields.stream;
-  bool stream_started = false;
-  auto start_stream = [&]() -> net::awaitable<bool> {
-    if (!stream_started) {
-      stream_started = true;
-      if (!co_await exchange.start_event_stream()) g.client_gone = true;
-    }
-    co_return !g.client_gone;
-  };
-
-  TokenTextFn text_of = [this, as_ids = g.fields.return_tokens_as_token_ids](int32_t id) {
-    return as_ids ? fmt::format("token_id:{}", id) : token_text(id);
-  };
-  auto deadline = SteadyClock::now() + std::chrono::milliseconds(config_.request_timeout_ms);
-  bool timed_out = false;
-  std::string stream_error;
-  bool stream_error_invalid = false;
-  bool stream_error_conflict = false;
-
-  while (g.num_finished < g.choices.size() && !g.client_gone) {
+// Until every choice finished, the client went away or the generation failed
+// (deadline --request-timeout-ms, a sibling refused, a streamed choice failed;
+// a non-streamed choice's failure waits for the others).
+net::awaitable<void> OpenAiService::collect_outputs(HttpExchange& exchange, std::shared_ptr<Generation> generation) {
+  Generation& g = *generation;
+  const auto deadline = SteadyClock::now() + std::chrono::milliseconds(config_.request_timeout_ms);
+  while (g.num_finished < g.choices.size() && !g.client_gone && !g.failure) {
     if (g.pending.empty()) {
       g.wake.expires_at(deadline);
       error_code ec;
       co_await g.wake.async_wait(net::redirect_error(net::use_awaitable, ec));
-      if (!ec && g.pending.empty() && !g.client_gone) {
-        timed_out = true;
-        break;
-      }
+      if (!ec && g.pending.empty() && !g.client_gone) g.failure = GenerationFailure::timeout();
       continue;
     }
     Generation::Pending item = std::move(g.pending.front());
     g.pending.pop_front();
     auto& choice = g.choices[item.index];
-    auto& out = item.output;
-    if (choice.sample_index == 0) launch_siblings(item.index);
-    if (deferred_error) {
-      if (stream) stream_error = deferred_error->message;
-      break;
-    }
+    if (choice.sample_index == 0) launch_siblings(generation, item.index);
+    if (g.failure) break;
     if (choice.finished) continue;
-    ResponseJson logprobs = nullptr;
-    if (want_logprobs && !out.logprobs.empty())
-      logprobs = logprobs_for(chat, out.logprobs, text_of, choice.text_offset);
-    choice.num_prompt_tokens = out.num_prompt_tokens;
-    choice.num_output_tokens = out.num_output_tokens;
-    if (out.finished) {
-      choice.finished = true;
-      ++g.num_finished;
-      choice.finish_reason = out.finish_reason;
-      choice.stop_reason = stop_reason_json(out.stop_string, out.stop_token_id);
-      choice.kv_transfer_params = out.kv_transfer_params;
-      if (out.finish_reason == engine::FinishReason::kError) {
-        choice.error = out.error.empty() ? "the engine failed this request" : out.error;
-        choice.invalid_request = out.invalid_request;
-        choice.conflict = out.conflict;
-      }
-    }
-    if (!stream) {
-      if (choice.echo) {
-        choice.text = std::move(*choice.echo) + choice.text;
-        choice.echo.reset();
-      }
-      choice.text += out.text_delta;
-      if (g.fields.return_token_ids)
-        choice.token_ids.insert(choice.token_ids.end(), out.new_token_ids.begin(), out.new_token_ids.end());
-      if (want_logprobs) choice.logprobs.insert(choice.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
-      if (!out.prompt_logprobs.empty()) choice.prompt_logprobs = std::move(out.prompt_logprobs);
+    record_output(g, item.index, item.output);
+    if (!g.fields.stream) {
+      accumulate(g, item.index, item.output);
       continue;
     }
-    if (!choice.error.empty()) {
-      stream_error = choice.error;
-      stream_error_invalid = choice.invalid_request;
-      stream_error_conflict = choice.conflict;
+    if (choice.failure) {
+      g.failure = choice.failure;
       break;
     }
-    std::string events;
-    if (chat && !choice.sent_role) {
-      choice.sent_role = true;
-      events += sse_event(
-          chat_chunk(g.header, static_cast<int32_t>(item.index), chat_role_delta(), nullptr, nullptr, nullptr));
-    }
-    // Without a tokenizer there is never text: each step's tokens still get their chunk,
-    // or a streaming client would see nothing until the end (and measure TTFT as e2e).
-    const bool untokenized_tokens = !tokenizer_ && !out.new_token_ids.empty();
-    if (choice.echo) {
-      out.text_delta = std::move(*choice.echo) + out.text_delta;
-      choice.echo.reset();
-    }
-    const bool listed_tokens = g.fields.return_token_ids && !out.new_token_ids.empty();
-    // Chat: the delta object; with a tool-call parser, text it holds back
-    // (a possible "<tool_call>") is not sent yet.
-    ResponseJson delta = ResponseJson::object();
-    bool tool_calls_finish = false;
-    if (chat && g.forced_tool != ChatRequest::ForcedTool::kNone) {
-      if (!choice.forced_tool_stream)
-        choice.forced_tool_stream.emplace(g.forced_tool, g.forced_tool_name, random_tool_call_id);
-      ToolCallStreamDelta parsed = choice.forced_tool_stream->feed(out.text_delta, out.finished);
-      tool_calls_finish = out.finished && choice.forced_tool_stream->finishes_with_tool_calls();
-      delta = tool_call_stream_delta_json(parsed);
-    } else if (chat && g.tool_format != ToolCallFormat::kNone) {
-      if (!choice.tool_parser) choice.tool_parser.emplace(g.tool_format, random_tool_call_id);
-      ToolCallStreamDelta parsed = choice.tool_parser->feed(out.text_delta);
-      if (out.finished) {
-        ToolCallStreamDelta tail = choice.tool_parser->finish();
-        parsed.content += tail.content;
-        parsed.calls.insert(parsed.calls.end(), tail.calls.begin(), tail.calls.end());
-        tool_calls_finish = choice.tool_parser->num_calls() > 0;
+    const std::string events = stream_events(g, item.index, item.output);
+    if (events.empty()) continue;
+    // A stream's 200 goes out with its first event, not before: an error that
+    // comes first (a P/D producer refusing the request's kv_transfer_params) can
+    // still be answered with its own status.
+    if (!g.stream_started) {
+      g.stream_started = true;
+      if (!co_await exchange.start_event_stream()) {
+        g.client_gone = true;
+        break;
       }
-      delta = tool_call_stream_delta_json(parsed);
-    } else if (chat && !out.text_delta.empty()) {
-      delta["content"] = out.text_delta;
     }
-    const bool has_text = chat ? !delta.empty() : !out.text_delta.empty();
-    bool has_payload = has_text || !logprobs.is_null() || out.finished || untokenized_tokens || listed_tokens;
-    if (has_payload) {
-      ResponseJson finish = !out.finished       ? ResponseJson(nullptr)
-                            : tool_calls_finish ? ResponseJson("tool_calls")
-                                                : finish_reason_json(choice.finish_reason);
-      ResponseJson stop = out.finished ? choice.stop_reason : ResponseJson(nullptr);
-      ResponseJson chunk;
-      if (chat) {
-        chunk = chat_chunk(g.header, static_cast<int32_t>(item.index), std::move(delta), std::move(logprobs),
-                           std::move(finish), std::move(stop));
-      } else {
-        chunk = completion_chunk(g.header, static_cast<int32_t>(item.index), out.text_delta, std::move(logprobs),
-                                 std::move(finish), std::move(stop));
-      }
-      if (out.finished && choice.kv_transfer_params)
-        chunk["kv_transfer_params"] = kv_params_json(*choice.kv_transfer_params);
-      if (g.fields.return_token_ids) chunk["choices"][0]["token_ids"] = out.new_token_ids;
-      // vLLM's continuous usage: each chunk carries its choice's counts so far.
-      if (g.fields.include_usage && g.fields.continuous_usage_stats)
-        chunk["usage"] = usage_json(Usage{choice.num_prompt_tokens, choice.num_output_tokens, 0});
-      events += sse_event(chunk);
-    }
-    if (!events.empty()) {
-      if (!co_await start_stream()) break;
-      bool sent = co_await exchange.send_event(events);
-      if (!sent) g.client_gone = true;
-    }
+    if (!co_await exchange.send_event(events)) g.client_gone = true;
   }
+  // A non-streamed response reports its first failed choice.
+  for (const auto& choice : g.choices) {
+    if (g.failure) break;
+    if (choice.failure) g.failure = choice.failure;
+  }
+}
 
-  if (g.client_gone || timed_out || !stream_error.empty() || deferred_error) abort_unfinished();
-  // Each prompt's group of n choices, once all of them finished.
-  for (size_t first = 0; first < g.choices.size(); first += static_cast<size_t>(g.fields.n)) {
+// Each prompt's group of n choices, once all of them finished (vLLM's per-prompt series).
+void OpenAiService::observe_finished_prompts(const Generation& g) {
+  const auto n = static_cast<size_t>(g.fields.n);
+  for (size_t first = 0; first < g.choices.size(); first += n) {
     int32_t max_tokens = 0;
     bool all_finished = true;
-    for (size_t k = first; k < std::min(g.choices.size(), first + static_cast<size_t>(g.fields.n)); ++k) {
+    for (size_t k = first; k < std::min(g.choices.size(), first + n); ++k) {
       all_finished = all_finished && g.choices[k].finished;
       max_tokens = std::max(max_tokens, g.choices[k].num_output_tokens);
     }
@@ -807,81 +777,74 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
     max_generation_tokens_.observe(max_tokens);
     params_n_.observe(g.fields.n);
   }
-  co_await exchange.stop_watching();
+}
 
-  if (g.client_gone) {
-    disconnects_counter().inc();
-    PD_LOG_DEBUG("{}: client went away; aborted", g.header.id);
-    exchange.abandon();
-    co_return;
-  }
-
+Usage OpenAiService::usage_of(const Generation& g) {
   Usage usage;
-  std::optional<ResponseJson> kv_transfer_params;
   for (const auto& choice : g.choices) {
     if (choice.counts_prompt) usage.prompt_tokens += choice.num_prompt_tokens;
     usage.completion_tokens += choice.num_output_tokens;
-    if (!kv_transfer_params && choice.kv_transfer_params)
-      kv_transfer_params = kv_params_json(*choice.kv_transfer_params);
   }
+  return usage;
+}
 
-  if (stream && !stream_started && (stream_error_invalid || stream_error_conflict)) {
-    ApiError error = stream_error_conflict ? conflict(stream_error) : bad_request(stream_error, "kv_transfer_params");
-    co_await exchange.respond_error(error);
+// The stream's end: its failure as an error event, or the usage chunk (include_usage), then [DONE].
+// A failure that refuses the request (the engine's 400/409) before anything was
+// sent is answered with its own status instead.
+net::awaitable<void> OpenAiService::end_stream(HttpExchange& exchange, Generation& g) {
+  if (g.failure && g.failure->refuses_request && !g.stream_started) {
+    co_await exchange.respond_error(g.failure->error);
     co_return;
   }
-  if (stream) {
-    if (!co_await start_stream()) {
+  if (!g.stream_started) {
+    g.stream_started = true;
+    if (!co_await exchange.start_event_stream()) {
       disconnects_counter().inc();
       exchange.abandon();
       co_return;
     }
-    std::string tail;
-    if (timed_out) {
-      timeouts_counter().inc();
-      tail += sse_event(timeout_error_json());
-    } else if (!stream_error.empty()) {
-      tail += sse_event(error_event(stream_error));
-    } else if (g.fields.include_usage) {
-      tail += sse_event(usage_chunk(g.header, chat ? "chat.completion.chunk" : "text_completion", usage));
-    }
-    tail += kSseDone;
-    bool sent = co_await exchange.send_event(tail);
-    if (sent) co_await exchange.end_event_stream();
-    co_return;
   }
+  std::string tail;
+  if (g.failure) {
+    if (g.failure->is_timeout) timeouts_counter().inc();
+    tail += sse_event(g.failure->stream_event.to_json());
+  } else if (g.fields.include_usage) {
+    const bool chat = g.api == Generation::Api::kChat;
+    tail += sse_event(usage_chunk(g.header, chat ? "chat.completion.chunk" : "text_completion", usage_of(g)));
+  }
+  tail += kSseDone;
+  if (co_await exchange.send_event(tail)) co_await exchange.end_event_stream();
+}
 
-  if (timed_out) {
-    timeouts_counter().inc();
-    ApiError error = request_timeout("request exceeded --request-timeout-ms");
-    co_await exchange.respond_error(error);
+net::awaitable<void> OpenAiService::respond(HttpExchange& exchange, Generation& g) {
+  if (g.failure) {
+    if (g.failure->is_timeout) timeouts_counter().inc();
+    co_await exchange.respond_error(g.failure->error);
     co_return;
   }
-  if (deferred_error) {
-    co_await exchange.respond_error(*deferred_error);
-    co_return;
-  }
-  for (const auto& choice : g.choices) {
-    if (!choice.error.empty()) {
-      ApiError error = choice.conflict          ? conflict(choice.error)
-                       : choice.invalid_request ? bad_request(choice.error, "kv_transfer_params")
-                                                : internal(choice.error);
-      co_await exchange.respond_error(error);
-      co_return;
-    }
-  }
+  const ResponseJson response = response_json(g);
+  co_await exchange.respond(http::status::ok, response.dump(-1, ' ', false, ResponseJson::error_handler_t::replace),
+                            "application/json");
+}
+
+ResponseJson OpenAiService::response_json(Generation& g) const {
+  const bool chat = g.api == Generation::Api::kChat;
+  const TokenTextFn token_text = text_of(g);
+  std::optional<ResponseJson> kv_transfer_params;
   std::vector<ChoiceResult> results;
   for (auto& choice : g.choices) {
+    if (!kv_transfer_params && choice.kv_transfer_params)
+      kv_transfer_params = kv_params_json(*choice.kv_transfer_params);
     ChoiceResult result;
     if (g.fields.sampling.prompt_logprobs >= 0) {
       // Choice j of a prompt follows its first choice (index - j), which computed them.
       const size_t first = static_cast<size_t>(&choice - g.choices.data()) - static_cast<size_t>(choice.sample_index);
-      result.prompt_logprobs = prompt_logprobs_json(g.choices[first].prompt_logprobs, text_of);
+      result.prompt_logprobs = prompt_logprobs_json(g.choices[first].prompt_logprobs, token_text);
     }
     result.text = std::move(choice.text);
-    if (want_logprobs) {
+    if (g.fields.sampling.logprobs >= 0) {
       int64_t offset = 0;
-      result.logprobs = logprobs_for(chat, choice.logprobs, text_of, offset);
+      result.logprobs = logprobs_for(chat, choice.logprobs, token_text, offset);
     }
     result.finish_reason = choice.finish_reason;
     result.stop_reason = choice.stop_reason;
@@ -891,10 +854,42 @@ net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::
       apply_forced_tool_calls(result, g.forced_tool, g.forced_tool_name, random_tool_call_id);
     results.push_back(std::move(result));
   }
-  ResponseJson response = chat ? chat_response(g.header, results, usage, kv_transfer_params)
-                               : completion_response(g.header, results, usage, kv_transfer_params);
-  co_await exchange.respond(http::status::ok, response.dump(-1, ' ', false, ResponseJson::error_handler_t::replace),
-                            "application/json");
+  const Usage usage = usage_of(g);
+  return chat ? chat_response(g.header, results, usage, kv_transfer_params)
+              : completion_response(g.header, results, usage, kv_transfer_params);
+}
+
+// One HTTP generation: refused before any engine work (the request itself, lengths,
+// kv_transfer_params, the engine refusing a first choice), or launched and its
+// outputs collected; then it ends in exactly one way: the client is gone (nothing
+// more is sent), the stream's end, or the response (its failure's error, or the choices).
+net::awaitable<void> OpenAiService::run_generation(HttpExchange& exchange, std::shared_ptr<Generation> generation,
+                                                   std::optional<ApiError> refusal) {
+  Generation& g = *generation;
+  LiveGeneration live(*this);
+  if (!refusal) refusal = prepare(g);
+  if (!refusal) refusal = launch_first_choices(generation);
+  if (refusal) {
+    co_await exchange.respond_error(*refusal);
+    co_return;
+  }
+  exchange.watch_for_disconnect([generation] {
+    generation->client_gone = true;
+    generation->wake.cancel();
+  });
+  co_await collect_outputs(exchange, generation);
+  if (g.client_gone || g.failure) abort_unfinished(g);
+  observe_finished_prompts(g);
+  co_await exchange.stop_watching();
+  if (g.client_gone) {
+    disconnects_counter().inc();
+    PD_LOG_DEBUG("{}: client went away; aborted", g.header.id);
+    exchange.abandon();
+  } else if (g.fields.stream) {
+    co_await end_stream(exchange, g);
+  } else {
+    co_await respond(exchange, g);
+  }
 }
 
 namespace {

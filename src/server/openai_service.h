@@ -17,7 +17,9 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "common/metrics.h"
 #include "engine/engine.h"
@@ -65,13 +67,51 @@ class OpenAiService {
 
  private:
   struct Generation;
+  struct LiveGeneration;  // counts a generation in num_live_generations_ while it lives
+  // Why a launched generation ends without every choice's final output.
+  struct GenerationFailure {
+    ApiError error;         // the answer while nothing was sent yet
+    ApiError stream_event;  // the error event that ends a started stream
+    // The engine refused the request as the client's mistake (400/409): a stream
+    // that has not started answers with error's status instead of starting.
+    bool refuses_request = false;
+    bool is_timeout = false;  // counted in pd_http_request_timeouts_total when reported
+    static GenerationFailure timeout();
+    static GenerationFailure launch(const Status& status);              // the engine refused a deferred choice
+    static GenerationFailure engine(const engine::RequestOutput& out);  // a choice's final output with kError
+  };
+
   net::awaitable<void> handle_completions(HttpExchange& exchange);
   net::awaitable<void> handle_chat(HttpExchange& exchange);
   net::awaitable<void> handle_tokenize(HttpExchange& exchange);
   net::awaitable<void> handle_detokenize(HttpExchange& exchange);
   net::awaitable<void> handle_models(HttpExchange& exchange);
   net::awaitable<void> handle_release(HttpExchange& exchange);
-  net::awaitable<void> run_generation(HttpExchange& exchange, std::shared_ptr<Generation> generation);
+
+  // A generation, in order: build_completion / build_chat (the request, its
+  // prompts) -> prepare (lengths, kv_transfer_params, ids) -> launch_first_choices
+  // -> collect_outputs (launch_siblings, record_output, accumulate or
+  // stream_events) -> end_stream or respond. Each step before the launch returns
+  // the error that refuses the request; run_generation answers it.
+  std::optional<ApiError> build_completion(std::string_view body, Generation& g) const;
+  std::optional<ApiError> build_chat(std::string_view body, Generation& g) const;
+  net::awaitable<void> run_generation(HttpExchange& exchange, std::shared_ptr<Generation> generation,
+                                      std::optional<ApiError> refusal);
+  std::optional<ApiError> prepare(Generation& g) const;
+  Status launch(const std::shared_ptr<Generation>& generation, size_t i);
+  std::optional<ApiError> launch_first_choices(const std::shared_ptr<Generation>& generation);
+  void launch_siblings(const std::shared_ptr<Generation>& generation, size_t first);
+  void abort_unfinished(const Generation& g);
+  net::awaitable<void> collect_outputs(HttpExchange& exchange, std::shared_ptr<Generation> generation);
+  static void record_output(Generation& g, size_t index, const engine::RequestOutput& out);
+  static void accumulate(Generation& g, size_t index, engine::RequestOutput& out);
+  std::string stream_events(Generation& g, size_t index, engine::RequestOutput& out) const;
+  void observe_finished_prompts(const Generation& g);
+  static Usage usage_of(const Generation& g);
+  net::awaitable<void> end_stream(HttpExchange& exchange, Generation& g);
+  net::awaitable<void> respond(HttpExchange& exchange, Generation& g);
+  ResponseJson response_json(Generation& g) const;
+  TokenTextFn text_of(const Generation& g) const;
 
   std::optional<ApiError> check_model(const std::string& model) const;
   static void truncate_prompt(std::vector<int32_t>& ids, std::optional<int32_t> keep_last);

@@ -136,8 +136,8 @@ def test_producer_holds_blocks_until_write_done_even_on_eos(procs, plain):
 def test_write_batch_past_its_deadline_fails_the_transfer_and_frees_the_producer(procs, plain):
     # Every write batch is swallowed (a consumer that stopped answering): xfer fails it at its own
     # deadline (transfer_timeout, 2 s). The producer must then report the failure, so the consumer
-    # recomputes long before its own 60 s wait ends, and free its blocks. Before the fix, the
-    # producer re-queued the failed batch forever: it never sent `done` and never freed its blocks.
+    # recomputes long before its own 60 s wait ends, and free its blocks (a producer that re-queued
+    # the failed batch would never send `done` and never free them).
     producer = start_instance(procs, "kv_producer", env={"PD_CONNECTOR_XFER_FAULT": "drop"}, transfer_timeout=2)
     consumer = start_instance(procs, "kv_consumer", recv_abort_timeout=60)
     start = time.monotonic()

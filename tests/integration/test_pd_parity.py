@@ -90,8 +90,8 @@ def start_in_namespace(procs, netns: NetnsPair, index: int, role: str, read_mode
                                               control_secret_file=secret_file)]
     # Control plane, HTTP and the UCX data plane all cross the veth: UCX_TLS=tcp,self keeps UCX off
     # shared memory, as between two hosts. (xfer waits for the veth's carrier before UCX lists its
-    # devices; before that fix UCX advertised loopback only and ucp_ep_create failed with
-    # "Destination is unreachable" -- docs/perf/xfer.md.)
+    # devices; without carrier UCX advertises loopback only and ucp_ep_create fails with
+    # "Destination is unreachable": src/xfer/README.md.)
     managed = procs.spawn(argv, env={"UCX_TLS": "tcp,self"})
     match = managed.wait_for_line(LISTEN_RE, 90)
     server = PdserveServer(managed, match.group(1), int(match.group(2)))

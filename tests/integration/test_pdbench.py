@@ -464,7 +464,7 @@ def test_staircase_sweep_against_server(server, tmp_path):
     assert "after the last arrival" in proc.stdout
     assert doc["goodput"]["ttft_tpot"]
     # A plateau per rate: lead and hold arrivals are warm-ups of their window, the measured ones
-    # are counted as before, and the top window's requests no longer outlive the arrivals.
+    # are counted as in a plain window, and the top window's requests do not outlive the arrivals.
     out2 = tmp_path / "plateau.json"
     proc = run_pdbench("sweep", "--base-url", server.base_url, "--rates", "4,8", "--staircase-window-s", "1.5",
                        "--staircase-lead-s", "0.5", "--staircase-hold-s", "2", "--input-len", "32",

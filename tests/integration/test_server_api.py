@@ -330,6 +330,30 @@ def test_health_version_and_metrics_series(server, client):
     assert metric_value(text, "pd_http_requests_total", {"route": "/v1/completions", "status": "200"}) >= 1
 
 
+def test_token_and_request_counters_advance_by_exactly_the_requests_served(server, client):
+    # Known traffic: a non-streamed and a streamed request of known prompt and output lengths.
+    # Each counter has one owner in the engine; /metrics shows its count already when the
+    # client has its answer (no wait).
+    wait_idle(server)
+    series = [("pd_prompt_tokens_total", None), ("pd_generation_tokens_total", None),
+              ("vllm:prompt_tokens_total", {"model_name": "tiny"}),
+              ("vllm:generation_tokens_total", {"model_name": "tiny"}),
+              ("vllm:request_success_total", {"model_name": "tiny", "finished_reason": "length"}),
+              ("pd_preemptions_total", None)]
+    before = server.metrics()
+    client.completions.create(model="tiny", prompt=list(range(1, 8)), max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    stream = client.completions.create(model="tiny", prompt=list(range(1, 6)), max_tokens=4, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert sum(len(chunk.choices) for chunk in stream) >= 1
+    after = server.metrics()
+    delta = {name: (metric_value(after, name, labels) or 0.0) - (metric_value(before, name, labels) or 0.0)
+             for name, labels in series}
+    assert delta == {"pd_prompt_tokens_total": 12.0, "pd_generation_tokens_total": 7.0,
+                     "vllm:prompt_tokens_total": 12.0, "vllm:generation_tokens_total": 7.0,
+                     "vllm:request_success_total": 2.0, "pd_preemptions_total": 0.0}
+
+
 def test_kv_transfer_params_are_accepted(server):
     status, raw, _ = server.post("/v1/completions", {"model": "tiny", "prompt": "kv", "max_tokens": 2,
                                                      "kv_transfer_params": {"do_remote_decode": False}})

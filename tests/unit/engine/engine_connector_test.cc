@@ -394,7 +394,7 @@ TEST(EngineConnector, HandedOverFirstTokenIsEmittedAndDecodingContinuesFromIt) {
   EXPECT_EQ(rig.runner->num_kv_mismatches(), 0);
   EXPECT_EQ(rig.runner->num_steps(), 4) << "four decode steps for the four tokens after the handed-over one";
   rig.engine->shutdown();
-  EXPECT_EQ(rig.engine->stats().num_handed_over_tokens, 1);
+  EXPECT_EQ(rig.engine->stats().engine.num_handed_over_tokens, 1);
   EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
 }
 
@@ -426,7 +426,7 @@ TEST(EngineConnector, WholePromptWithoutATokenRecomputesTheLastPromptToken) {
   EXPECT_EQ(rig.runner->num_kv_mismatches(), 0);
   EXPECT_EQ(rig.runner->num_steps(), 5) << "one step for the last prompt token, four decode steps";
   rig.engine->shutdown();
-  EXPECT_EQ(rig.engine->stats().num_handed_over_tokens, 0);
+  EXPECT_EQ(rig.engine->stats().engine.num_handed_over_tokens, 0);
   EXPECT_EQ(rig.engine->stats().num_blocks_in_use, 0);
 }
 
@@ -564,7 +564,7 @@ TEST(EngineConnector, AHandedOverTokenIsStreamedWhileTheStepInFlightStillRuns) {
   EXPECT_EQ(out.last("c").num_output_tokens, 4);
   EXPECT_EQ(out.tokens("busy"), reference_greedy(prompt_of(20), 3, kVocab));
   engine->shutdown();
-  EXPECT_EQ(engine->stats().num_handed_over_tokens, 1);
+  EXPECT_EQ(engine->stats().engine.num_handed_over_tokens, 1);
   EXPECT_EQ(engine->stats().num_first_tokens_streamed_on_arrival, 1);
   EXPECT_EQ(engine->stats().num_blocks_in_use, 0);
 }

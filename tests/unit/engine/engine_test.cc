@@ -171,8 +171,8 @@ TEST(Engine, ConcurrentRequestsWithSharedPrefixesAndPreemptionMatchTheReference)
   EXPECT_EQ(c.violations(), "");
   e.engine->shutdown();
   const EngineStats s = e.engine->stats();
-  EXPECT_GT(s.num_preemptions, 0);
-  EXPECT_GT(s.num_prefix_cache_hit_tokens, 0);
+  EXPECT_GT(s.scheduler.num_preemptions, 0);
+  EXPECT_GT(s.scheduler.num_prefix_cache_hit_tokens, 0);
   EXPECT_EQ(s.num_blocks_free, 40);
   EXPECT_EQ(s.num_blocks_in_use, 0);
   EXPECT_EQ(s.num_running, 0);
@@ -213,7 +213,7 @@ TEST(Engine, SeededSamplingIsReproducibleAcrossBatchingAndPreemption) {
     std::vector<std::vector<int32_t>> all;
     for (int i = 0; i < 6; ++i) all.push_back(c.tokens("s" + std::to_string(i)));
     e.engine->shutdown();
-    return std::make_pair(all, e.engine->stats().num_preemptions);
+    return std::make_pair(all, e.engine->stats().scheduler.num_preemptions);
   };
   const auto [roomy, roomy_preemptions] = run(256, 256);
   const auto [tight, tight_preemptions] = run(30, 16);
@@ -300,7 +300,7 @@ TEST(Engine, RunnerErrorFailsThatStepsRequestsAndTheEngineKeepsServing) {
   ASSERT_TRUE(c.wait_finished(2));
   EXPECT_EQ(c.tokens("fine"), reference_greedy(tokens_from(5, 1), 4, kVocab));
   e.engine->shutdown();
-  EXPECT_EQ(e.engine->stats().num_step_errors, 1);
+  EXPECT_EQ(e.engine->stats().engine.num_step_errors, 1);
   EXPECT_EQ(e.engine->stats().num_blocks_in_use, 0);
 }
 
@@ -455,7 +455,7 @@ TEST(EnginePromptLogprobs, ComeWithTheFirstTokenAcrossChunksAndIgnoreThePrefixCa
   }
   e.engine->shutdown();
   EXPECT_EQ(e.runner->num_kv_mismatches(), 0);
-  EXPECT_EQ(e.engine->stats().num_prefix_cache_hit_tokens, 0);
+  EXPECT_EQ(e.engine->stats().scheduler.num_prefix_cache_hit_tokens, 0);
 }
 
 TEST(EnginePromptLogprobs, ARequestWithoutThemHasNoneAndHitsTheCache) {
@@ -542,6 +542,40 @@ TEST(Engine, VllmSeriesCountAFinishedRequestUnderItsModelName) {
   EXPECT_EQ(series_value(text, "vllm:num_requests_waiting{" + m + "}"), 0.0);
   EXPECT_GE(series_value(text, "vllm:kv_cache_usage_perc{" + m + "}"), 0.0);
   EXPECT_EQ(series_value(text, "vllm:num_preemptions_total{" + m + "}"), 0.0);
+}
+
+// The counters' one owner is the engine (or its scheduler); stats() and /metrics
+// show the same counts, already when the request's final output arrives.
+TEST(Engine, CountersOfAFinishedRequestAreInStatsAndMetricsWithItsFinalOutput) {
+  EngineConfig config = small_engine_config();
+  config.model_name = "counters-test";
+  auto e = make_engine(config, 64);
+  const std::string m = R"({model_name="counters-test"})";
+  const std::string before = metrics::Registry::global().render_prometheus();
+  Collector c;
+  ASSERT_TRUE(e.engine->add_request(make_request("a", tokens_from(7, 1), 3), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(1));
+  ASSERT_TRUE(e.engine->add_request(make_request("b", tokens_from(7, 1), 2), c.callback()).ok());
+  ASSERT_TRUE(c.wait_finished(2));
+  const std::string text = metrics::Registry::global().render_prometheus();
+  const EngineStats s = e.engine->stats();
+  EXPECT_EQ(s.engine.num_prompt_tokens, 14);
+  EXPECT_EQ(s.engine.num_generation_tokens, 5);
+  EXPECT_GE(s.engine.num_steps, 4);
+  EXPECT_EQ(s.engine.num_step_errors, 0);
+  EXPECT_EQ(s.scheduler.num_preemptions, 0);
+  // "b" repeats "a"'s prompt: its one full block (block size 4) comes from the prefix cache.
+  EXPECT_EQ(s.scheduler.num_prefix_cache_hit_tokens, 4);
+  auto delta = [&](const std::string& series) {
+    return series_value(text, series) - std::max(0.0, series_value(before, series));
+  };
+  EXPECT_EQ(delta("pd_prompt_tokens_total"), 14.0);
+  EXPECT_EQ(delta("pd_generation_tokens_total"), 5.0);
+  EXPECT_EQ(delta("pd_prefix_cache_hit_tokens_total"), 4.0);
+  EXPECT_EQ(delta("pd_preemptions_total"), 0.0);
+  EXPECT_EQ(series_value(text, "vllm:prompt_tokens_total" + m), 14.0);
+  EXPECT_EQ(series_value(text, "vllm:generation_tokens_total" + m), 5.0);
+  EXPECT_EQ(series_value(text, "vllm:num_requests_running" + m), 0.0);
 }
 
 TEST(Engine, AbortedRequestCountsUnderFinishedReasonAbort) {
