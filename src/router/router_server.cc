@@ -277,6 +277,45 @@ server::ApiError bad_prompt_logprobs_error(const std::string& producer_id) {
   return upstream_error(fmt::format("producer {} did not answer with the prompt's logprobs", producer_id), false);
 }
 
+// The "flow" label of pd_router_decisions_total for a plan (README.md "Per-request decisions").
+const char* flow_label(const FlowPlan& plan, bool batched, bool several_choices) {
+  if (plan.kind == FlowKind::kNone) return "none";
+  const char* flow = plan.kind == FlowKind::kPdRead ? "read" : "write";
+  if (plan.fallback == FallbackReason::kNoProducer) flow = "no_producer";
+  if (plan.fallback == FallbackReason::kNoConsumer) flow = "no_consumer";
+  if (plan.kind == FlowKind::kCollocated && plan.fallback == FallbackReason::kNone) flow = "collocated";
+  if (plan.local_by_policy) flow = "local";
+  if (plan.kind != FlowKind::kCollocated && several_choices) flow = "several_choices";
+  if (plan.kind != FlowKind::kCollocated && batched) flow = "batched_prompts";
+  return flow;
+}
+
+// POST /pd/plan/...'s answer: what the request would be planned as now, and each instance's inputs to it.
+std::string plan_json(const Snapshot& snapshot, const std::vector<Candidate>& candidates, const FlowPlan& plan,
+                      const PlanRequest& request, const char* flow) {
+  auto instance_id = [&](std::optional<size_t> index) {
+    return index ? nlohmann::json(snapshot.backends[*index]->info().instance_id) : nlohmann::json(nullptr);
+  };
+  nlohmann::json instances = nlohmann::json::array();
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Candidate& c = candidates[i];
+    instances.push_back({{"instance_id", snapshot.backends[i]->info().instance_id},
+                         {"role", role_name(c.role)},
+                         {"cached_tokens", c.cached_tokens},
+                         {"queued_prefill_tokens",
+                          c.load ? nlohmann::json(c.load->num_queued_prefill_tokens) : nlohmann::json(nullptr)},
+                         {"outstanding", c.outstanding},
+                         {"cost_tokens", cost_tokens(c, request.num_prompt_tokens, request.thresholds)}});
+  }
+  return dump_response_json({{"prompt_tokens", request.num_prompt_tokens ? nlohmann::json(*request.num_prompt_tokens)
+                                                                         : nlohmann::json(nullptr)},
+                             {"flow", flow},
+                             {"reason", decision_reason_name(plan.reason)},
+                             {"decoder", instance_id(plan.consumer)},
+                             {"producer", instance_id(plan.producer)},
+                             {"instances", std::move(instances)}});
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- Impl
@@ -336,8 +375,9 @@ struct RouterServer::Impl {
   awaitable<std::optional<std::vector<int32_t>>> prompt_token_ids(std::shared_ptr<Exchange> ex, bool chat,
                                                                   const ClientRequest& request,
                                                                   const Snapshot& snapshot);
+  // `dry_run`: POST /pd/plan/...: answers with the plan and its inputs (plan_json) instead of serving.
   awaitable<void> handle_generation(std::shared_ptr<Exchange> ex, const std::string& target, const std::string& body,
-                                    bool generation = true);
+                                    bool generation = true, bool dry_run = false);
   awaitable<FlowOutcome> run_single(std::shared_ptr<Exchange> ex, std::shared_ptr<Leg> leg, const std::string& target,
                                     const std::string& body, bool stream);
   awaitable<FlowOutcome> run_pd(std::shared_ptr<Exchange> ex, const std::string& target, const ClientRequest& request,
@@ -856,7 +896,7 @@ awaitable<std::optional<std::vector<int32_t>>> RouterServer::Impl::prompt_token_
 }
 
 awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> ex, const std::string& target,
-                                                      const std::string& body, bool generation) {
+                                                      const std::string& body, bool generation, bool dry_run) {
   Result<ClientRequest> parsed = parse_client_request(body);
   const GenerationRoute route =
       target == "/v1/chat/completions" ? GenerationRoute::kChat : GenerationRoute::kCompletions;
@@ -893,18 +933,22 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
   watch_client(ex);
   // Per-request decisions: the prompt's tokens, then each instance's load and cached prefix of them.
   std::optional<std::vector<int32_t>> prompt_ids;
-  const std::shared_ptr<const CacheIndex> cache_index = discovery_.cache_index();
   PlanRequest decision_inputs;
   decision_inputs.pd_policy = config_.pd_policy;
   decision_inputs.consumer_policy = config_.consumer_policy;
   decision_inputs.producer_policy = config_.producer_policy;
-  const bool any_cache_known = std::any_of(cache_index->begin(), cache_index->end(),
-                                           [](const auto& entry) { return entry.second->hashes != nullptr; });
-  if (generation && validated.num_prompts == 1 && validated.n == 1 &&
-      prompt_tokens_matter(candidates, decision_inputs, any_cache_known)) {
-    prompt_ids = co_await prompt_token_ids(ex, route == GenerationRoute::kChat, request, *snapshot);
-    if (ex->client_gone) co_return;
+  {
+    const std::shared_ptr<const CacheIndex> index = discovery_.cache_index();
+    const bool any_cache_known =
+        std::any_of(index->begin(), index->end(), [](const auto& entry) { return entry.second->hashes != nullptr; });
+    if (generation && validated.num_prompts == 1 && validated.n == 1 &&
+        prompt_tokens_matter(candidates, decision_inputs, any_cache_known)) {
+      prompt_ids = co_await prompt_token_ids(ex, route == GenerationRoute::kChat, request, *snapshot);
+      if (ex->client_gone) co_return;
+    }
   }
+  // The views as they are now, after the /tokenize call: the freshest the heartbeats allow.
+  const std::shared_ptr<const CacheIndex> cache_index = discovery_.cache_index();
   {
     std::vector<const InstanceInfo*> infos;
     for (const auto& backend : snapshot->backends) infos.push_back(&backend->info());
@@ -924,6 +968,12 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     if (prompt_ids) plan_request.num_prompt_tokens = static_cast<int64_t>(prompt_ids->size());
     plan_request.thresholds = config_.thresholds;
     const FlowPlan plan = plan_flow(candidates, plan_request);
+    if (dry_run) {
+      std::string answer = plan_json(*snapshot, candidates, plan, plan_request,
+                                     flow_label(plan, validated.num_prompts > 1, validated.n > 1));
+      co_await respond(*ex, 200, "application/json", std::move(answer));
+      co_return;
+    }
     if (plan.kind == FlowKind::kNone) {
       if (plan.model_unknown) {
         const server::ApiError error = server::model_not_found(request.model);
@@ -943,16 +993,7 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     // collocated pdserve does (choice indices, usage).
     const bool batched = validated.num_prompts > 1;
     const bool several_choices = validated.n > 1;
-    if (generation) {
-      const char* flow = plan.kind == FlowKind::kPdRead ? "read" : "write";
-      if (plan.fallback == FallbackReason::kNoProducer) flow = "no_producer";
-      if (plan.fallback == FallbackReason::kNoConsumer) flow = "no_consumer";
-      if (plan.kind == FlowKind::kCollocated && plan.fallback == FallbackReason::kNone) flow = "collocated";
-      if (plan.local_by_policy) flow = "local";
-      if (plan.kind != FlowKind::kCollocated && several_choices) flow = "several_choices";
-      if (plan.kind != FlowKind::kCollocated && batched) flow = "batched_prompts";
-      count_decision(flow, plan.reason);
-    }
+    if (generation) count_decision(flow_label(plan, batched, several_choices), plan.reason);
     ex->answering_leg =
         plan.kind == FlowKind::kCollocated || batched || several_choices || !generation ? "collocated" : "decode";
     if (!generation) {
@@ -1051,13 +1092,15 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
   const bool is_get = request.method() == http::verb::get;
   const bool is_generation = target == "/v1/completions" || target == "/v1/chat/completions";
   const bool is_tokenize = target == "/tokenize" || target == "/detokenize";
-  ex->route = is_generation || is_tokenize || target == "/v1/models" || target == "/health" || target == "/ping" ||
-                      target == "/metrics"
+  // A dry run of a generation request: /pd/plan followed by the route it would take.
+  const bool is_plan = target == "/pd/plan/v1/completions" || target == "/pd/plan/v1/chat/completions";
+  ex->route = is_generation || is_tokenize || is_plan || target == "/v1/models" || target == "/health" ||
+                      target == "/ping" || target == "/metrics"
                   ? target
                   : "other";
 
   // The routes pdserve guards with --api-key: /v1/* and the tokenizer's.
-  if (!config_.api_key.empty() && (target.rfind("/v1/", 0) == 0 || is_tokenize)) {
+  if (!config_.api_key.empty() && (target.rfind("/v1/", 0) == 0 || is_tokenize || is_plan)) {
     const auto authorization = request[http::field::authorization];
     if (!frontend::bearer_authorized(std::string_view(authorization.data(), authorization.size()), config_.api_key)) {
       const server::ApiError error = server::unauthorized();
@@ -1069,6 +1112,9 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
       co_await handle_generation(ex, target, request.body());
     } else if (is_tokenize && is_post) {
       co_await handle_generation(ex, target, request.body(), false);
+    } else if (is_plan && is_post) {
+      const std::string planned_route = target.substr(std::string_view("/pd/plan").size());
+      co_await handle_generation(ex, planned_route, request.body(), true, true);
     } else if (target == "/v1/models" && is_get) {
       std::shared_ptr<const Snapshot> snapshot = discovery_.snapshot();
       std::string models = co_await forwarded_models_json(*snapshot);
@@ -1098,8 +1144,8 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
       co_await respond(*ex, healthy ? 200 : 503, "application/json", std::move(body));
     } else if (target == "/metrics" && is_get) {
       co_await respond(*ex, 200, "text/plain; version=0.0.4", metrics::Registry::global().render_prometheus());
-    } else if (is_generation || is_tokenize || target == "/v1/models" || target == "/health" || target == "/ping" ||
-               target == "/version" || target == "/metrics") {
+    } else if (is_generation || is_tokenize || is_plan || target == "/v1/models" || target == "/health" ||
+               target == "/ping" || target == "/version" || target == "/metrics") {
       const server::ApiError error = server::method_not_allowed(std::string(request.method_string()), target);
       co_await respond_error(*ex, error);
     } else {
