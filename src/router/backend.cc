@@ -1,5 +1,6 @@
 #include "router/backend.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "common/clock.h"
@@ -9,7 +10,6 @@ namespace pd::router {
 
 namespace {
 constexpr size_t kPieceBytes = 16 * 1024;
-constexpr uint64_t kMaxFullBodyBytes = 256ull * 1024 * 1024;
 LegResult failed_leg(Status status) {
   LegResult result;
   result.transport = std::move(status);
@@ -127,6 +127,10 @@ awaitable<LegResult> Leg::send_and_read_header(const std::string& target, const 
 
 awaitable<LegResult> Leg::start(const std::string& target, const std::string& body, int64_t connect_timeout_ms,
                                 std::chrono::steady_clock::time_point deadline) {
+  // One deadline for the whole leg: connecting takes no longer than what is left of it.
+  const int64_t left_ms =
+      std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+  connect_timeout_ms = std::max<int64_t>(1, std::min(connect_timeout_ms, left_ms));
   if (!stream_) {
     Status connected = co_await connect(connect_timeout_ms);
     if (!connected.ok()) co_return failed_leg(connected);
@@ -175,12 +179,13 @@ awaitable<Status> Leg::read_some(LegResult& result, std::string& out, std::chron
   }
 }
 
-awaitable<Status> Leg::read_rest(LegResult& result, std::chrono::steady_clock::time_point deadline) {
+awaitable<Status> Leg::read_rest(LegResult& result, std::chrono::steady_clock::time_point deadline,
+                                 uint64_t max_bytes) {
   while (!result.complete) {
     Status status = co_await read_some(result, result.body, deadline);
     if (!status.ok()) co_return status;
-    if (result.body.size() > kMaxFullBodyBytes) {
-      co_return resource_exhausted("response of {} exceeds {} bytes", backend_->info().instance_id, kMaxFullBodyBytes);
+    if (result.body.size() > max_bytes) {
+      co_return resource_exhausted("response of {} exceeds {} bytes", backend_->info().instance_id, max_bytes);
     }
   }
   co_return Status::Ok();
