@@ -5,6 +5,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "router/instance_metrics.h"
 
 namespace pd::router {
 
@@ -30,10 +31,7 @@ Backend::Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_thread
       endpoint_(std::move(endpoint)),
       host_header_(info_.http.to_string()),
       authorization_(std::move(authorization)),
-      outstanding_(outstanding ? std::move(outstanding) : std::make_shared<Counter>(0)),
-      outstanding_gauge_(metrics::Registry::global().gauge(
-          "pd_router_instance_outstanding", "Legs in flight per instance (a stream counts until its end)",
-          {{"instance", info_.instance_id}, {"role", role_name(info_.role)}})) {
+      outstanding_(outstanding ? std::move(outstanding) : std::make_shared<Counter>(0)) {
   idle_.reserve(num_io_threads);
   for (size_t i = 0; i < num_io_threads; ++i) idle_.emplace_back(max_idle_per_thread, max_idle);
 }
@@ -41,8 +39,8 @@ Backend::Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_thread
 Backend::~Backend() = default;
 
 void Backend::add_outstanding(int64_t delta) {
-  outstanding_->fetch_add(delta, std::memory_order_relaxed);
-  outstanding_gauge_.add(static_cast<double>(delta));
+  const int64_t now = outstanding_->fetch_add(delta, std::memory_order_relaxed) + delta;
+  InstanceMetrics::global().set_outstanding(info_.instance_id, now);
 }
 
 std::unique_ptr<beast::tcp_stream> Backend::take_idle(size_t thread_index) {

@@ -58,7 +58,6 @@ class Backend {
   std::string host_header_;
   std::string authorization_;
   std::shared_ptr<Counter> outstanding_;
-  metrics::Gauge& outstanding_gauge_;
   std::vector<IdlePool<std::unique_ptr<beast::tcp_stream>>> idle_;
 };
 

@@ -7,6 +7,7 @@
 #include "common/curve_auth.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "router/instance_metrics.h"
 
 namespace pd::router {
 
@@ -300,6 +301,7 @@ awaitable<void> Discovery::resolve_then_add(std::string instance_id, UpsertOutco
       PD_LOG_WARN("pdrouter: instance {} dropped: {}", instance_id, endpoint.status().message());
       (void)registry_.erase(instance_id);
       backends_.erase(instance_id);
+      InstanceMetrics::global().remove(instance_id);
       publish();
       co_return;
     }
@@ -325,6 +327,9 @@ void Discovery::add_backend(const InstanceInfo& info, const tcp::endpoint& endpo
                                            std::chrono::milliseconds(config_.backend_idle_timeout_ms),
                                            backend_authorization_, std::move(outstanding));
   every_backend_.push_back(backend);
+  // Its per-instance series (kept across a re-registration: the outstanding count continues).
+  InstanceMetrics::global().admit(info.instance_id, role_name(info.role));
+  InstanceMetrics::global().set_outstanding(info.instance_id, backend->outstanding());
   backends_[info.instance_id] = std::move(backend);
   publish();
 }
@@ -368,6 +373,7 @@ awaitable<void> Discovery::expiry_loop() {
                   info.http.to_string(), config_.instance_ttl_ms);
       expiries.inc();
       if (auto it = backends_.find(info.instance_id); it != backends_.end()) backends_.erase(it);
+      InstanceMetrics::global().remove(info.instance_id);
     }
     publish();
   }

@@ -13,6 +13,7 @@
 #include "common/metrics.h"
 #include "frontend/connection.h"
 #include "frontend/wire.h"
+#include "router/instance_metrics.h"
 #include "router/policy.h"
 #include "router/prompt_tokens.h"
 #include "router/request_rewrite.h"
@@ -74,19 +75,13 @@ void count_leg_failure(const std::string& instance, const char* leg, const char*
   cached_counter("pd_router_leg_failures_total", "Backend legs that failed, by leg and reason",
                  {{"leg", leg}, {"reason", reason}})
       .inc();
-  cached_counter("pd_router_instance_leg_failures_total", "Backend legs that failed, by instance, leg and reason",
-                 {{"instance", instance}, {"leg", leg}, {"reason", reason}})
-      .inc();
+  InstanceMetrics::global().count_leg_failure(instance, leg, reason);
 }
 
 // A leg that got its whole answer: from its request's first byte to its answer's last
 // (for a relayed stream, the last event), per instance and leg (prefill, decode, collocated).
 void observe_leg_latency(const std::string& instance, const char* leg, int64_t started_ns) {
-  static const std::vector<double> buckets = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25,  0.5,  1.0,
-                                              2.5,   5.0,  10.0,  30.0, 60.0, 120.0, 300.0};
-  cached_histogram("pd_router_leg_latency_seconds", "Backend legs that were answered: time to their answer's end",
-                   {{"instance", instance}, {"leg", leg}}, buckets)
-      .observe(static_cast<double>(now_ns() - started_ns) * 1e-9);
+  InstanceMetrics::global().observe_leg_latency(instance, leg, static_cast<double>(now_ns() - started_ns) * 1e-9);
 }
 
 const char* failure_reason(const LegResult& result) {
@@ -1222,7 +1217,10 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
       std::string body = health_json(*discovery_.snapshot(), healthy);
       co_await respond(*ex, healthy ? 200 : 503, "application/json", std::move(body));
     } else if (target == "/metrics" && is_get) {
-      co_await respond(*ex, 200, "text/plain; version=0.0.4", metrics::Registry::global().render_prometheus());
+      // The process's series, then the per-instance ones of the instances discovered now.
+      std::string text =
+          metrics::Registry::global().render_prometheus() + InstanceMetrics::global().render_prometheus();
+      co_await respond(*ex, 200, "text/plain; version=0.0.4", std::move(text));
     } else if (is_generation || is_tokenize || is_plan || target == "/v1/models" || target == "/health" ||
                target == "/ping" || target == "/version" || target == "/metrics") {
       const server::ApiError error = server::method_not_allowed(std::string(request.method_string()), target);
