@@ -1,15 +1,16 @@
 #include "router/backend.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "router/instance_metrics.h"
 
 namespace pd::router {
 
 namespace {
 constexpr size_t kPieceBytes = 16 * 1024;
-constexpr uint64_t kMaxFullBodyBytes = 256ull * 1024 * 1024;
 LegResult failed_leg(Status status) {
   LegResult result;
   result.transport = std::move(status);
@@ -30,10 +31,7 @@ Backend::Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_thread
       endpoint_(std::move(endpoint)),
       host_header_(info_.http.to_string()),
       authorization_(std::move(authorization)),
-      outstanding_(outstanding ? std::move(outstanding) : std::make_shared<Counter>(0)),
-      outstanding_gauge_(metrics::Registry::global().gauge(
-          "pd_router_instance_outstanding", "Legs in flight per instance (a stream counts until its end)",
-          {{"instance", info_.instance_id}, {"role", role_name(info_.role)}})) {
+      outstanding_(outstanding ? std::move(outstanding) : std::make_shared<Counter>(0)) {
   idle_.reserve(num_io_threads);
   for (size_t i = 0; i < num_io_threads; ++i) idle_.emplace_back(max_idle_per_thread, max_idle);
 }
@@ -41,8 +39,8 @@ Backend::Backend(InstanceInfo info, tcp::endpoint endpoint, size_t num_io_thread
 Backend::~Backend() = default;
 
 void Backend::add_outstanding(int64_t delta) {
-  outstanding_->fetch_add(delta, std::memory_order_relaxed);
-  outstanding_gauge_.add(static_cast<double>(delta));
+  const int64_t now = outstanding_->fetch_add(delta, std::memory_order_relaxed) + delta;
+  InstanceMetrics::global().set_outstanding(info_.instance_id, now);
 }
 
 std::unique_ptr<beast::tcp_stream> Backend::take_idle(size_t thread_index) {
@@ -127,6 +125,10 @@ awaitable<LegResult> Leg::send_and_read_header(const std::string& target, const 
 
 awaitable<LegResult> Leg::start(const std::string& target, const std::string& body, int64_t connect_timeout_ms,
                                 std::chrono::steady_clock::time_point deadline) {
+  // One deadline for the whole leg: connecting takes no longer than what is left of it.
+  const int64_t left_ms =
+      std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+  connect_timeout_ms = std::max<int64_t>(1, std::min(connect_timeout_ms, left_ms));
   if (!stream_) {
     Status connected = co_await connect(connect_timeout_ms);
     if (!connected.ok()) co_return failed_leg(connected);
@@ -175,12 +177,13 @@ awaitable<Status> Leg::read_some(LegResult& result, std::string& out, std::chron
   }
 }
 
-awaitable<Status> Leg::read_rest(LegResult& result, std::chrono::steady_clock::time_point deadline) {
+awaitable<Status> Leg::read_rest(LegResult& result, std::chrono::steady_clock::time_point deadline,
+                                 uint64_t max_bytes) {
   while (!result.complete) {
     Status status = co_await read_some(result, result.body, deadline);
     if (!status.ok()) co_return status;
-    if (result.body.size() > kMaxFullBodyBytes) {
-      co_return resource_exhausted("response of {} exceeds {} bytes", backend_->info().instance_id, kMaxFullBodyBytes);
+    if (result.body.size() > max_bytes) {
+      co_return resource_exhausted("response of {} exceeds {} bytes", backend_->info().instance_id, max_bytes);
     }
   }
   co_return Status::Ok();

@@ -58,7 +58,6 @@ class Backend {
   std::string host_header_;
   std::string authorization_;
   std::shared_ptr<Counter> outstanding_;
-  metrics::Gauge& outstanding_gauge_;
   std::vector<IdlePool<std::unique_ptr<beast::tcp_stream>>> idle_;
 };
 
@@ -95,15 +94,19 @@ class Leg {
 
   // Takes a pooled connection (unless `fresh`) or connects (bounded by connect_timeout_ms).
   awaitable<Status> connect(int64_t connect_timeout_ms, bool fresh = false);
-  // Sends POST `target` and reads the response header, all before `deadline`.
+  // Sends POST `target` and reads the response header, all before `deadline` (a connection made
+  // here waits at most connect_timeout_ms, and never past the deadline).
   // A pooled connection the server closed meanwhile (a failure before any
   // response byte) is replaced once by a NEW connection, never another pooled one.
   awaitable<LegResult> start(const std::string& target, const std::string& body, int64_t connect_timeout_ms,
                              std::chrono::steady_clock::time_point deadline);
   // Appends the next piece of the body to `out`; sets `result.complete` at the end.
   awaitable<Status> read_some(LegResult& result, std::string& out, std::chrono::steady_clock::time_point deadline);
-  // Reads the rest of the body into result.body.
-  awaitable<Status> read_rest(LegResult& result, std::chrono::steady_clock::time_point deadline);
+  // The most a whole answer read by read_rest may hold, unless the caller bounds it tighter.
+  static constexpr uint64_t kMaxFullBodyBytes = 256ull * 1024 * 1024;
+  // Reads the rest of the body into result.body; an answer longer than max_bytes fails (kResourceExhausted).
+  awaitable<Status> read_rest(LegResult& result, std::chrono::steady_clock::time_point deadline,
+                              uint64_t max_bytes = kMaxFullBodyBytes);
 
   // Closes the connection: the engine sees the disconnect and aborts the request.
   void cancel();

@@ -27,9 +27,21 @@ void annotate_candidates(std::span<Candidate> candidates, std::span<const Instan
   }
 }
 
+size_t view_bound(const std::optional<contract::LoadReport>& load) {
+  if (!load) return kViewHashesWithoutLoad;
+  return std::min<size_t>(kMaxViewHashes, load->num_kv_blocks_total);
+}
+
 void CacheTracker::lose() {
   known_ = false;
   hashes_.clear();
+}
+
+bool CacheTracker::set_max_hashes(size_t max_hashes) {
+  max_hashes_ = max_hashes;
+  if (hashes_.size() <= max_hashes_) return false;
+  lose();
+  return true;
 }
 
 CacheTracker::Outcome CacheTracker::apply(const contract::KvEventBatch& batch) {
@@ -48,29 +60,46 @@ CacheTracker::Outcome CacheTracker::apply(const contract::KvEventBatch& batch) {
   }
   last_seq_ = batch.seq;
   block_size_ = batch.block_size;
-  hashes_.insert(batch.stored.begin(), batch.stored.end());
-  for (uint64_t h : batch.removed) hashes_.erase(h);
-  if (hashes_.size() > max_hashes_) {
-    lose();
-    return Outcome::kGap;
+  for (uint64_t h : batch.stored) {
+    hashes_.insert(h);
+    // Removals come after, but a view never grows past its bound on the way: one past it is a broken peer.
+    if (hashes_.size() > max_hashes_) {
+      lose();
+      return Outcome::kGap;
+    }
   }
+  for (uint64_t h : batch.removed) hashes_.erase(h);
   return Outcome::kApplied;
 }
 
-CacheViews::Applied CacheViews::apply(const contract::Heartbeat& heartbeat, SteadyClock::time_point now) {
+CacheViews::Applied CacheViews::apply(const contract::Heartbeat& heartbeat, bool admitted, SteadyClock::time_point now,
+                                      const ReplyTo& reply_to) {
   Applied applied;
   const std::string& id = heartbeat.record.instance_id;
   auto it = entries_.find(id);
+  if (!admitted) {
+    if (it != entries_.end()) {
+      entries_.erase(it);
+      applied.changed = true;
+    }
+    auto pending = pending_.find(id);
+    if (pending != pending_.end()) {
+      pending->second = Pending{heartbeat.record.boot_nonce, pending->second.since, reply_to};
+    } else if (pending_.size() < kMaxPendingAdmissions) {
+      pending_.emplace(id, Pending{heartbeat.record.boot_nonce, now, reply_to});
+    }
+    return applied;
+  }
   if (it == entries_.end() || it->second.boot_nonce != heartbeat.record.boot_nonce) {
     if (it != entries_.end()) entries_.erase(it);
-    it =
-        entries_.emplace(id, Entry{heartbeat.record.boot_nonce, CacheTracker(max_hashes_), {}, now, {}, nullptr}).first;
+    it = entries_.emplace(id, Entry{heartbeat.record.boot_nonce, CacheTracker(bound(heartbeat.load)), {}, {}, nullptr})
+             .first;
     applied.changed = true;
   }
   Entry& e = it->second;
-  e.last_seen = now;
   if (heartbeat.load != e.load) {
     e.load = heartbeat.load;
+    e.tracker.set_max_hashes(bound(e.load));
     applied.changed = true;
   }
   if (heartbeat.kv) {
@@ -84,10 +113,6 @@ CacheViews::Applied CacheViews::apply(const contract::Heartbeat& heartbeat, Stea
   }
   if (applied.changed) e.published.reset();
   return applied;
-}
-
-bool CacheViews::expire(SteadyClock::time_point now) {
-  return std::erase_if(entries_, [&](const auto& item) { return now - item.second.last_seen >= ttl_; }) > 0;
 }
 
 std::shared_ptr<const CacheIndex> CacheViews::publish() {

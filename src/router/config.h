@@ -46,6 +46,8 @@ struct RouterConfig {
   // it themselves; half of pdserve's default leaves room for a loaded engine's late close.
   int64_t backend_idle_timeout_ms = 30000;
   int64_t resolve_timeout_ms = 5000;  // --resolve-timeout-ms: a registered host name's lookup
+  // --info-timeout-ms: the one deadline of GET /v1/models and /version, which ask the instances at once.
+  int64_t info_timeout_ms = 2000;
   // --max-connections: client connections served at once; one more is answered 503 at once and
   // closed. Without a cap, clients holding sockets open exhaust RLIMIT_NOFILE and accept() fails
   // for everyone, health checks included. 4096: about the requests one pdserve with its defaults

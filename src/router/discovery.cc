@@ -7,6 +7,7 @@
 #include "common/curve_auth.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "router/instance_metrics.h"
 
 namespace pd::router {
 
@@ -164,12 +165,44 @@ void Discovery::stop() {
 void Discovery::registration_loop() {
   zmq::socket_t& socket = zmq_->socket;
   std::vector<zmq::message_t> frames;
-  // Registration thread only. A view larger than every block a pool may report is a broken peer.
-  CacheViews views(std::chrono::milliseconds(config_.instance_ttl_ms), std::chrono::milliseconds(kResyncIntervalMs),
-                   contract::kMaxReportedBlocks);
+  // Registration thread only. Views exist for admitted instances only (those in the published
+  // snapshot), each bounded by its reported pool; they follow the snapshot: an instance that leaves
+  // loses its view.
+  CacheViews views(std::chrono::milliseconds(config_.instance_ttl_ms), std::chrono::milliseconds(kResyncIntervalMs));
+  std::shared_ptr<const Snapshot> seen;                   // the snapshot `admitted` was built from
+  std::map<std::string, uint64_t, std::less<>> admitted;  // instance_id -> boot_nonce
+  auto is_admitted = [&](std::string_view id, uint64_t boot_nonce) {
+    auto it = admitted.find(id);
+    return it != admitted.end() && it->second == boot_nonce;
+  };
   const std::vector<uint8_t> resync = contract::encode_kv_resync();
+  // Sends the resync request along an instance's envelope (its identity, and the empty frame if any).
+  auto send_resync = [&](const ReplyTo& to) {
+    socket.send(zmq::buffer(to.identity), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+    if (to.delimited) socket.send(zmq::message_t(), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+    socket.send(zmq::buffer(resync), zmq::send_flags::dontwait);
+    resync_counter().inc();
+  };
+  // Follows the discovered set: drops the views of instances that left, starts those admitted since.
+  auto follow_snapshot = [&] {
+    std::shared_ptr<const Snapshot> now_seen = snapshot();
+    if (now_seen == seen) return;
+    seen = now_seen;
+    admitted.clear();
+    for (const auto& backend : seen->backends) admitted[backend->info().instance_id] = backend->info().boot_nonce;
+    bool changed = views.retain(is_admitted);
+    for (const ReplyTo& to : views.take_admitted(is_admitted, SteadyClock::now())) {
+      changed = true;
+      send_resync(to);
+    }
+    if (changed) cache_index_.store(views.publish(), std::memory_order_release);
+  };
   while (!stopping_.load()) {
-    if (views.expire(SteadyClock::now())) cache_index_.store(views.publish(), std::memory_order_release);
+    try {
+      follow_snapshot();
+    } catch (const zmq::error_t& error) {
+      if (error.num() == ETERM) return;
+    }
     zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
     try {
       zmq::poll(&item, 1, std::chrono::milliseconds(100));
@@ -207,15 +240,13 @@ void Discovery::registration_loop() {
         PD_LOG_WARN("pdrouter: dropped malformed registration: {}", heartbeat.status().message());
         continue;
       }
-      const CacheViews::Applied applied = views.apply(*heartbeat, SteadyClock::now());
+      const ReplyTo reply_to{std::string(static_cast<const char*>(frames[0].data()), frames[0].size()),
+                             frames.size() == 3};
+      const bool known = is_admitted(heartbeat->record.instance_id, heartbeat->record.boot_nonce);
+      const CacheViews::Applied applied = views.apply(*heartbeat, known, SteadyClock::now(), reply_to);
       if (applied.send_resync) {
-        // The reply goes back along the message's own envelope (identity, and the empty frame if any).
         try {
-          socket.send(zmq::buffer(frames[0].data(), frames[0].size()),
-                      zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-          if (frames.size() == 3) socket.send(zmq::message_t(), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-          socket.send(zmq::buffer(resync), zmq::send_flags::dontwait);
-          resync_counter().inc();
+          send_resync(reply_to);
         } catch (const zmq::error_t& error) {
           if (error.num() == ETERM) return;
         }
@@ -270,6 +301,7 @@ awaitable<void> Discovery::resolve_then_add(std::string instance_id, UpsertOutco
       PD_LOG_WARN("pdrouter: instance {} dropped: {}", instance_id, endpoint.status().message());
       (void)registry_.erase(instance_id);
       backends_.erase(instance_id);
+      InstanceMetrics::global().remove(instance_id);
       publish();
       co_return;
     }
@@ -295,6 +327,9 @@ void Discovery::add_backend(const InstanceInfo& info, const tcp::endpoint& endpo
                                            std::chrono::milliseconds(config_.backend_idle_timeout_ms),
                                            backend_authorization_, std::move(outstanding));
   every_backend_.push_back(backend);
+  // Its per-instance series (kept across a re-registration: the outstanding count continues).
+  InstanceMetrics::global().admit(info.instance_id, role_name(info.role));
+  InstanceMetrics::global().set_outstanding(info.instance_id, backend->outstanding());
   backends_[info.instance_id] = std::move(backend);
   publish();
 }
@@ -338,6 +373,7 @@ awaitable<void> Discovery::expiry_loop() {
                   info.http.to_string(), config_.instance_ttl_ms);
       expiries.inc();
       if (auto it = backends_.find(info.instance_id); it != backends_.end()) backends_.erase(it);
+      InstanceMetrics::global().remove(info.instance_id);
     }
     publish();
   }

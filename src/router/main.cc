@@ -96,6 +96,11 @@ int main(int argc, char** argv) {
                  "longest wait for the address of a host name an instance registers")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{600'000}));
+  app.add_option("--info-timeout-ms", config.info_timeout_ms,
+                 "deadline of GET /v1/models and /version (every instance asked at once; one that does not answer "
+                 "in time is left out)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{600'000}));
   app.add_option("--max-prefill-retries", config.max_prefill_retries,
                  "other producers tried before the collocated fallback")
       ->capture_default_str()

@@ -276,6 +276,15 @@ FlowPlan plan_flow(std::span<const Candidate> candidates, const PlanRequest& req
   return lone_fallback(candidates, request, random_consumer, plan);
 }
 
+std::optional<size_t> pick_retry_producer(std::span<const Candidate> candidates, const PlanRequest& request,
+                                          const FlowPlan& plan, uint64_t ticket, uint64_t random) {
+  if (!plan.consumer || (plan.kind != FlowKind::kPdRead && plan.kind != FlowKind::kPdWrite)) return std::nullopt;
+  const TransferMode mode = plan.kind == FlowKind::kPdRead ? TransferMode::kRead : TransferMode::kWrite;
+  return pick_producer(candidates, request.model, mode, request.producer_policy, ticket, random,
+                       request.num_prompt_tokens, request.thresholds, request.pd_policy == PdPolicy::kAuto,
+                       plan.consumer);
+}
+
 bool prompt_tokens_matter(std::span<const Candidate> candidates, const PlanRequest& request, bool any_cache_known) {
   const bool scored = request.consumer_policy == PolicyKind::kScored || request.producer_policy == PolicyKind::kScored;
   if (scored && any_cache_known) return true;

@@ -149,4 +149,11 @@ std::optional<size_t> pick_producer(std::span<const Candidate> candidates, std::
                                     const DecisionThresholds& thresholds = {}, bool include_collocated = false,
                                     std::optional<size_t> not_index = std::nullopt);
 
+// Another producer after plan.producer failed (a retry): chosen exactly as plan_flow chose the first,
+// with the same request (the producer policy, scored on the prompt's length, load reports and cached
+// prefixes; under auto, instances of role "both" with a connector qualify too), among the candidates not
+// excluded (the caller excludes every producer already tried) and never the decoding instance.
+std::optional<size_t> pick_retry_producer(std::span<const Candidate> candidates, const PlanRequest& request,
+                                          const FlowPlan& plan, uint64_t ticket, uint64_t random);
+
 }  // namespace pd::router

@@ -10,59 +10,40 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 
-std::optional<std::vector<int32_t>> token_ids_of(const ojson& prompt) {
-  if (!prompt.is_array() || prompt.empty() || prompt.size() > kMaxPromptTokens) return std::nullopt;
-  std::vector<int32_t> ids;
-  ids.reserve(prompt.size());
-  for (const ojson& item : prompt) {
-    if (!item.is_number_integer()) return std::nullopt;
-    const int64_t id = item.get<int64_t>();
-    if (id < 0 || id > std::numeric_limits<int32_t>::max()) return std::nullopt;
-    ids.push_back(static_cast<int32_t>(id));
-  }
-  return ids;
-}
-
-void copy_if_present(const ojson& from, ojson& to, const char* key) {
-  if (auto it = from.find(key); it != from.end()) to[key] = *it;
+std::optional<int32_t> keep_last_of(const server::GenerationFields& fields) {
+  if (fields.truncate_prompt_tokens && *fields.truncate_prompt_tokens >= 1) return fields.truncate_prompt_tokens;
+  return std::nullopt;
 }
 
 }  // namespace
 
-PromptTokensPlan plan_prompt_tokens(bool chat, const ojson& body) {
+PromptTokensPlan plan_prompt_tokens(const server::CompletionRequest& request) {
   PromptTokensPlan plan;
-  if (!body.is_object()) return plan;
-  if (auto it = body.find("truncate_prompt_tokens"); it != body.end() && it->is_number_integer()) {
-    const int64_t k = it->get<int64_t>();
-    if (k >= 1 && k <= std::numeric_limits<int32_t>::max()) plan.keep_last = static_cast<int32_t>(k);
+  if (request.prompts.size() != 1) return plan;
+  plan.keep_last = keep_last_of(request.fields);
+  const server::PromptInput& prompt = request.prompts.front();
+  if (!prompt.text) {
+    plan.token_ids = prompt.token_ids;
+    return plan;
   }
   ojson tokenize = ojson::object();
-  copy_if_present(body, tokenize, "model");
-  if (chat) {
-    auto messages = body.find("messages");
-    if (messages == body.end()) return plan;
-    tokenize["messages"] = *messages;
-    for (const char* key : {"add_special_tokens", "add_generation_prompt", "tools", "chat_template_kwargs"}) {
-      copy_if_present(body, tokenize, key);
-    }
-  } else {
-    auto prompt = body.find("prompt");
-    if (prompt == body.end()) return plan;
-    const ojson* text = nullptr;
-    if (prompt->is_string()) {
-      text = &*prompt;
-    } else if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string()) {
-      text = &(*prompt)[0];
-    } else if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_array()) {
-      plan.token_ids = token_ids_of((*prompt)[0]);
-      return plan;
-    } else {
-      plan.token_ids = token_ids_of(*prompt);
-      return plan;
-    }
-    tokenize["prompt"] = *text;
-    copy_if_present(body, tokenize, "add_special_tokens");
-  }
+  if (!request.fields.model.empty()) tokenize["model"] = request.fields.model;
+  tokenize["prompt"] = *prompt.text;
+  tokenize["add_special_tokens"] = request.add_special_tokens;
+  plan.tokenize_body = tokenize.dump();
+  return plan;
+}
+
+PromptTokensPlan plan_prompt_tokens(const server::ChatRequest& request) {
+  PromptTokensPlan plan;
+  plan.keep_last = keep_last_of(request.fields);
+  ojson tokenize = ojson::object();
+  if (!request.fields.model.empty()) tokenize["model"] = request.fields.model;
+  tokenize["messages"] = request.messages;
+  tokenize["add_special_tokens"] = request.add_special_tokens;
+  tokenize["add_generation_prompt"] = request.add_generation_prompt;
+  if (!request.tools.is_null()) tokenize["tools"] = request.tools;
+  if (!request.chat_template_kwargs.empty()) tokenize["chat_template_kwargs"] = request.chat_template_kwargs;
   plan.tokenize_body = tokenize.dump();
   return plan;
 }

@@ -24,14 +24,18 @@ std::optional<server::ApiError> validate_generation_request(GenerationRoute rout
   if (route == GenerationRoute::kCompletions) {
     auto parsed = server::parse_completion_request(body, limits);
     if (auto* error = std::get_if<server::ApiError>(&parsed)) return std::move(*error);
-    out.num_prompts = std::get<server::CompletionRequest>(parsed).prompts.size();
-    out.n = std::get<server::CompletionRequest>(parsed).fields.n;
+    const auto& request = std::get<server::CompletionRequest>(parsed);
+    out.num_prompts = request.prompts.size();
+    out.n = request.fields.n;
+    out.prompt = plan_prompt_tokens(request);
     return std::nullopt;
   }
   auto parsed = server::parse_chat_request(body, limits);
   if (auto* error = std::get_if<server::ApiError>(&parsed)) return std::move(*error);
+  const auto& request = std::get<server::ChatRequest>(parsed);
   out.num_prompts = 1;
-  out.n = std::get<server::ChatRequest>(parsed).fields.n;
+  out.n = request.fields.n;
+  out.prompt = plan_prompt_tokens(request);
   return std::nullopt;
 }
 

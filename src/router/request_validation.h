@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "router/prompt_tokens.h"
 #include "server/api_error.h"
 
 namespace pd::router {
@@ -25,6 +26,8 @@ enum class GenerationRoute { kCompletions, kChat };
 struct ValidatedRequest {
   size_t num_prompts = 1;  // /v1/completions: prompts in a batched `prompt`; chat: 1
   int32_t n = 1;           // choices per prompt
+  // How to get the prompt's token ids, from what the parser read (the body is parsed once).
+  PromptTokensPlan prompt;
 };
 
 // The engine's verdict on a client body (without the client's kv_transfer_params): the

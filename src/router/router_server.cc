@@ -1,5 +1,6 @@
 #include "router/router_server.h"
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include "common/metrics.h"
 #include "frontend/connection.h"
 #include "frontend/wire.h"
+#include "router/instance_metrics.h"
 #include "router/policy.h"
 #include "router/prompt_tokens.h"
 #include "router/request_rewrite.h"
@@ -73,19 +75,13 @@ void count_leg_failure(const std::string& instance, const char* leg, const char*
   cached_counter("pd_router_leg_failures_total", "Backend legs that failed, by leg and reason",
                  {{"leg", leg}, {"reason", reason}})
       .inc();
-  cached_counter("pd_router_instance_leg_failures_total", "Backend legs that failed, by instance, leg and reason",
-                 {{"instance", instance}, {"leg", leg}, {"reason", reason}})
-      .inc();
+  InstanceMetrics::global().count_leg_failure(instance, leg, reason);
 }
 
 // A leg that got its whole answer: from its request's first byte to its answer's last
 // (for a relayed stream, the last event), per instance and leg (prefill, decode, collocated).
 void observe_leg_latency(const std::string& instance, const char* leg, int64_t started_ns) {
-  static const std::vector<double> buckets = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25,  0.5,  1.0,
-                                              2.5,   5.0,  10.0,  30.0, 60.0, 120.0, 300.0};
-  cached_histogram("pd_router_leg_latency_seconds", "Backend legs that were answered: time to their answer's end",
-                   {{"instance", instance}, {"leg", leg}}, buckets)
-      .observe(static_cast<double>(now_ns() - started_ns) * 1e-9);
+  InstanceMetrics::global().observe_leg_latency(instance, leg, static_cast<double>(now_ns() - started_ns) * 1e-9);
 }
 
 const char* failure_reason(const LegResult& result) {
@@ -277,6 +273,112 @@ server::ApiError bad_prompt_logprobs_error(const std::string& producer_id) {
   return upstream_error(fmt::format("producer {} did not answer with the prompt's logprobs", producer_id), false);
 }
 
+// GET /v1/models and /version ask at most this many instances at once.
+constexpr size_t kMaxFanOut = 64;
+
+struct FanOutState {
+  explicit FanOutState(const net::any_io_executor& executor, size_t n) : wake(executor), answers(n) {}
+  net::steady_timer wake;  // cancelled when an answer arrives while the caller waits
+  std::vector<std::optional<LegResult>> answers;
+  size_t pending = 0;
+  bool any_ok = false;
+};
+
+struct FanOut {
+  std::vector<std::optional<LegResult>> answers;  // per backend asked; nullopt: no answer before the deadline
+  std::vector<std::shared_ptr<Backend>> asked;
+};
+
+// One instance's part of fan_out_get: its answer goes into answers[index].
+awaitable<void> ask_one(std::shared_ptr<FanOutState> state, size_t index, std::shared_ptr<Backend> backend,
+                        std::string target, std::string authorization, int64_t timeout_ms) {
+  LegResult reply =
+      co_await http_get(backend->endpoint(), backend->info().http.to_string(), target, authorization, timeout_ms);
+  state->any_ok |= reply.ok();
+  state->answers[index] = std::move(reply);
+  --state->pending;
+  state->wake.cancel();
+}
+
+// GETs `target` from the backends (the first kMaxFanOut) at once, all under one deadline; returns when
+// each answered, or when one answered 200 if `first_ok_is_enough`, or at the deadline. All run on the
+// caller's io thread; an answer that comes after the return is dropped.
+awaitable<FanOut> fan_out_get(const std::vector<std::shared_ptr<Backend>>& backends, std::string target,
+                              std::string authorization, int64_t timeout_ms, bool first_ok_is_enough) {
+  const net::any_io_executor executor = co_await net::this_coro::executor;
+  FanOut out;
+  out.asked.assign(backends.begin(),
+                   backends.begin() + static_cast<std::ptrdiff_t>(std::min(kMaxFanOut, backends.size())));
+  auto state = std::make_shared<FanOutState>(executor, out.asked.size());
+  state->pending = out.asked.size();
+  const TimePoint deadline = SteadyClock::now() + std::chrono::milliseconds(timeout_ms);
+  for (size_t i = 0; i < out.asked.size(); ++i) {
+    net::co_spawn(executor, ask_one(state, i, out.asked[i], target, authorization, timeout_ms), net::detached);
+  }
+  while (state->pending > 0 && !(first_ok_is_enough && state->any_ok) && SteadyClock::now() < deadline) {
+    state->wake.expires_at(deadline);
+    beast::error_code ec;
+    co_await state->wake.async_wait(with_ec(ec));
+  }
+  out.answers = state->answers;
+  co_return out;
+}
+
+// Instances left out of a /v1/models or /version answer (no answer in time, or a failed one): counted and logged.
+void count_unanswered(const char* route, const FanOut& fan_out, bool stopped_early) {
+  std::vector<std::string> left_out;
+  for (size_t i = 0; i < fan_out.asked.size(); ++i) {
+    const std::optional<LegResult>& answer = fan_out.answers[i];
+    if ((answer && !answer->ok()) || (!answer && !stopped_early))
+      left_out.push_back(fan_out.asked[i]->info().instance_id);
+  }
+  if (left_out.empty()) return;
+  cached_counter("pd_router_fanout_unanswered_total",
+                 "Instances left out of a GET /v1/models or /version answer: no answer in time, or a failed one",
+                 {{"route", route}})
+      .inc(static_cast<double>(left_out.size()));
+  PD_LOG_WARN("pdrouter: GET {}: no answer from {}", route, fmt::join(left_out, ", "));
+}
+
+// The "flow" label of pd_router_decisions_total for a plan (README.md "Per-request decisions").
+const char* flow_label(const FlowPlan& plan, bool batched, bool several_choices) {
+  if (plan.kind == FlowKind::kNone) return "none";
+  const char* flow = plan.kind == FlowKind::kPdRead ? "read" : "write";
+  if (plan.fallback == FallbackReason::kNoProducer) flow = "no_producer";
+  if (plan.fallback == FallbackReason::kNoConsumer) flow = "no_consumer";
+  if (plan.kind == FlowKind::kCollocated && plan.fallback == FallbackReason::kNone) flow = "collocated";
+  if (plan.local_by_policy) flow = "local";
+  if (plan.kind != FlowKind::kCollocated && several_choices) flow = "several_choices";
+  if (plan.kind != FlowKind::kCollocated && batched) flow = "batched_prompts";
+  return flow;
+}
+
+// POST /pd/plan/...'s answer: what the request would be planned as now, and each instance's inputs to it.
+std::string plan_json(const Snapshot& snapshot, const std::vector<Candidate>& candidates, const FlowPlan& plan,
+                      const PlanRequest& request, const char* flow) {
+  auto instance_id = [&](std::optional<size_t> index) {
+    return index ? nlohmann::json(snapshot.backends[*index]->info().instance_id) : nlohmann::json(nullptr);
+  };
+  nlohmann::json instances = nlohmann::json::array();
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Candidate& c = candidates[i];
+    instances.push_back({{"instance_id", snapshot.backends[i]->info().instance_id},
+                         {"role", role_name(c.role)},
+                         {"cached_tokens", c.cached_tokens},
+                         {"queued_prefill_tokens",
+                          c.load ? nlohmann::json(c.load->num_queued_prefill_tokens) : nlohmann::json(nullptr)},
+                         {"outstanding", c.outstanding},
+                         {"cost_tokens", cost_tokens(c, request.num_prompt_tokens, request.thresholds)}});
+  }
+  return dump_response_json({{"prompt_tokens", request.num_prompt_tokens ? nlohmann::json(*request.num_prompt_tokens)
+                                                                         : nlohmann::json(nullptr)},
+                             {"flow", flow},
+                             {"reason", decision_reason_name(plan.reason)},
+                             {"decoder", instance_id(plan.consumer)},
+                             {"producer", instance_id(plan.producer)},
+                             {"instances", std::move(instances)}});
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- Impl
@@ -333,21 +435,25 @@ struct RouterServer::Impl {
   // `generation` false: a /tokenize or /detokenize body, sent whole to one instance (no validation, no P/D).
   // The prompt's token ids as the engine sees them (prompt_tokens.h): from the body, or from an
   // engine's /tokenize within --tokenize-timeout-ms; nullopt when neither works.
-  awaitable<std::optional<std::vector<int32_t>>> prompt_token_ids(std::shared_ptr<Exchange> ex, bool chat,
+  awaitable<std::optional<std::vector<int32_t>>> prompt_token_ids(std::shared_ptr<Exchange> ex,
+                                                                  PromptTokensPlan tokens_plan,
                                                                   const ClientRequest& request,
                                                                   const Snapshot& snapshot);
+  // `dry_run`: POST /pd/plan/...: answers with the plan and its inputs (plan_json) instead of serving.
   awaitable<void> handle_generation(std::shared_ptr<Exchange> ex, const std::string& target, const std::string& body,
-                                    bool generation = true);
+                                    bool generation = true, bool dry_run = false);
   awaitable<FlowOutcome> run_single(std::shared_ptr<Exchange> ex, std::shared_ptr<Leg> leg, const std::string& target,
                                     const std::string& body, bool stream);
+  // `plan_request`: what `plan` was made from; a retry after a failed producer is planned from it too.
   awaitable<FlowOutcome> run_pd(std::shared_ptr<Exchange> ex, const std::string& target, const ClientRequest& request,
-                                const Snapshot& snapshot, std::vector<Candidate>& candidates, const FlowPlan& plan);
+                                const Snapshot& snapshot, std::vector<Candidate>& candidates, const FlowPlan& plan,
+                                const PlanRequest& plan_request);
   awaitable<LegResult> start_consumer(Exchange& ex, Leg& leg, const std::string& target, const std::string& body,
                                       bool stream, TimePoint deadline, std::string& head_bytes);
   awaitable<void> answer_from_consumer(Exchange& ex, Leg& leg, LegResult& result, std::string head_bytes,
                                        TimePoint deadline);
   awaitable<LegResult> run_full_leg(Exchange* ex, Leg& leg, const std::string& target, const std::string& body,
-                                    TimePoint deadline);
+                                    TimePoint deadline, uint64_t max_answer_bytes = Leg::kMaxFullBodyBytes);
   ReleaseTarget release_target(const std::shared_ptr<Backend>& producer, const Exchange& ex,
                                const std::string& transfer_id) const {
     return ReleaseTarget{producer, ex.thread_index, transfer_id, config_.connect_timeout_ms,
@@ -568,11 +674,12 @@ awaitable<void> RouterServer::Impl::answer_from_consumer(Exchange& ex, Leg& leg,
 }
 
 awaitable<LegResult> RouterServer::Impl::run_full_leg(Exchange* ex, Leg& leg, const std::string& target,
-                                                      const std::string& body, TimePoint deadline) {
+                                                      const std::string& body, TimePoint deadline,
+                                                      uint64_t max_answer_bytes) {
   const int64_t started_ns = now_ns();
   LegResult result = co_await leg.start(target, body, config_.connect_timeout_ms, deadline);
   if (result.transport.ok()) {
-    Status read = co_await leg.read_rest(result, deadline);
+    Status read = co_await leg.read_rest(result, deadline, max_answer_bytes);
     if (!read.ok()) result.transport = read;
   }
   if (ex != nullptr) ex->backend_wait_ns += now_ns() - started_ns;
@@ -622,7 +729,8 @@ awaitable<FlowOutcome> RouterServer::Impl::run_single(std::shared_ptr<Exchange> 
 
 awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, const std::string& target,
                                                   const ClientRequest& request, const Snapshot& snapshot,
-                                                  std::vector<Candidate>& candidates, const FlowPlan& plan) {
+                                                  std::vector<Candidate>& candidates, const FlowPlan& plan,
+                                                  const PlanRequest& plan_request) {
   const std::shared_ptr<Backend>& consumer = snapshot.backends[*plan.consumer];
   const TransferMode mode = plan.kind == FlowKind::kPdRead ? TransferMode::kRead : TransferMode::kWrite;
   // The consumer's connection first: an unreachable consumer is re-planned before any prefill work.
@@ -633,9 +741,11 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
     count_leg_failure(consumer->info().instance_id, "decode", "connect");
     co_return FlowOutcome::kConnectFailed;
   }
+  // A retry goes through the same scored policy as the first pick (loads and outstanding as they are now,
+  // cached prefixes, kv_both instances under auto), never to a producer already tried.
   auto next_producer = [&]() {
-    return pick_producer(candidates, request.model, mode, config_.producer_policy, producer_ticket_.fetch_add(1),
-                         thread_random());
+    for (size_t i = 0; i < candidates.size(); ++i) candidates[i].outstanding = snapshot.backends[i]->outstanding();
+    return pick_retry_producer(candidates, plan_request, plan, producer_ticket_.fetch_add(1), thread_random());
   };
   std::optional<size_t> producer_index = plan.producer;
   const bool prompt_logprobs = wants_prompt_logprobs(request.body) && !request.stream;
@@ -813,10 +923,9 @@ awaitable<FlowOutcome> RouterServer::Impl::run_pd(std::shared_ptr<Exchange> ex, 
 }
 
 awaitable<std::optional<std::vector<int32_t>>> RouterServer::Impl::prompt_token_ids(std::shared_ptr<Exchange> ex,
-                                                                                    bool chat,
+                                                                                    PromptTokensPlan tokens_plan,
                                                                                     const ClientRequest& request,
                                                                                     const Snapshot& snapshot) {
-  PromptTokensPlan tokens_plan = plan_prompt_tokens(chat, request.body);
   std::optional<std::vector<int32_t>> ids = std::move(tokens_plan.token_ids);
   if (!ids && tokens_plan.tokenize_body) {
     // Any instance of the model tokenizes the same way; the least busy one that decodes is asked (one of
@@ -834,7 +943,9 @@ awaitable<std::optional<std::vector<int32_t>>> RouterServer::Impl::prompt_token_
     if (tokenizer) {
       std::shared_ptr<Leg> leg = ex->new_leg(tokenizer);
       const TimePoint deadline = SteadyClock::now() + std::chrono::milliseconds(config_.tokenize_timeout_ms);
-      LegResult result = co_await run_full_leg(ex.get(), *leg, "/tokenize", *tokens_plan.tokenize_body, deadline);
+      // Connect, send and answer within the one deadline (Leg::start), the answer bounded.
+      LegResult result = co_await run_full_leg(ex.get(), *leg, "/tokenize", *tokens_plan.tokenize_body, deadline,
+                                               kMaxTokenizeAnswerBytes);
       Result<std::vector<int32_t>> parsed =
           result.ok()
               ? parse_tokenize_answer(result.body)
@@ -856,7 +967,7 @@ awaitable<std::optional<std::vector<int32_t>>> RouterServer::Impl::prompt_token_
 }
 
 awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> ex, const std::string& target,
-                                                      const std::string& body, bool generation) {
+                                                      const std::string& body, bool generation, bool dry_run) {
   Result<ClientRequest> parsed = parse_client_request(body);
   const GenerationRoute route =
       target == "/v1/chat/completions" ? GenerationRoute::kChat : GenerationRoute::kCompletions;
@@ -893,18 +1004,22 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
   watch_client(ex);
   // Per-request decisions: the prompt's tokens, then each instance's load and cached prefix of them.
   std::optional<std::vector<int32_t>> prompt_ids;
-  const std::shared_ptr<const CacheIndex> cache_index = discovery_.cache_index();
   PlanRequest decision_inputs;
   decision_inputs.pd_policy = config_.pd_policy;
   decision_inputs.consumer_policy = config_.consumer_policy;
   decision_inputs.producer_policy = config_.producer_policy;
-  const bool any_cache_known = std::any_of(cache_index->begin(), cache_index->end(),
-                                           [](const auto& entry) { return entry.second->hashes != nullptr; });
-  if (generation && validated.num_prompts == 1 && validated.n == 1 &&
-      prompt_tokens_matter(candidates, decision_inputs, any_cache_known)) {
-    prompt_ids = co_await prompt_token_ids(ex, route == GenerationRoute::kChat, request, *snapshot);
-    if (ex->client_gone) co_return;
+  {
+    const std::shared_ptr<const CacheIndex> index = discovery_.cache_index();
+    const bool any_cache_known =
+        std::any_of(index->begin(), index->end(), [](const auto& entry) { return entry.second->hashes != nullptr; });
+    if (generation && validated.num_prompts == 1 && validated.n == 1 &&
+        prompt_tokens_matter(candidates, decision_inputs, any_cache_known)) {
+      prompt_ids = co_await prompt_token_ids(ex, std::move(validated.prompt), request, *snapshot);
+      if (ex->client_gone) co_return;
+    }
   }
+  // The views as they are now, after the /tokenize call: the freshest the heartbeats allow.
+  const std::shared_ptr<const CacheIndex> cache_index = discovery_.cache_index();
   {
     std::vector<const InstanceInfo*> infos;
     for (const auto& backend : snapshot->backends) infos.push_back(&backend->info());
@@ -924,6 +1039,12 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     if (prompt_ids) plan_request.num_prompt_tokens = static_cast<int64_t>(prompt_ids->size());
     plan_request.thresholds = config_.thresholds;
     const FlowPlan plan = plan_flow(candidates, plan_request);
+    if (dry_run) {
+      std::string answer = plan_json(*snapshot, candidates, plan, plan_request,
+                                     flow_label(plan, validated.num_prompts > 1, validated.n > 1));
+      co_await respond(*ex, 200, "application/json", std::move(answer));
+      co_return;
+    }
     if (plan.kind == FlowKind::kNone) {
       if (plan.model_unknown) {
         const server::ApiError error = server::model_not_found(request.model);
@@ -943,16 +1064,7 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
     // collocated pdserve does (choice indices, usage).
     const bool batched = validated.num_prompts > 1;
     const bool several_choices = validated.n > 1;
-    if (generation) {
-      const char* flow = plan.kind == FlowKind::kPdRead ? "read" : "write";
-      if (plan.fallback == FallbackReason::kNoProducer) flow = "no_producer";
-      if (plan.fallback == FallbackReason::kNoConsumer) flow = "no_consumer";
-      if (plan.kind == FlowKind::kCollocated && plan.fallback == FallbackReason::kNone) flow = "collocated";
-      if (plan.local_by_policy) flow = "local";
-      if (plan.kind != FlowKind::kCollocated && several_choices) flow = "several_choices";
-      if (plan.kind != FlowKind::kCollocated && batched) flow = "batched_prompts";
-      count_decision(flow, plan.reason);
-    }
+    if (generation) count_decision(flow_label(plan, batched, several_choices), plan.reason);
     ex->answering_leg =
         plan.kind == FlowKind::kCollocated || batched || several_choices || !generation ? "collocated" : "decode";
     if (!generation) {
@@ -972,7 +1084,7 @@ awaitable<void> RouterServer::Impl::handle_generation(std::shared_ptr<Exchange> 
       std::shared_ptr<Leg> leg = ex->new_leg(snapshot->backends[*plan.consumer]);
       outcome = co_await run_single(ex, leg, target, leg_body, request.stream);
     } else {
-      outcome = co_await run_pd(ex, target, request, *snapshot, candidates, plan);
+      outcome = co_await run_pd(ex, target, request, *snapshot, candidates, plan, plan_request);
     }
     if (outcome == FlowOutcome::kAnswered) co_return;
     candidates[*plan.consumer].excluded = true;  // unreachable: try the next one
@@ -1014,32 +1126,35 @@ std::string RouterServer::Impl::health_json(const Snapshot& snapshot, bool& heal
 }
 
 awaitable<std::string> RouterServer::Impl::forwarded_models_json(const Snapshot& snapshot) {
-  const std::string authorization = bearer_authorization(config_.backend_api_key);
-  const int64_t timeout_ms = std::max<int64_t>(1000, config_.connect_timeout_ms);
+  std::vector<std::shared_ptr<Backend>> with_model;
+  for (const auto& backend : snapshot.backends) {
+    if (!backend->info().model.empty()) with_model.push_back(backend);
+  }
+  FanOut fan_out = co_await fan_out_get(with_model, "/v1/models", bearer_authorization(config_.backend_api_key),
+                                        config_.info_timeout_ms, false);
+  count_unanswered("/v1/models", fan_out, false);
   nlohmann::ordered_json data = nlohmann::ordered_json::array();
   std::vector<std::string> listed;
   auto is_listed = [&](const std::string& id) { return std::find(listed.begin(), listed.end(), id) != listed.end(); };
+  // Each model's entry as the first instance (in instance_id order) that answered gives it.
+  for (std::optional<LegResult>& reply : fan_out.answers) {
+    if (!reply || !reply->ok()) continue;
+    Result<nlohmann::ordered_json> answer = parse_json_bounded(reply->body);
+    if (!answer.ok() || !answer->is_object() || !answer->contains("data") || !(*answer)["data"].is_array()) continue;
+    for (auto& entry : (*answer)["data"]) {
+      if (!entry.is_object() || !entry.contains("id") || !entry["id"].is_string()) continue;
+      std::string id = entry["id"].get<std::string>();
+      if (is_listed(id)) continue;
+      listed.push_back(std::move(id));
+      data.push_back(std::move(entry));
+    }
+  }
+  // A served model no instance answered for: the router's own minimal entry.
   for (const auto& backend : snapshot.backends) {
-    const InstanceInfo& info = backend->info();
-    if (info.model.empty() || is_listed(info.model)) continue;
-    LegResult reply =
-        co_await http_get(backend->endpoint(), info.http.to_string(), "/v1/models", authorization, timeout_ms);
-    if (reply.transport.ok() && reply.http_status == 200) {
-      Result<nlohmann::ordered_json> answer = parse_json_bounded(reply.body);
-      if (answer.ok() && answer->is_object() && answer->contains("data") && (*answer)["data"].is_array()) {
-        for (auto& entry : (*answer)["data"]) {
-          if (!entry.is_object() || !entry.contains("id") || !entry["id"].is_string()) continue;
-          std::string id = entry["id"].get<std::string>();
-          if (is_listed(id)) continue;
-          listed.push_back(std::move(id));
-          data.push_back(std::move(entry));
-        }
-      }
-    }
-    if (!is_listed(info.model)) {
-      listed.push_back(info.model);
-      data.push_back({{"id", info.model}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "pdserve"}});
-    }
+    const std::string& model = backend->info().model;
+    if (model.empty() || is_listed(model)) continue;
+    listed.push_back(model);
+    data.push_back({{"id", model}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "pdserve"}});
   }
   nlohmann::ordered_json body = {{"object", "list"}, {"data", std::move(data)}};
   co_return body.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
@@ -1051,13 +1166,15 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
   const bool is_get = request.method() == http::verb::get;
   const bool is_generation = target == "/v1/completions" || target == "/v1/chat/completions";
   const bool is_tokenize = target == "/tokenize" || target == "/detokenize";
-  ex->route = is_generation || is_tokenize || target == "/v1/models" || target == "/health" || target == "/ping" ||
-                      target == "/metrics"
+  // A dry run of a generation request: /pd/plan followed by the route it would take.
+  const bool is_plan = target == "/pd/plan/v1/completions" || target == "/pd/plan/v1/chat/completions";
+  ex->route = is_generation || is_tokenize || is_plan || target == "/v1/models" || target == "/health" ||
+                      target == "/ping" || target == "/metrics"
                   ? target
                   : "other";
 
   // The routes pdserve guards with --api-key: /v1/* and the tokenizer's.
-  if (!config_.api_key.empty() && (target.rfind("/v1/", 0) == 0 || is_tokenize)) {
+  if (!config_.api_key.empty() && (target.rfind("/v1/", 0) == 0 || is_tokenize || is_plan)) {
     const auto authorization = request[http::field::authorization];
     if (!frontend::bearer_authorized(std::string_view(authorization.data(), authorization.size()), config_.api_key)) {
       const server::ApiError error = server::unauthorized();
@@ -1069,23 +1186,26 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
       co_await handle_generation(ex, target, request.body());
     } else if (is_tokenize && is_post) {
       co_await handle_generation(ex, target, request.body(), false);
+    } else if (is_plan && is_post) {
+      const std::string planned_route = target.substr(std::string_view("/pd/plan").size());
+      co_await handle_generation(ex, planned_route, request.body(), true, true);
     } else if (target == "/v1/models" && is_get) {
       std::shared_ptr<const Snapshot> snapshot = discovery_.snapshot();
       std::string models = co_await forwarded_models_json(*snapshot);
       co_await respond(*ex, 200, "application/json", std::move(models));
     } else if (target == "/version" && is_get) {
-      // The engines' version, as the first instance that answers reports it.
+      // The engines' version, as the first instance that answers reports it (all are asked at once).
       std::shared_ptr<const Snapshot> snapshot = discovery_.snapshot();
+      FanOut fan_out = co_await fan_out_get(
+          snapshot->backends, "/version", bearer_authorization(config_.backend_api_key), config_.info_timeout_ms, true);
       std::optional<std::string> version;
-      for (const auto& backend : snapshot->backends) {
-        LegResult reply = co_await http_get(backend->endpoint(), backend->info().http.to_string(), "/version",
-                                            bearer_authorization(config_.backend_api_key),
-                                            std::max<int64_t>(1000, config_.connect_timeout_ms));
-        if (reply.transport.ok() && reply.http_status == 200) {
-          version = std::move(reply.body);
+      for (std::optional<LegResult>& reply : fan_out.answers) {
+        if (reply && reply->ok()) {
+          version = std::move(reply->body);
           break;
         }
       }
+      count_unanswered("/version", fan_out, version.has_value());
       if (version) {
         co_await respond(*ex, 200, "application/json", std::move(*version));
       } else {
@@ -1097,9 +1217,12 @@ awaitable<void> RouterServer::Impl::handle(std::shared_ptr<Exchange> ex, http::r
       std::string body = health_json(*discovery_.snapshot(), healthy);
       co_await respond(*ex, healthy ? 200 : 503, "application/json", std::move(body));
     } else if (target == "/metrics" && is_get) {
-      co_await respond(*ex, 200, "text/plain; version=0.0.4", metrics::Registry::global().render_prometheus());
-    } else if (is_generation || is_tokenize || target == "/v1/models" || target == "/health" || target == "/ping" ||
-               target == "/version" || target == "/metrics") {
+      // The process's series, then the per-instance ones of the instances discovered now.
+      std::string text =
+          metrics::Registry::global().render_prometheus() + InstanceMetrics::global().render_prometheus();
+      co_await respond(*ex, 200, "text/plain; version=0.0.4", std::move(text));
+    } else if (is_generation || is_tokenize || is_plan || target == "/v1/models" || target == "/health" ||
+               target == "/ping" || target == "/version" || target == "/metrics") {
       const server::ApiError error = server::method_not_allowed(std::string(request.method_string()), target);
       co_await respond_error(*ex, error);
     } else {

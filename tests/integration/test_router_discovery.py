@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.utils.z85
 
-from conftest import start_pdserve, wait_for
+from conftest import metric_value, start_pdserve, wait_for
 from router_fixtures import TINY_MODEL, Heartbeat, Registrar, registration_record, start_router
 
 
@@ -54,8 +54,12 @@ def test_every_silent_instance_expires_not_just_the_first(procs):
         for i in range(5):
             registrar.send_record(registration_record(f"p{i}", "producer", f"127.0.0.1:{100 + i}"))
         wait_for(lambda: len(router.instance_ids()) == 5, 10, "five registrations")
+        outstanding = "pd_router_instance_outstanding"
+        assert metric_value(router.metrics(), outstanding, {"instance": "p3", "role": "producer"}) == 0
         wait_for(lambda: not router.instance_ids(), 10, "all five expired")
         assert router.metric("pd_router_instance_expiries_total") == 5
+        # An instance that left takes its per-instance series with it.
+        assert "instance=\"p" not in router.metrics()
     finally:
         registrar.close()
 

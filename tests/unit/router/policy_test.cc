@@ -318,6 +318,45 @@ TEST(PromptTokensMatter, OnlyWhenADecisionCanDependOnThem) {
   EXPECT_FALSE(prompt_tokens_matter(pd, request, true));
 }
 
+TEST(PickRetryProducer, ARetryIsScoredLikeTheFirstPickAmongTheProducersNotTriedYet) {
+  // The first producer failed; of the others, the idle one is chosen, not the one with a long queue.
+  std::vector<Candidate> c = {reported(InstanceRole::kProducer), reported(InstanceRole::kConsumer),
+                              reported(InstanceRole::kProducer, /*queued=*/50000),
+                              reported(InstanceRole::kProducer, /*queued=*/0)};
+  const PlanRequest request = auto_request(2000);
+  const FlowPlan plan = plan_flow(c, request);
+  ASSERT_EQ(plan.producer, 0u);
+  c[0].excluded = true;
+  for (uint64_t ticket = 0; ticket < 4; ++ticket) EXPECT_EQ(pick_retry_producer(c, request, plan, ticket, 0), 3u);
+  // Its cached prefix counts too: a producer holding most of the prompt costs less than an idle one.
+  c[2].load->num_queued_prefill_tokens = 500;
+  c[2].cached_tokens = 1920;
+  EXPECT_EQ(pick_retry_producer(c, request, plan, 0, 0), 2u);
+  c[2].excluded = true;
+  c[3].excluded = true;
+  EXPECT_FALSE(pick_retry_producer(c, request, plan, 0, 0).has_value());
+}
+
+TEST(PickRetryProducer, UnderAutoAKvBothInstanceTakesOverButNeverTheDecodingOne) {
+  std::vector<Candidate> c = {reported(InstanceRole::kBoth), reported(InstanceRole::kBoth),
+                              reported(InstanceRole::kBoth)};
+  const PlanRequest request = auto_request(2000);
+  const FlowPlan plan = plan_flow(c, request);
+  ASSERT_EQ(plan.kind, FlowKind::kPdWrite);
+  ASSERT_TRUE(plan.producer.has_value() && plan.consumer.has_value());
+  c[*plan.producer].excluded = true;
+  const std::optional<size_t> retry = pick_retry_producer(c, request, plan, 0, 0);
+  ASSERT_TRUE(retry.has_value());
+  EXPECT_NE(*retry, *plan.producer);
+  EXPECT_NE(*retry, *plan.consumer);
+  c[*retry].excluded = true;
+  EXPECT_FALSE(pick_retry_producer(c, request, plan, 0, 0).has_value());
+  // A plan that is not P/D has no producer to replace.
+  FlowPlan local = plan;
+  local.kind = FlowKind::kCollocated;
+  EXPECT_FALSE(pick_retry_producer(c, request, local, 0, 0).has_value());
+}
+
 TEST(ParsePdPolicy, AcceptsTheThreeNamesOnly) {
   EXPECT_EQ(*parse_pd_policy("always"), PdPolicy::kAlways);
   EXPECT_EQ(*parse_pd_policy("never"), PdPolicy::kNever);
