@@ -168,6 +168,10 @@ class PdConnector final : public engine::KvConnector {
 
   PdConnector(PdConnectorOptions options, engine::ModelRunner* runner);
   Status init();
+  Status create_transfer_engine();
+  // Every tensor-parallel rank's KV region of every layer, registered with xfer.
+  Status register_kv_regions();
+  Status start_control_plane();
   KvFingerprint fingerprint() const;
   ControlMessage meta_message(MessageType type) const;
   void wake();
@@ -189,7 +193,13 @@ class PdConnector final : public engine::KvConnector {
   // peer's (producer) to ours.
   Result<PeerInfo> peer_from_meta(const ControlMessage& msg, bool local_is_producer);
   void reply_error(const PeerKey& to, const std::string& transfer_id, const std::string& text);
+  // Takes both state machines' actions and executes them until neither has any.
   void run_actions();
+  void execute(TransferActions& actions);
+  void post_write(const ProducerActions::PostWrite& write);
+  void post_read(const ConsumerActions::PostRead& read);
+  // Completed loads, first tokens and failures become the next poll's events.
+  void report_events(ProducerActions& pa, ConsumerActions& ca);
   void send(OutgoingMessage out);
   // One xfer batch: `layer` of the plan piece `piece` of `peer` (a pair of ranks).
   Status post_batch(PeerInfo& peer, bool is_write, const std::string& transfer_id, int32_t layer, int32_t piece,
@@ -242,7 +252,6 @@ class PdConnector final : public engine::KvConnector {
   };
   std::unordered_map<std::string, ProducerRequest> producer_request_transfer_;
   std::unordered_map<std::string, ConsumerRequest> consumer_requests_;
-  std::unordered_map<std::string, int64_t> transfer_started_ns_;
   std::vector<std::string> final_step_transfers_;
   std::unique_ptr<StepHooks> hooks_;
   engine::ConnectorEvents events_;
@@ -268,6 +277,8 @@ class PdConnector final : public engine::KvConnector {
     metrics::Counter* first_tokens_refused;
     metrics::Counter* first_tokens_streamed;  // consumer: streamed as `done` arrived (any thread)
     metrics::Counter* dones_on_completion;    // producer: done sent ahead of the engine thread's poll
+
+    static Metrics create();
   } metrics_{};
 };
 

@@ -11,7 +11,7 @@ constexpr int32_t kLayers = 2;
 constexpr int32_t kBlockSize = 4;
 
 PeerRef producer(uint64_t nonce = 5) {
-  return PeerRef{dealer_peer_key(kControl), "prefill-0", nonce};
+  return PeerRef{PeerKey::dialled(kControl), "prefill-0", nonce};
 }
 
 ConsumerTransfers::Params params(bool read_mode = false, uint64_t nonce = 5) {
@@ -107,7 +107,7 @@ TEST_F(ConsumerStateTest, DoneFromAnyoneButTheNamedProducerIsRefused) {
   c_.on_peer_ready(kControl, "prefill-0", 5, 64);
   c_.take_actions();
   c_.on_done(producer(/*nonce=*/6), msg(MessageType::kDone));
-  c_.on_done(PeerRef{"d:127.0.0.1:7001", "prefill-0", 5}, msg(MessageType::kDone));
+  c_.on_done(PeerRef{PeerKey::dialled("127.0.0.1:7001"), "prefill-0", 5}, msg(MessageType::kDone));
   auto a = c_.take_actions();
   EXPECT_EQ(a.num_refused, 2);
   EXPECT_TRUE(a.finished_recving.empty());
