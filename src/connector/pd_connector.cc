@@ -377,14 +377,14 @@ void PdConnector::on_control_message(InboundMessage in) {
     std::lock_guard<std::mutex> lock(mutex_);
     const ControlMessage& m = in.message;
     if (m.type == MessageType::kDone && m.ok && m.first_token) {
-      auto it = hand_overs_expected_.find(m.transfer_id);
-      if (it != hand_overs_expected_.end()) {
-        const HandOverExpected& e = it->second;
+      auto it = consumer_loads_.find(m.transfer_id);
+      if (it != consumer_loads_.end() && it->second.hand_over && it->second.hand_over->armed) {
+        const HandOverExpected& e = *it->second.hand_over;
         if (in.from == e.from && m.instance_id == e.instance_id && m.boot_nonce == e.boot_nonce &&
             m.num_tokens == e.num_prompt_tokens && m.sampling_key == e.sampling_key && now_ns() < e.deadline_ns) {
-          stream.emplace(e.request_id, *m.first_token);
+          stream.emplace(it->second.request_id, *m.first_token);
           sink = first_token_sink_;
-          hand_overs_expected_.erase(it);
+          it->second.hand_over.reset();  // streamed once
         }
       }
     }
@@ -462,7 +462,11 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   if (params.side == TransferSide::kProducer) {
     PD_RETURN_IF_ERROR(
         producer_->start(params.transfer_id, request.request_id(), params.read_mode, request.num_prompt_tokens(), now));
-    producer_request_transfer_[request.request_id()] = ProducerRequest{params.transfer_id, params.read_mode};
+    auto state = std::make_unique<RequestState>();
+    state->producer = true;
+    state->transfer_id = params.transfer_id;
+    state->read_mode = params.read_mode;
+    request.connector_state = std::move(state);
     metrics_.started_producer->inc();
     run_actions();
     return match;
@@ -492,17 +496,26 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   run_actions();
   if (num_external == 0) return match;
   metrics_.started_consumer->inc();
-  ConsumerRequest& cr = consumer_requests_[request.request_id()];
-  cr = ConsumerRequest{num_local_computed_tokens, now_ns(), std::nullopt};
+  auto state = std::make_unique<RequestState>();
+  state->transfer_id = params.transfer_id;
+  state->read_mode = params.read_mode;
+  state->num_local_computed_tokens = num_local_computed_tokens;
+  state->loading = true;
+  request.connector_state = std::move(state);
+  ConsumerLoad load{request.request_id(), now_ns(), std::nullopt};
   if (want_first_token && !params.read_mode) {
     // The engine sets its deadline after this call, from the same timeout: this one is not later.
-    cr.hand_over = HandOverExpected{request.request_id(),
-                                    PeerKey::dialled(params.remote_control),
-                                    params.remote_instance_id,
-                                    params.remote_boot_nonce,
-                                    request.num_prompt_tokens(),
-                                    engine::first_token_sampling_key(request.sampling()),
-                                    cr.admitted_ns + timeout_ms * 1'000'000};
+    load.hand_over = HandOverExpected{PeerKey::dialled(params.remote_control),
+                                      params.remote_instance_id,
+                                      params.remote_boot_nonce,
+                                      request.num_prompt_tokens(),
+                                      engine::first_token_sampling_key(request.sampling()),
+                                      load.admitted_ns + timeout_ms * 1'000'000,
+                                      /*armed=*/false};
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    consumer_loads_.insert_or_assign(params.transfer_id, std::move(load));
   }
   match.num_external_tokens = num_external;
   match.includes_last_prompt_token = want_first_token;
@@ -515,12 +528,12 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
 
 void PdConnector::update_state_after_alloc(const engine::Request& request, std::span<const int32_t> block_ids,
                                            int32_t num_external_tokens) {
-  auto it = consumer_requests_.find(request.request_id());
-  if (it == consumer_requests_.end()) return;
+  const RequestState* state = state_of(request);
+  if (state == nullptr || !state->loading) return;
   PD_LOG_DEBUG("connector: allocated {} ({} blocks, {} external tokens)", request.request_id(), block_ids.size(),
                num_external_tokens);
   consumer_->allocated(request.request_id(), std::vector<int32_t>(block_ids.begin(), block_ids.end()),
-                       it->second.num_local_computed_tokens, num_external_tokens, now_ms());
+                       state->num_local_computed_tokens, num_external_tokens, now_ms());
   run_actions();
 }
 
@@ -528,12 +541,12 @@ engine::LayerKvHooks* PdConnector::build_step_hooks(const engine::StepInput& inp
   final_step_transfers_.clear();
   for (const engine::ScheduledSeq& s : plan.seqs) {
     if (s.request == nullptr) continue;
-    auto it = producer_request_transfer_.find(s.request->request_id());
-    if (it == producer_request_transfer_.end()) continue;
+    const RequestState* state = state_of(*s.request);
+    if (state == nullptr || !state->producer) continue;
     if (s.num_computed_tokens + s.num_new_tokens < s.request->num_prompt_tokens()) continue;
     if (s.num_computed_tokens >= s.request->num_prompt_tokens()) continue;  // decoding past the prompt
-    producer_->begin_final_step(it->second.transfer_id, s.request->block_ids);
-    final_step_transfers_.push_back(it->second.transfer_id);
+    producer_->begin_final_step(state->transfer_id, s.request->block_ids);
+    final_step_transfers_.push_back(state->transfer_id);
   }
   return final_step_transfers_.empty() ? nullptr : hooks_.get();
 }
@@ -545,10 +558,9 @@ void PdConnector::after_step(const engine::StepPlan& plan, const Status& status)
 }
 
 void PdConnector::first_token_sampled(const engine::Request& request, int32_t token_id) {
-  auto it = producer_request_transfer_.find(request.request_id());
-  if (it == producer_request_transfer_.end()) return;
-  producer_->first_token_sampled(it->second.transfer_id, token_id,
-                                 engine::first_token_sampling_key(request.sampling()));
+  const RequestState* state = state_of(request);
+  if (state == nullptr || !state->producer) return;
+  producer_->first_token_sampled(state->transfer_id, token_id, engine::first_token_sampling_key(request.sampling()));
   run_actions();
 }
 
@@ -557,8 +569,7 @@ bool PdConnector::request_preempted(const engine::Request& request, std::span<co
   // that step also finishes it, so a preempted producer request holds nothing.
   const bool hold = consumer_->request_preempted(request.request_id(), now_ms());
   PD_LOG_DEBUG("connector: preempted {} hold {}", request.request_id(), hold);
-  forget_hand_over(request.request_id());
-  consumer_requests_.erase(request.request_id());
+  forget_load(request);
   run_actions();
   return hold;
 }
@@ -567,11 +578,9 @@ engine::FinishDecision PdConnector::request_finished(const engine::Request& requ
                                                      std::span<const int32_t> block_ids) {
   engine::FinishDecision decision;
   const std::string& id = request.request_id();
-  auto p = producer_request_transfer_.find(id);
-  if (p != producer_request_transfer_.end()) {
-    const std::string transfer_id = p->second.transfer_id;
-    const bool read_mode = p->second.read_mode;
-    producer_request_transfer_.erase(p);
+  if (const RequestState* state = state_of(request); state != nullptr && state->producer) {
+    const std::string& transfer_id = state->transfer_id;
+    const bool read_mode = state->read_mode;
     const bool kv_complete = request.num_computed_tokens >= request.num_prompt_tokens();
     std::vector<int32_t> blocks(block_ids.begin(), block_ids.end());
     decision.delay_free_blocks = producer_->request_finished(transfer_id, blocks, kv_complete, now_ms());
@@ -590,8 +599,7 @@ engine::FinishDecision PdConnector::request_finished(const engine::Request& requ
     run_actions();
     return decision;
   }
-  forget_hand_over(id);
-  consumer_requests_.erase(id);
+  forget_load(request);
   decision.delay_free_blocks = consumer_->request_finished(id, now_ms());
   PD_LOG_DEBUG("connector: finished {} delay_free {}", id, decision.delay_free_blocks);
   run_actions();
@@ -606,8 +614,7 @@ engine::RemoteKvTimeoutAction PdConnector::on_remote_kv_timeout(const engine::Re
               std::min(config_.recv_abort_timeout_ms, config_.handshake_timeout_ms + config_.transfer_timeout_ms),
               fail ? "failing it" : "recomputing");
   consumer_->on_remote_kv_timeout(request.request_id());
-  forget_hand_over(request.request_id());
-  consumer_requests_.erase(request.request_id());
+  forget_load(request);
   if (transfer) metrics_.failed_consumer->inc();
   run_actions();
   if (fail) return engine::RemoteKvTimeoutAction::kFail;
@@ -889,18 +896,23 @@ void PdConnector::offer_early_done(OutgoingMessage done) {
   producer_->on_done_sent_early(transfer_id);
 }
 
-void PdConnector::expect_hand_over(const std::string& transfer_id) {
-  auto view = consumer_->view(transfer_id);
-  if (!view) return;
-  auto it = consumer_requests_.find(view->request_id);
-  if (it == consumer_requests_.end() || !it->second.hand_over) return;
-  std::lock_guard<std::mutex> lock(mutex_);
-  hand_overs_expected_[transfer_id] = *it->second.hand_over;
+PdConnector::RequestState* PdConnector::state_of(const engine::Request& request) {
+  // Only this connector sets a request's slot (ExternalMatch::connector_state).
+  return static_cast<RequestState*>(request.connector_state.get());
 }
 
-void PdConnector::forget_hand_over(const std::string& request_id) {
+void PdConnector::expect_hand_over(const std::string& transfer_id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::erase_if(hand_overs_expected_, [&](const auto& entry) { return entry.second.request_id == request_id; });
+  auto it = consumer_loads_.find(transfer_id);
+  if (it != consumer_loads_.end() && it->second.hand_over) it->second.hand_over->armed = true;
+}
+
+void PdConnector::forget_load(const engine::Request& request) {
+  RequestState* state = state_of(request);
+  if (state == nullptr || state->producer || !state->loading) return;
+  state->loading = false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  consumer_loads_.erase(state->transfer_id);
 }
 
 void PdConnector::drop_finished_write_batches() {
@@ -1006,21 +1018,24 @@ void PdConnector::post_read(const ConsumerActions::PostRead& r) {
 
 void PdConnector::report_events(ProducerActions& pa, ConsumerActions& ca) {
   for (auto& id : pa.released_request_ids) events_.finished_sending.push_back(std::move(id));
-  for (auto& id : ca.finished_recving) {
-    forget_hand_over(id);
-    auto started = consumer_requests_.find(id);
-    if (started != consumer_requests_.end()) {
-      metrics_.transfer_seconds->observe(static_cast<double>(now_ns() - started->second.admitted_ns) * 1e-9);
+  for (const auto& transfer_id : ca.closed_transfer_ids) {
+    std::optional<int64_t> admitted_ns;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = consumer_loads_.find(transfer_id);
+      if (it == consumer_loads_.end()) continue;  // its request left first
+      admitted_ns = it->second.admitted_ns;
+      consumer_loads_.erase(it);
     }
-    events_.finished_recving.push_back(std::move(id));
+    metrics_.transfer_seconds->observe(static_cast<double>(now_ns() - *admitted_ns) * 1e-9);
   }
+  for (auto& id : ca.finished_recving) events_.finished_recving.push_back(std::move(id));
   if (ca.num_first_tokens_refused > 0) metrics_.first_tokens_refused->inc(ca.num_first_tokens_refused);
   for (auto& [request_id, token] : ca.first_tokens) {
     metrics_.first_tokens_accepted->inc();
     events_.first_tokens.push_back(engine::HandedOverToken{std::move(request_id), token});
   }
   for (auto& failure : ca.load_failures) {
-    forget_hand_over(failure.request_id);
     metrics_.load_errors->inc();
     metrics_.failed_consumer->inc();
     if (failure.invalid_params) {

@@ -130,19 +130,40 @@ class PdConnector final : public engine::KvConnector {
     bool failed = false;
     std::optional<OutgoingMessage> done;
   };
-  // Consumer WRITE with first-token hand-over, from the moment `blocks` went out
-  // (the transfer waits for `done`): what a `done` must carry for the state machine
-  // to accept it with its token, checked on the control-plane thread so the token
-  // is streamed at once (bind_first_token_sink).
+  // Consumer WRITE with first-token hand-over: what a `done` must carry for the state
+  // machine to accept it with its token, checked on the control-plane thread so the
+  // token is streamed at once (bind_first_token_sink).
   struct HandOverExpected {
-    std::string request_id;
     PeerKey from;
     std::string instance_id;
     uint64_t boot_nonce = 0;
     int32_t num_prompt_tokens = 0;
     uint64_t sampling_key = 0;
     int64_t deadline_ns = 0;  // the engine's remote-KV deadline for the request, or earlier
+    bool armed = false;       // `blocks` for the whole prompt went out: the transfer waits for `done`
   };
+  // A consumer load in flight (admitted with external tokens), by transfer id, from its
+  // admission until its transfer closes or its request leaves (finish, preemption,
+  // timeout). Shared with the control-plane thread, which finds the request of an
+  // arriving `done` here; so it cannot live on the engine's request.
+  struct ConsumerLoad {
+    std::string request_id;
+    int64_t admitted_ns = 0;
+    std::optional<HandOverExpected> hand_over;
+  };
+  // What the connector keeps about one request, on the request itself
+  // (engine::Request::connector_state): set at its admission, read in every later
+  // call about it, gone with the request after request_finished.
+  struct RequestState final : engine::RequestSlot {
+    bool producer = false;
+    std::string transfer_id;
+    bool read_mode = false;
+    // Consumer: the admission's local prefix (the external tokens follow it), and
+    // whether a load of external tokens is under way (it has a ConsumerLoad).
+    int32_t num_local_computed_tokens = 0;
+    bool loading = false;
+  };
+  static RequestState* state_of(const engine::Request& request);
   struct PendingBatch {
     xfer::XferId id = 0;
     Completion completion;
@@ -158,12 +179,6 @@ class PdConnector final : public engine::KvConnector {
     std::vector<PlanPiece> pieces;       // the plan's pieces: what a write / read action's `piece` indexes
     // (local rank, remote rank, layer) -> session, opened on first use.
     std::map<std::tuple<int32_t, int32_t, int32_t>, xfer::Session> sessions;
-  };
-  struct ConsumerRequest {
-    int32_t num_local_computed_tokens = 0;
-    int64_t admitted_ns = 0;
-    // First-token hand-over (WRITE): the expectation registered once `blocks` went out.
-    std::optional<HandOverExpected> hand_over;
   };
 
   PdConnector(PdConnectorOptions options, engine::ModelRunner* runner);
@@ -183,7 +198,8 @@ class PdConnector final : public engine::KvConnector {
   // Engine thread: registers or drops early paths after the state machines acted.
   void offer_early_done(OutgoingMessage done);
   void expect_hand_over(const std::string& transfer_id);
-  void forget_hand_over(const std::string& request_id);
+  // The request leaves its load (finish, preemption, timeout): its ConsumerLoad goes.
+  void forget_load(const engine::Request& request);
   void drop_finished_write_batches();
 
   void handle_message(const InboundMessage& in, int64_t now_ms);
@@ -232,8 +248,8 @@ class PdConnector final : public engine::KvConnector {
   std::function<void()> wakeup_;
   std::deque<InboxItem> inbox_;
   std::deque<PendingBatch> pending_batches_;
-  std::unordered_map<std::string, WriteBatches> write_batches_;            // by transfer id
-  std::unordered_map<std::string, HandOverExpected> hand_overs_expected_;  // by transfer id
+  std::unordered_map<std::string, WriteBatches> write_batches_;   // by transfer id
+  std::unordered_map<std::string, ConsumerLoad> consumer_loads_;  // by transfer id
   engine::FirstTokenSink first_token_sink_;
   std::condition_variable pending_cv_;
   bool stopping_ = false;
@@ -244,14 +260,6 @@ class PdConnector final : public engine::KvConnector {
   std::unique_ptr<ConsumerTransfers> consumer_;
   std::map<PeerKey, PeerInfo> producer_side_peers_;      // consumers that handshook with us, by ROUTER key
   std::map<std::string, PeerInfo> consumer_side_peers_;  // producers we dialled, by control address
-  // Producer requests in flight: request id -> their transfer, with the mode parsed (and
-  // validated) when the request arrived; later steps never re-read the client's JSON.
-  struct ProducerRequest {
-    std::string transfer_id;
-    bool read_mode = false;
-  };
-  std::unordered_map<std::string, ProducerRequest> producer_request_transfer_;
-  std::unordered_map<std::string, ConsumerRequest> consumer_requests_;
   std::vector<std::string> final_step_transfers_;
   std::unique_ptr<StepHooks> hooks_;
   engine::ConnectorEvents events_;

@@ -765,6 +765,7 @@ bool ConsumerTransfers::from_producer(const Transfer& t, const PeerRef& from) co
 void ConsumerTransfers::finish(const std::string& transfer_id, Transfer& t, bool ok, const std::string& reason,
                                bool invalid_params) {
   t.phase = Phase::kClosed;
+  actions_.closed_transfer_ids.push_back(transfer_id);
   if (t.holding) {
     // The request is gone; this only ends the hold on its blocks.
     actions_.finished_recving.push_back(t.request_id);

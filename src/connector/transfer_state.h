@@ -255,6 +255,9 @@ struct ConsumerActions {
   std::vector<std::pair<std::string, int32_t>> first_tokens;
   int32_t num_first_tokens_refused = 0;  // came with another sampling key
   std::vector<LoadFailure> load_failures;
+  // Transfers that ended with their load reported (finished_recving, load_failures) or their
+  // hold released: nothing more arrives for them, so the adapter drops what it keeps by their id.
+  std::vector<std::string> closed_transfer_ids;
   int32_t num_completed = 0;
   int32_t num_timeouts = 0;
   int32_t num_refused = 0;
