@@ -912,7 +912,9 @@ void PdConnector::forget_load(const engine::Request& request) {
   if (state == nullptr || state->producer || !state->loading) return;
   state->loading = false;
   std::lock_guard<std::mutex> lock(mutex_);
-  consumer_loads_.erase(state->transfer_id);
+  // Its transfer may have closed already, and its id been taken by a newer request.
+  auto it = consumer_loads_.find(state->transfer_id);
+  if (it != consumer_loads_.end() && it->second.request_id == request.request_id()) consumer_loads_.erase(it);
 }
 
 void PdConnector::drop_finished_write_batches() {
