@@ -3,7 +3,7 @@
 //
 // Owners and threads (README.md has the full picture):
 //   * engine thread: every KvConnector call, both transfer state machines
-//     (transfer_state.h), the peer tables, posting of xfer batches;
+//     (transfer_machines.h), the peer tables, posting of xfer batches;
 //   * control-plane thread (control_plane.h): sockets; decoded messages go to an
 //     inbox, then the engine is woken;
 //   * completion thread: waits on posted xfer batches (each has a deadline),
@@ -39,7 +39,7 @@
 #include "connector/messages.h"
 #include "connector/transfer_params.h"
 #include "connector/transfer_plan.h"
-#include "connector/transfer_state.h"
+#include "connector/transfer_machines.h"
 #include "engine/kv_connector.h"
 #include "engine/model_runner.h"
 #include "xfer/engine.h"

@@ -2,7 +2,7 @@
 // of this instance takes it. Pure (no sockets, no state): the adapter
 // (pd_connector.cc) asks route_message for every decoded frame and executes the
 // answer; the state machines then check that the sender is the peer bound to the
-// named transfer (transfer_machine.h).
+// named transfer (transfer_machines.h).
 //
 //   connection   message                         route
 //   accepted     meta                            producer handshake (the adapter refuses it when not a producer)

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "connector/transfer_state.h"
+#include "connector/transfer_machines.h"
 
 namespace pd::connector {
 namespace {

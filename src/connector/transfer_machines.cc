@@ -1,4 +1,4 @@
-#include "connector/transfer_state.h"
+#include "connector/transfer_machines.h"
 
 #include <algorithm>
 #include <unordered_set>
