@@ -51,7 +51,7 @@ bool unhex(std::string_view text, std::vector<uint8_t>* out) {
 }  // namespace
 
 PeerKey router_peer_key(std::span<const uint8_t> routing_id) {
-  return "r:" + hex(routing_id);
+  return PeerKey::accepted(hex(routing_id));
 }
 
 ControlPlane::ControlPlane(ControlPlaneConfig config, Handler handler)
@@ -122,7 +122,7 @@ void ControlPlane::send_raw(const PeerKey& to, std::vector<uint8_t> frame) {
 void ControlPlane::drop_dealer(const std::string& host_port) {
   {
     std::lock_guard<std::mutex> lock(outbox_mutex_);
-    outbox_.push_back({dealer_peer_key(host_port), {}, true});
+    outbox_.push_back({PeerKey::dialled(host_port), {}, true});
   }
   wake();
 }
@@ -155,8 +155,8 @@ void ControlPlane::drain_outbox() {
   }
   for (auto& out : batch) {
     try {
-      if (is_dealer_peer(out.to)) {
-        const std::string host_port = out.to.substr(2);
+      if (out.to.is_dialled()) {
+        const std::string& host_port = out.to.name();
         if (out.drop_dealer) {
           dealers_.erase(host_port);
           continue;
@@ -165,7 +165,7 @@ void ControlPlane::drain_outbox() {
         if (!sent) throw zmq::error_t();
       } else {
         std::vector<uint8_t> routing_id;
-        if (out.to.rfind("r:", 0) != 0 || !unhex(std::string_view(out.to).substr(2), &routing_id)) {
+        if (!unhex(out.to.name(), &routing_id)) {
           throw zmq::error_t();
         }
         auto sent = router_.send(zmq::buffer(routing_id), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
@@ -198,7 +198,7 @@ void ControlPlane::deliver(const PeerKey& from, std::span<const uint8_t> frame, 
   if (!decoded.ok()) {
     num_malformed_.fetch_add(1);
     malformed_counter(config_.instance_label).inc();
-    note_malformed(fmt::format("a malformed frame from {}: {}", from, decoded.status().message()));
+    note_malformed(fmt::format("a malformed frame from {}: {}", from.to_string(), decoded.status().message()));
     if (reply_router != nullptr && routing_id != nullptr) {
       ControlMessage error;
       error.type = MessageType::kError;
@@ -220,7 +220,7 @@ void ControlPlane::deliver(const PeerKey& from, std::span<const uint8_t> frame, 
     handler_(InboundMessage{from, std::move(decoded).value()});
   } catch (const std::exception& e) {
     num_handler_errors_.fetch_add(1);
-    PD_LOG_ERROR("control plane: handler threw on a message from {}: {}", from, e.what());
+    PD_LOG_ERROR("control plane: handler threw on a message from {}: {}", from.to_string(), e.what());
   }
 }
 
@@ -250,7 +250,7 @@ void ControlPlane::receive_router() {
       num_received_.fetch_add(1);
       num_malformed_.fetch_add(1);
       malformed_counter(config_.instance_label).inc();
-      note_malformed(fmt::format("a {}-part message from {}", parts.size(), from));
+      note_malformed(fmt::format("a {}-part message from {}", parts.size(), from.to_string()));
       continue;
     }
     deliver(from, {static_cast<const uint8_t*>(parts[1].data()), parts[1].size()}, &router_, &parts[0]);
@@ -283,7 +283,7 @@ void ControlPlane::receive_dealer(const std::string& host_port, zmq::socket_t& s
       malformed_counter(config_.instance_label).inc();
       continue;
     }
-    deliver(dealer_peer_key(host_port), {static_cast<const uint8_t*>(parts[0].data()), parts[0].size()}, nullptr,
+    deliver(PeerKey::dialled(host_port), {static_cast<const uint8_t*>(parts[0].data()), parts[0].size()}, nullptr,
             nullptr);
   }
 }

@@ -8,9 +8,10 @@
 // `error` when it came through the ROUTER, and dropped. Nothing a peer sends can
 // end the thread: every receive path catches and counts.
 //
-// Peers are named by a PeerKey: "r:<hex routing id>" for a connection accepted by
-// our ROUTER, "d:<host:port>" for a DEALER we opened. Replies go back the way
-// the request came, so a producer never connects to an address from a request.
+// Peers are named by a PeerKey (peer_key.h): accepted (a connection our ROUTER
+// accepted, by routing id) or dialled (a DEALER we opened, by control address).
+// Replies go back the way the request came, so a producer never connects to an
+// address from a request.
 #pragma once
 
 #include <zmq.hpp>
@@ -31,16 +32,9 @@
 #include "common/log_throttle.h"
 #include "common/status.h"
 #include "connector/messages.h"
+#include "connector/peer_key.h"
 
 namespace pd::connector {
-
-using PeerKey = std::string;
-inline PeerKey dealer_peer_key(const std::string& host_port) {
-  return "d:" + host_port;
-}
-inline bool is_dealer_peer(const PeerKey& key) {
-  return key.rfind("d:", 0) == 0;
-}
 
 struct ControlPlaneConfig {
   std::string bind_host = "127.0.0.1";
@@ -125,7 +119,7 @@ class ControlPlane {
   std::thread thread_;
 };
 
-// Encodes a routing id as the hex PeerKey the handler sees ("r:...").
+// Encodes a routing id as the accepted PeerKey the handler sees (hex).
 PeerKey router_peer_key(std::span<const uint8_t> routing_id);
 
 }  // namespace pd::connector

@@ -2,11 +2,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "common/clock.h"
 #include "common/curve_auth.h"
 #include "common/log.h"
+#include "connector/peer_auth.h"
 #include "engine/engine_request.h"
 #include "engine/sampling_params.h"
 
@@ -15,18 +17,6 @@ namespace {
 
 int64_t now_ms() {
   return now_ns() / 1'000'000;
-}
-
-// Under on_failure=fail a failed load finishes the request with an error, when
-// the engine offers ConnectorEvents::failed_requests; otherwise it recomputes.
-template <typename Events>
-bool push_failed_request(Events& events, std::string request_id, std::string message, bool invalid_request = false) {
-  if constexpr (requires { events.failed_requests.push_back({std::move(request_id), std::move(message)}); }) {
-    events.failed_requests.push_back({std::move(request_id), std::move(message), invalid_request});
-    return true;
-  } else {
-    return false;
-  }
 }
 
 std::string default_instance_id(KvRole role) {
@@ -91,57 +81,50 @@ Result<std::unique_ptr<PdConnector>> PdConnector::create(PdConnectorOptions opti
   return connector;
 }
 
-Status PdConnector::init() {
+PdConnector::Metrics PdConnector::Metrics::create() {
+  Metrics m;
   auto& reg = metrics::Registry::global();
-  const std::string& role = kv_role_short_name(config_.role);
-  (void)role;
-  metrics_.started_producer =
+  m.started_producer =
       &reg.counter("pd_connector_transfers_started_total", "KV transfers started", {{"side", "producer"}});
-  metrics_.started_consumer =
+  m.started_consumer =
       &reg.counter("pd_connector_transfers_started_total", "KV transfers started", {{"side", "consumer"}});
-  metrics_.done_producer =
-      &reg.counter("pd_connector_transfers_done_total", "KV transfers completed", {{"side", "producer"}});
-  metrics_.done_consumer =
-      &reg.counter("pd_connector_transfers_done_total", "KV transfers completed", {{"side", "consumer"}});
-  metrics_.failed_producer =
+  m.done_producer = &reg.counter("pd_connector_transfers_done_total", "KV transfers completed", {{"side", "producer"}});
+  m.done_consumer = &reg.counter("pd_connector_transfers_done_total", "KV transfers completed", {{"side", "consumer"}});
+  m.failed_producer =
       &reg.counter("pd_connector_transfers_failed_total", "KV transfers failed", {{"side", "producer"}});
-  metrics_.failed_consumer =
+  m.failed_consumer =
       &reg.counter("pd_connector_transfers_failed_total", "KV transfers failed", {{"side", "consumer"}});
-  metrics_.bytes_written =
+  m.bytes_written =
       &reg.counter("pd_connector_bytes_total", "KV bytes moved by this instance", {{"direction", "write"}});
-  metrics_.bytes_read =
-      &reg.counter("pd_connector_bytes_total", "KV bytes moved by this instance", {{"direction", "read"}});
-  metrics_.transfer_seconds =
+  m.bytes_read = &reg.counter("pd_connector_bytes_total", "KV bytes moved by this instance", {{"direction", "read"}});
+  m.transfer_seconds =
       &reg.histogram("pd_connector_transfer_seconds", "Consumer-side time from admission to KV arrival");
-  metrics_.blocks_held = &reg.gauge("pd_connector_blocks_held", "Producer blocks held for transfers");
-  metrics_.load_errors = &reg.counter("pd_connector_load_errors_total", "Remote KV loads that failed");
-  metrics_.recomputes = &reg.counter("pd_connector_recomputes_total",
-                                     "Requests that recompute KV locally after a failed or timed-out load");
-  metrics_.timeouts =
-      &reg.counter("pd_connector_timeouts_total", "Connector timeouts (defer, transfer, handshake, recv)");
-  metrics_.refused =
-      &reg.counter("pd_connector_control_messages_refused_total",
-                   "Well-formed control messages refused (forged, unknown transfer, wrong peer, bad ids)");
-  metrics_.handshakes_refused =
+  m.blocks_held = &reg.gauge("pd_connector_blocks_held", "Producer blocks held for transfers");
+  m.load_errors = &reg.counter("pd_connector_load_errors_total", "Remote KV loads that failed");
+  m.recomputes = &reg.counter("pd_connector_recomputes_total",
+                              "Requests that recompute KV locally after a failed or timed-out load");
+  m.timeouts = &reg.counter("pd_connector_timeouts_total", "Connector timeouts (defer, transfer, handshake, recv)");
+  m.refused = &reg.counter("pd_connector_control_messages_refused_total",
+                           "Well-formed control messages refused (forged, unknown transfer, wrong peer, bad ids)");
+  m.handshakes_refused =
       &reg.counter("pd_connector_handshakes_refused_total", "Handshakes refused (layout mismatch, bad descriptors)");
-  metrics_.first_tokens_accepted =
+  m.first_tokens_accepted =
       &reg.counter("pd_connector_first_tokens_total", "Consumer: first output tokens handed over by the producer",
                    {{"result", "accepted"}});
-  metrics_.first_tokens_refused =
+  m.first_tokens_refused =
       &reg.counter("pd_connector_first_tokens_total", "Consumer: first output tokens handed over by the producer",
                    {{"result", "refused_sampling_key"}});
 
-  metrics_.first_tokens_streamed =
+  m.first_tokens_streamed =
       &reg.counter("pd_connector_first_tokens_streamed_total",
                    "Consumer: handed-over first tokens streamed to the client as their done arrived");
-  metrics_.dones_on_completion =
+  m.dones_on_completion =
       &reg.counter("pd_connector_dones_on_completion_total",
                    "Producer: WRITE dones sent as the last write completed, ahead of the engine thread");
-  record_.instance_id = options_.instance_id.empty() ? default_instance_id(config_.role) : options_.instance_id;
-  if (record_.instance_id.size() > kMaxInstanceIdBytes) {
-    return invalid_argument("instance id longer than {} bytes", kMaxInstanceIdBytes);
-  }
+  return m;
+}
 
+Status PdConnector::create_transfer_engine() {
   xfer::EngineConfig xcfg;
   xcfg.name = record_.instance_id;
   xcfg.listen_host = config_.kv_ip;
@@ -169,6 +152,10 @@ Status PdConnector::init() {
     PD_LOG_WARN("connector: xfer fault injection armed from PD_CONNECTOR_XFER_FAULT");
   }
   record_.boot_nonce = xfer_->boot_nonce();
+  return Status::Ok();
+}
+
+Status PdConnector::register_kv_regions() {
   const xfer::MemKind kind = runner_->kv_on_device() ? xfer::MemKind::kCuda : xfer::MemKind::kHost;
   // Every tensor-parallel rank's KV shard: its heads, and its region of every layer.
   const int32_t num_ranks = runner_->kv_num_ranks();
@@ -196,13 +183,10 @@ Status PdConnector::init() {
   }
   PD_RETURN_IF_ERROR(validate_head_map(fingerprint().num_kv_heads, local_heads_).with_context("runner"));
   engine_desc_bytes_ = xfer::encode(xfer_->describe());
+  return Status::Ok();
+}
 
-  producer_ = std::make_unique<ProducerTransfers>(
-      spec_.num_layers, spec_.block_size, ProducerTimeouts{config_.defer_timeout_ms, config_.transfer_timeout_ms});
-  consumer_ = std::make_unique<ConsumerTransfers>(
-      spec_.num_layers, spec_.block_size, ConsumerTimeouts{config_.handshake_timeout_ms, config_.transfer_timeout_ms});
-  hooks_ = std::make_unique<StepHooks>(this);
-
+Status PdConnector::start_control_plane() {
   std::optional<auth::CurveKeys> curve;
   if (!config_.control_secret_file.empty()) {
     PD_ASSIGN_OR_RETURN(std::string secret, auth::read_secret_file(config_.control_secret_file));
@@ -217,19 +201,38 @@ Status PdConnector::init() {
   ccfg.instance_label = record_.instance_id;
   PD_ASSIGN_OR_RETURN(control_,
                       ControlPlane::start(ccfg, [this](InboundMessage m) { on_control_message(std::move(m)); }));
+  curve_ = curve;
+  return Status::Ok();
+}
 
+// Start-up, in dependency order: metrics, identity, the transfer engine (its boot
+// nonce is ours), our KV regions registered with it, the state machines, the
+// control plane (its address goes into the record), the completion thread.
+Status PdConnector::init() {
+  metrics_ = Metrics::create();
+  record_.instance_id = options_.instance_id.empty() ? default_instance_id(config_.role) : options_.instance_id;
+  if (record_.instance_id.size() > kMaxInstanceIdBytes) {
+    return invalid_argument("instance id longer than {} bytes", kMaxInstanceIdBytes);
+  }
+  PD_RETURN_IF_ERROR(create_transfer_engine());
+  PD_RETURN_IF_ERROR(register_kv_regions());
+  producer_ = std::make_unique<ProducerTransfers>(
+      spec_.num_layers, spec_.block_size, ProducerTimeouts{config_.defer_timeout_ms, config_.transfer_timeout_ms});
+  consumer_ = std::make_unique<ConsumerTransfers>(
+      spec_.num_layers, spec_.block_size, ConsumerTimeouts{config_.handshake_timeout_ms, config_.transfer_timeout_ms});
+  hooks_ = std::make_unique<StepHooks>(this);
+  PD_RETURN_IF_ERROR(start_control_plane());
   record_.role = kv_role_short_name(config_.role);
   record_.http = options_.http_address;
   record_.control = control_->address();
   record_.mode =
       contract::mode_name(config_.read_mode ? contract::TransferMode::kRead : contract::TransferMode::kWrite);
   record_.model = options_.served_model_name;
-  record_.tp_size = num_ranks;
+  record_.tp_size = static_cast<int32_t>(local_heads_.size());
   record_.dp_size = 1;
   // /pd/info and the registration hold only what the contract accepts (a control address
   // it cannot parse, e.g. an IPv6 kv_ip without brackets, would be refused by the router).
   if (auto checked = to_contract_record(record_); !checked.ok()) return checked.status();
-  curve_ = curve;
   if (config_.registers_with_router()) load_feed_ = std::make_shared<LoadFeed>();
   completion_thread_ = std::thread([this] { completion_loop(); });
   PD_LOG_INFO("connector: {} {} mode, instance {} nonce {}, control {}", record_.role, record_.mode,
@@ -377,21 +380,21 @@ void PdConnector::on_control_message(InboundMessage in) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const ControlMessage& m = in.message;
-    auto it = hand_overs_expected_.find(m.transfer_id);
-    if (it != hand_overs_expected_.end()) {
-      HandOverExpected& e = it->second;
+    auto it = consumer_loads_.find(m.transfer_id);
+    if (it != consumer_loads_.end() && it->second.hand_over && it->second.hand_over->armed) {
+      HandOverExpected& e = *it->second.hand_over;
       const bool from_producer = in.from == e.from && m.instance_id == e.instance_id && m.boot_nonce == e.boot_nonce &&
                                  m.sampling_key == e.sampling_key;
       if (m.type == MessageType::kDone && !e.read_mode && m.ok && m.first_token && from_producer &&
           m.num_tokens == e.num_prompt_tokens && now_ns() < e.deadline_ns) {
-        stream.emplace(e.request_id, *m.first_token);
+        stream.emplace(it->second.request_id, *m.first_token);
         sink = first_token_sink_;
-        hand_overs_expected_.erase(it);
+        it->second.hand_over.reset();  // streamed once
       } else if (m.type == MessageType::kReadOk && e.read_mode && m.first_token && from_producer && !e.read_token &&
                  e.num_reads_left < 0) {
         e.read_token = m.first_token;
       } else if (m.type == MessageType::kAbort || m.type == MessageType::kError) {
-        hand_overs_expected_.erase(it);
+        it->second.hand_over.reset();
       }
     }
     inbox_.push_back(std::move(in));
@@ -413,17 +416,18 @@ void PdConnector::push_completion(Completion completion) {
   engine::FirstTokenSink sink;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = completion.is_write ? hand_overs_expected_.end() : hand_overs_expected_.find(completion.transfer_id);
-    if (it != hand_overs_expected_.end() && it->second.read_mode && it->second.num_reads_left > 0) {
-      HandOverExpected& e = it->second;
+    auto it = completion.is_write ? consumer_loads_.end() : consumer_loads_.find(completion.transfer_id);
+    if (it != consumer_loads_.end() && it->second.hand_over && it->second.hand_over->read_mode &&
+        it->second.hand_over->num_reads_left > 0) {
+      HandOverExpected& e = *it->second.hand_over;
       if (!completion.ok) {
-        hand_overs_expected_.erase(it);
+        it->second.hand_over.reset();
       } else if (--e.num_reads_left == 0) {
         if (e.read_token && now_ns() < e.deadline_ns) {
-          stream.emplace(e.request_id, *e.read_token);
+          stream.emplace(it->second.request_id, *e.read_token);
           sink = first_token_sink_;
         }
-        hand_overs_expected_.erase(it);
+        it->second.hand_over.reset();  // streamed once
       }
     }
     inbox_.push_back(std::move(completion));
@@ -500,7 +504,11 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   if (params.side == TransferSide::kProducer) {
     PD_RETURN_IF_ERROR(
         producer_->start(params.transfer_id, request.request_id(), params.read_mode, request.num_prompt_tokens(), now));
-    producer_request_transfer_[request.request_id()] = ProducerRequest{params.transfer_id, params.read_mode};
+    auto state = std::make_unique<RequestState>();
+    state->producer = true;
+    state->transfer_id = params.transfer_id;
+    state->read_mode = params.read_mode;
+    request.connector_state = std::move(state);
     metrics_.started_producer->inc();
     run_actions();
     return match;
@@ -530,20 +538,28 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
   run_actions();
   if (num_external == 0) return match;
   metrics_.started_consumer->inc();
-  ConsumerRequest& cr = consumer_requests_[request.request_id()];
-  cr = ConsumerRequest{num_local_computed_tokens, now_ns(), std::nullopt};
+  auto state = std::make_unique<RequestState>();
+  state->transfer_id = params.transfer_id;
+  state->read_mode = params.read_mode;
+  state->num_local_computed_tokens = num_local_computed_tokens;
+  state->loading = true;
+  request.connector_state = std::move(state);
+  ConsumerLoad load{request.request_id(), now_ns(), std::nullopt};
   if (want_first_token) {
     // The engine sets its deadline after this call, from the same timeout: this one is not later.
-    cr.hand_over = HandOverExpected{};
-    HandOverExpected& e = *cr.hand_over;
-    e.request_id = request.request_id();
-    e.from = dealer_peer_key(params.remote_control);
+    load.hand_over = HandOverExpected{};
+    HandOverExpected& e = *load.hand_over;
+    e.from = PeerKey::dialled(params.remote_control);
     e.instance_id = params.remote_instance_id;
     e.boot_nonce = params.remote_boot_nonce;
     e.num_prompt_tokens = request.num_prompt_tokens();
     e.sampling_key = engine::first_token_sampling_key(request.sampling());
-    e.deadline_ns = cr.admitted_ns + timeout_ms * 1'000'000;
+    e.deadline_ns = load.admitted_ns + timeout_ms * 1'000'000;
     e.read_mode = params.read_mode;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    consumer_loads_.insert_or_assign(params.transfer_id, std::move(load));
   }
   match.num_external_tokens = num_external;
   match.includes_last_prompt_token = want_first_token;
@@ -556,12 +572,12 @@ Result<engine::ExternalMatch> PdConnector::get_num_new_matched_tokens(const engi
 
 void PdConnector::update_state_after_alloc(const engine::Request& request, std::span<const int32_t> block_ids,
                                            int32_t num_external_tokens) {
-  auto it = consumer_requests_.find(request.request_id());
-  if (it == consumer_requests_.end()) return;
+  const RequestState* state = state_of(request);
+  if (state == nullptr || !state->loading) return;
   PD_LOG_DEBUG("connector: allocated {} ({} blocks, {} external tokens)", request.request_id(), block_ids.size(),
                num_external_tokens);
   consumer_->allocated(request.request_id(), std::vector<int32_t>(block_ids.begin(), block_ids.end()),
-                       it->second.num_local_computed_tokens, num_external_tokens, now_ms());
+                       state->num_local_computed_tokens, num_external_tokens, now_ms());
   run_actions();
 }
 
@@ -569,12 +585,12 @@ engine::LayerKvHooks* PdConnector::build_step_hooks(const engine::StepInput& inp
   final_step_transfers_.clear();
   for (const engine::ScheduledSeq& s : plan.seqs) {
     if (s.request == nullptr) continue;
-    auto it = producer_request_transfer_.find(s.request->request_id());
-    if (it == producer_request_transfer_.end()) continue;
+    const RequestState* state = state_of(*s.request);
+    if (state == nullptr || !state->producer) continue;
     if (s.num_computed_tokens + s.num_new_tokens < s.request->num_prompt_tokens()) continue;
     if (s.num_computed_tokens >= s.request->num_prompt_tokens()) continue;  // decoding past the prompt
-    producer_->begin_final_step(it->second.transfer_id, s.request->block_ids);
-    final_step_transfers_.push_back(it->second.transfer_id);
+    producer_->begin_final_step(state->transfer_id, s.request->block_ids);
+    final_step_transfers_.push_back(state->transfer_id);
   }
   return final_step_transfers_.empty() ? nullptr : hooks_.get();
 }
@@ -586,10 +602,9 @@ void PdConnector::after_step(const engine::StepPlan& plan, const Status& status)
 }
 
 void PdConnector::first_token_sampled(const engine::Request& request, int32_t token_id) {
-  auto it = producer_request_transfer_.find(request.request_id());
-  if (it == producer_request_transfer_.end()) return;
-  producer_->first_token_sampled(it->second.transfer_id, token_id,
-                                 engine::first_token_sampling_key(request.sampling()));
+  const RequestState* state = state_of(request);
+  if (state == nullptr || !state->producer) return;
+  producer_->first_token_sampled(state->transfer_id, token_id, engine::first_token_sampling_key(request.sampling()));
   run_actions();
 }
 
@@ -598,8 +613,7 @@ bool PdConnector::request_preempted(const engine::Request& request, std::span<co
   // that step also finishes it, so a preempted producer request holds nothing.
   const bool hold = consumer_->request_preempted(request.request_id(), now_ms());
   PD_LOG_DEBUG("connector: preempted {} hold {}", request.request_id(), hold);
-  forget_hand_over(request.request_id());
-  consumer_requests_.erase(request.request_id());
+  forget_load(request);
   run_actions();
   return hold;
 }
@@ -608,11 +622,9 @@ engine::FinishDecision PdConnector::request_finished(const engine::Request& requ
                                                      std::span<const int32_t> block_ids) {
   engine::FinishDecision decision;
   const std::string& id = request.request_id();
-  auto p = producer_request_transfer_.find(id);
-  if (p != producer_request_transfer_.end()) {
-    const std::string transfer_id = p->second.transfer_id;
-    const bool read_mode = p->second.read_mode;
-    producer_request_transfer_.erase(p);
+  if (const RequestState* state = state_of(request); state != nullptr && state->producer) {
+    const std::string& transfer_id = state->transfer_id;
+    const bool read_mode = state->read_mode;
     const bool kv_complete = request.num_computed_tokens >= request.num_prompt_tokens();
     std::vector<int32_t> blocks(block_ids.begin(), block_ids.end());
     decision.delay_free_blocks = producer_->request_finished(transfer_id, blocks, kv_complete, now_ms());
@@ -631,8 +643,7 @@ engine::FinishDecision PdConnector::request_finished(const engine::Request& requ
     run_actions();
     return decision;
   }
-  forget_hand_over(id);
-  consumer_requests_.erase(id);
+  forget_load(request);
   decision.delay_free_blocks = consumer_->request_finished(id, now_ms());
   PD_LOG_DEBUG("connector: finished {} delay_free {}", id, decision.delay_free_blocks);
   run_actions();
@@ -647,8 +658,7 @@ engine::RemoteKvTimeoutAction PdConnector::on_remote_kv_timeout(const engine::Re
               std::min(config_.recv_abort_timeout_ms, config_.handshake_timeout_ms + config_.transfer_timeout_ms),
               fail ? "failing it" : "recomputing");
   consumer_->on_remote_kv_timeout(request.request_id());
-  forget_hand_over(request.request_id());
-  consumer_requests_.erase(request.request_id());
+  forget_load(request);
   if (transfer) metrics_.failed_consumer->inc();
   run_actions();
   if (fail) return engine::RemoteKvTimeoutAction::kFail;
@@ -730,76 +740,61 @@ void PdConnector::note_refused(int32_t count) {
 
 void PdConnector::handle_message(const InboundMessage& in, int64_t now) {
   const ControlMessage& msg = in.message;
-  PD_LOG_DEBUG("connector: recv {} {} from {}", message_type_name(msg.type), msg.transfer_id, in.from);
-  const bool via_router = !is_dealer_peer(in.from);
-  if (!via_router && msg.type != MessageType::kMetaOk) {
-    // Only the process listening at an address we dialled speaks on that connection: a new
-    // identity there means the producer restarted, and what waited on the old one fails now.
-    consumer_->on_producer_identity(in.from.substr(2), msg.instance_id, msg.boot_nonce);
+  PD_LOG_DEBUG("connector: recv {} {} from {}", message_type_name(msg.type), msg.transfer_id, in.from.to_string());
+  auto peer = producer_side_peers_.end();
+  std::optional<HandshakeIdentity> handshake;
+  if (!in.from.is_dialled()) {
+    peer = producer_side_peers_.find(in.from);
+    if (peer != producer_side_peers_.end())
+      handshake = HandshakeIdentity{peer->second.instance_id, peer->second.boot_nonce};
+  }
+  const RouteDecision route = route_message(in.from, msg, config_.is_producer(), handshake ? &*handshake : nullptr);
+  if (route.check_producer_identity) {
+    consumer_->on_producer_identity(in.from.name(), msg.instance_id, msg.boot_nonce);
     run_actions();
   }
-  switch (msg.type) {
-    case MessageType::kMeta:
-      if (!via_router) break;
+  switch (route.route) {
+    case MessageRoute::kProducerHandshake:
       handle_meta(in);
       return;
-    case MessageType::kMetaOk:
-      if (via_router) break;
+    case MessageRoute::kConsumerHandshake:
       handle_meta_ok(in);
       return;
-    case MessageType::kBlocks:
-    case MessageType::kRead:
-    case MessageType::kRelease:
-    case MessageType::kAbort:
-      if (via_router) {
-        // Producer side: only peers that completed the handshake, speaking as themselves.
-        auto peer = producer_side_peers_.find(in.from);
-        if (peer == producer_side_peers_.end() || peer->second.instance_id != msg.instance_id ||
-            peer->second.boot_nonce != msg.boot_nonce || !config_.is_producer()) {
-          note_refused(1);
-          reply_error(in.from, msg.transfer_id, "handshake (meta) required before transfer messages");
-          return;
-        }
-        PeerRef ref{in.from, peer->second.instance_id, peer->second.boot_nonce};
-        if (msg.type == MessageType::kBlocks)
-          producer_->on_blocks(ref, msg, peer->second.num_blocks, now,
-                               static_cast<int32_t>(peer->second.pieces.size()));
-        else if (msg.type == MessageType::kRead)
-          producer_->on_read(ref, msg, now);
-        else if (msg.type == MessageType::kRelease)
-          producer_->on_release(ref, msg);
-        else
-          producer_->on_abort(ref, msg);
-        return;
-      }
-      if (msg.type == MessageType::kAbort) {
-        consumer_->on_abort_or_error(PeerRef{in.from, msg.instance_id, msg.boot_nonce}, msg);
-        return;
-      }
-      break;
-    case MessageType::kDone:
-    case MessageType::kReadOk:
-    case MessageType::kError:
-      if (via_router) {
-        if (msg.type == MessageType::kError) {
-          warn_peer(fmt::format("error from consumer {}: {}", msg.instance_id, msg.text));
-          return;
-        }
-        break;
-      }
-      {
-        PeerRef ref{in.from, msg.instance_id, msg.boot_nonce};
-        if (msg.type == MessageType::kDone)
-          consumer_->on_done(ref, msg);
-        else if (msg.type == MessageType::kReadOk)
-          consumer_->on_read_ok(ref, msg);
-        else
-          consumer_->on_abort_or_error(ref, msg);
-      }
+    case MessageRoute::kProducerMachine: {
+      const PeerRef ref{in.from, peer->second.instance_id, peer->second.boot_nonce};
+      if (msg.type == MessageType::kBlocks)
+        producer_->on_blocks(ref, msg, peer->second.num_blocks, now, static_cast<int32_t>(peer->second.pieces.size()));
+      else if (msg.type == MessageType::kRead)
+        producer_->on_read(ref, msg, now);
+      else if (msg.type == MessageType::kRelease)
+        producer_->on_release(ref, msg);
+      else
+        producer_->on_abort(ref, msg);
       return;
+    }
+    case MessageRoute::kConsumerMachine: {
+      const PeerRef ref{in.from, msg.instance_id, msg.boot_nonce};
+      if (msg.type == MessageType::kDone)
+        consumer_->on_done(ref, msg);
+      else if (msg.type == MessageType::kReadOk)
+        consumer_->on_read_ok(ref, msg);
+      else
+        consumer_->on_abort_or_error(ref, msg);
+      return;
+    }
+    case MessageRoute::kConsumerComplaint:
+      warn_peer(fmt::format("error from consumer {}: {}", msg.instance_id, msg.text));
+      return;
+    case MessageRoute::kHandshakeRequired:
+      note_refused(1);
+      reply_error(in.from, msg.transfer_id, "handshake (meta) required before transfer messages");
+      return;
+    case MessageRoute::kUnexpected:
+      break;
   }
   note_refused(1);
-  warn_peer(fmt::format("'{}' from {} is not expected on this side; dropped", message_type_name(msg.type), in.from));
+  warn_peer(fmt::format("'{}' from {} is not expected on this side; dropped", message_type_name(msg.type),
+                        in.from.to_string()));
 }
 
 Result<PdConnector::PeerInfo> PdConnector::peer_from_meta(const ControlMessage& msg, bool local_is_producer) {
@@ -863,7 +858,7 @@ void PdConnector::handle_meta(const InboundMessage& in) {
 }
 
 void PdConnector::handle_meta_ok(const InboundMessage& in) {
-  const std::string control = in.from.substr(2);
+  const std::string& control = in.from.name();
   auto peer = peer_from_meta(in.message, /*local_is_producer=*/false);
   if (!peer.ok()) {
     metrics_.handshakes_refused->inc();
@@ -880,7 +875,8 @@ void PdConnector::handle_meta_ok(const InboundMessage& in) {
 }
 
 void PdConnector::send(OutgoingMessage out) {
-  PD_LOG_DEBUG("connector: send {} {} to {}", message_type_name(out.message.type), out.message.transfer_id, out.to);
+  PD_LOG_DEBUG("connector: send {} {} to {}", message_type_name(out.message.type), out.message.transfer_id,
+               out.to.to_string());
   out.message.instance_id = record_.instance_id;
   out.message.boot_nonce = record_.boot_nonce;
   control_->send(out.to, out.message);
@@ -944,18 +940,25 @@ void PdConnector::offer_early_done(OutgoingMessage done) {
   producer_->on_done_sent_early(transfer_id);
 }
 
-void PdConnector::expect_hand_over(const std::string& transfer_id) {
-  auto view = consumer_->view(transfer_id);
-  if (!view) return;
-  auto it = consumer_requests_.find(view->request_id);
-  if (it == consumer_requests_.end() || !it->second.hand_over) return;
-  std::lock_guard<std::mutex> lock(mutex_);
-  hand_overs_expected_[transfer_id] = *it->second.hand_over;
+PdConnector::RequestState* PdConnector::state_of(const engine::Request& request) {
+  // Only this connector sets a request's slot (ExternalMatch::connector_state).
+  return static_cast<RequestState*>(request.connector_state.get());
 }
 
-void PdConnector::forget_hand_over(const std::string& request_id) {
+void PdConnector::expect_hand_over(const std::string& transfer_id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::erase_if(hand_overs_expected_, [&](const auto& entry) { return entry.second.request_id == request_id; });
+  auto it = consumer_loads_.find(transfer_id);
+  if (it != consumer_loads_.end() && it->second.hand_over) it->second.hand_over->armed = true;
+}
+
+void PdConnector::forget_load(const engine::Request& request) {
+  RequestState* state = state_of(request);
+  if (state == nullptr || state->producer || !state->loading) return;
+  state->loading = false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Its transfer may have closed already, and its id been taken by a newer request.
+  auto it = consumer_loads_.find(state->transfer_id);
+  if (it != consumer_loads_.end() && it->second.request_id == request.request_id()) consumer_loads_.erase(it);
 }
 
 void PdConnector::drop_finished_write_batches() {
@@ -965,154 +968,158 @@ void PdConnector::drop_finished_write_batches() {
 }
 
 void PdConnector::run_actions() {
-  for (int round = 0; round < 64; ++round) {
-    ProducerActions pa = producer_->take_actions();
-    ConsumerActions ca = consumer_->take_actions();
-    const bool idle = pa.sends.empty() && pa.writes.empty() && pa.released_request_ids.empty() && ca.sends.empty() &&
-                      ca.handshakes.empty() && ca.dropped_dealers.empty() && ca.reads.empty() &&
-                      ca.finished_recving.empty() && ca.first_tokens.empty() && ca.num_first_tokens_refused == 0 &&
-                      pa.early_dones.empty() && ca.load_failures.empty() && pa.num_timeouts == 0 &&
-                      ca.num_timeouts == 0 && pa.num_refused == 0 && ca.num_refused == 0 && pa.num_completed == 0 &&
-                      pa.num_failed == 0 && ca.num_completed == 0;
-    if (idle) return;
-    note_refused(pa.num_refused + ca.num_refused);
-    if (pa.num_timeouts + ca.num_timeouts > 0) metrics_.timeouts->inc(pa.num_timeouts + ca.num_timeouts);
-    if (pa.num_completed > 0) metrics_.done_producer->inc(pa.num_completed);
-    if (pa.num_failed > 0) metrics_.failed_producer->inc(pa.num_failed);
-    if (ca.num_completed > 0) metrics_.done_consumer->inc(ca.num_completed);
+  // Executing actions feeds back into the state machines only through a batch that
+  // cannot be posted (its write / read fails at once, which fails the transfer: it
+  // posts nothing more) and an early done sent at once (the transfer ends). So a
+  // round posts nothing that the round before did not, the second round posts
+  // nothing, and the loop ends after a few rounds without any cap.
+  for (TransferActions a = take_actions(*producer_, *consumer_); !a.empty(); a = take_actions(*producer_, *consumer_)) {
+    execute(a);
+  }
+}
 
-    for (auto& out : pa.sends) send(std::move(out));
-    for (auto& out : ca.sends) {
-      // `blocks` / `read` for the whole prompt: the transfer now waits for a done /
-      // read_ok with the token. Expected before it is sent: the answer may come at once.
-      const bool expects_token = (out.message.type == MessageType::kBlocks || out.message.type == MessageType::kRead) &&
-                                 !out.message.block_ids.empty() && out.message.kv_tokens == out.message.num_tokens;
-      if (expects_token) expect_hand_over(out.message.transfer_id);
-      send(std::move(out));
+void PdConnector::execute(TransferActions& a) {
+  ProducerActions& pa = a.producer;
+  ConsumerActions& ca = a.consumer;
+  note_refused(pa.num_refused + ca.num_refused);
+  if (pa.num_timeouts + ca.num_timeouts > 0) metrics_.timeouts->inc(pa.num_timeouts + ca.num_timeouts);
+  if (pa.num_completed > 0) metrics_.done_producer->inc(pa.num_completed);
+  if (pa.num_failed > 0) metrics_.failed_producer->inc(pa.num_failed);
+  if (ca.num_completed > 0) metrics_.done_consumer->inc(ca.num_completed);
+
+  for (auto& out : pa.sends) send(std::move(out));
+  for (auto& out : ca.sends) {
+    // `blocks` / `read` for the whole prompt: the transfer now waits for a done /
+    // read_ok with the token. Expected before it is sent: the answer may come at once.
+    const bool expects_token = (out.message.type == MessageType::kBlocks || out.message.type == MessageType::kRead) &&
+                               !out.message.block_ids.empty() && out.message.kv_tokens == out.message.num_tokens;
+    if (expects_token) expect_hand_over(out.message.transfer_id);
+    send(std::move(out));
+  }
+  for (const auto& control : ca.dropped_dealers) {
+    consumer_side_peers_.erase(control);
+    control_->drop_dealer(control);
+  }
+  for (const auto& control : ca.handshakes) {
+    send(OutgoingMessage{PeerKey::dialled(control), meta_message(MessageType::kMeta)});
+  }
+  for (const auto& w : pa.writes) post_write(w);
+  // After the writes of this round are posted (and counted): a done settled in the same
+  // round as its last writes (destination ids that arrived after the forward) waits for them.
+  for (auto& done : pa.early_dones) offer_early_done(std::move(done));
+  if (!pa.withdrawn_early_dones.empty()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& transfer_id : pa.withdrawn_early_dones) {
+      auto it = write_batches_.find(transfer_id);
+      if (it == write_batches_.end()) continue;  // sent already, or no write left in flight
+      it->second.failed = true;
+      it->second.done.reset();
     }
-    for (const auto& control : ca.dropped_dealers) {
-      consumer_side_peers_.erase(control);
-      control_->drop_dealer(control);
-    }
-    for (const auto& control : ca.handshakes) {
-      send(OutgoingMessage{dealer_peer_key(control), meta_message(MessageType::kMeta)});
-    }
-    for (const auto& w : pa.writes) {
-      const auto* dest = producer_->destination(w.transfer_id);
-      const auto* local = producer_->local_blocks(w.transfer_id);
-      Status status = Status::Ok();
-      auto peer = dest == nullptr ? producer_side_peers_.end() : producer_side_peers_.find(dest->peer.key);
-      if (dest == nullptr || local == nullptr || peer == producer_side_peers_.end()) {
-        status = unavailable("transfer {}: destination peer gone", w.transfer_id);
-      } else if (static_cast<size_t>(dest->num_skip_blocks) + dest->block_ids.size() > local->size()) {
-        status = internal_error("transfer {}: {} local blocks for {} + {} destination blocks", w.transfer_id,
-                                local->size(), dest->num_skip_blocks, dest->block_ids.size());
-      } else if (w.piece < 0 || static_cast<size_t>(w.piece) >= peer->second.pieces.size()) {
-        status = internal_error("transfer {}: plan piece {} of {}", w.transfer_id, w.piece, peer->second.pieces.size());
-      } else {
-        // This producer rank's share of the consumer rank's heads, block by block.
-        const PlanPiece& piece = peer->second.pieces[static_cast<size_t>(w.piece)];
-        std::vector<xfer::Op> ops;
-        append_piece_ops(block_layout_, piece, local_heads_[static_cast<size_t>(piece.producer_rank)],
-                         peer->second.heads[static_cast<size_t>(piece.consumer_rank)],
-                         std::span<const int32_t>(*local).subspan(static_cast<size_t>(dest->num_skip_blocks)),
-                         dest->block_ids, /*local_is_producer=*/true, ops);
-        status = post_batch(peer->second, true, w.transfer_id, w.layer, w.piece, std::move(ops));
-      }
-      if (!status.ok()) {
-        PD_LOG_WARN("connector: cannot post write: {}", status.to_string());
-        {
-          std::lock_guard<std::mutex> lock(mutex_);
-          write_batches_[w.transfer_id].failed = true;  // an early done must not go out for it
-        }
-        producer_->on_write_done(w.transfer_id, w.layer, false, w.piece);
-      }
-    }
-    // After the writes of this round are posted (and counted): a done settled in the same
-    // round as its last writes (destination ids that arrived after the forward) waits for them.
-    for (auto& done : pa.early_dones) offer_early_done(std::move(done));
-    if (!pa.withdrawn_early_dones.empty()) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (const auto& transfer_id : pa.withdrawn_early_dones) {
-        auto it = write_batches_.find(transfer_id);
-        if (it == write_batches_.end()) continue;  // sent already, or no write left in flight
-        it->second.failed = true;
-        it->second.done.reset();
-      }
-    }
-    if (!ca.reads.empty()) {
-      // READ hand-over: the completion thread streams the token after this many reads,
-      // counted before any is posted (a read may complete before the next is posted).
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (const auto& r : ca.reads) {
-        auto it = hand_overs_expected_.find(r.transfer_id);
-        if (it == hand_overs_expected_.end() || !it->second.read_mode) continue;
-        if (!it->second.read_token) {
-          hand_overs_expected_.erase(it);  // read_ok brought no token we may take
-          continue;
-        }
-        it->second.num_reads_left = std::max(it->second.num_reads_left, 0) + 1;
-      }
-    }
+  }
+  if (!ca.reads.empty()) {
+    // READ hand-over: the completion thread streams the token after this many reads,
+    // counted before any is posted (a read may complete before the next is posted).
+    std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& r : ca.reads) {
-      auto view = consumer_->view(r.transfer_id);
-      Status status = Status::Ok();
-      auto peer = view ? consumer_side_peers_.find(view->remote_control) : consumer_side_peers_.end();
-      if (!view || peer == consumer_side_peers_.end()) {
-        status = unavailable("transfer {}: producer peer gone", r.transfer_id);
-      } else if (r.piece < 0 || static_cast<size_t>(r.piece) >= peer->second.pieces.size()) {
-        status = internal_error("transfer {}: plan piece {} of {}", r.transfer_id, r.piece, peer->second.pieces.size());
-      } else {
-        // This consumer rank pulls the heads it owns from the producer rank the plan picked.
-        const PlanPiece& piece = peer->second.pieces[static_cast<size_t>(r.piece)];
-        std::vector<xfer::Op> ops;
-        append_piece_ops(block_layout_, piece, peer->second.heads[static_cast<size_t>(piece.producer_rank)],
-                         local_heads_[static_cast<size_t>(piece.consumer_rank)], view->remote_block_ids,
-                         view->local_block_ids, /*local_is_producer=*/false, ops);
-        status = post_batch(peer->second, false, r.transfer_id, r.layer, r.piece, std::move(ops));
-      }
-      if (!status.ok()) {
-        PD_LOG_WARN("connector: cannot post read: {}", status.to_string());
-        {
-          std::lock_guard<std::mutex> lock(mutex_);
-          hand_overs_expected_.erase(r.transfer_id);  // the load fails: nothing to stream
-        }
-        consumer_->on_read_done(r.transfer_id, r.layer, false, r.piece);
-      }
-    }
-    for (auto& id : pa.released_request_ids) events_.finished_sending.push_back(std::move(id));
-    for (auto& id : ca.finished_recving) {
-      forget_hand_over(id);
-      auto started = consumer_requests_.find(id);
-      if (started != consumer_requests_.end()) {
-        metrics_.transfer_seconds->observe(static_cast<double>(now_ns() - started->second.admitted_ns) * 1e-9);
-      }
-      events_.finished_recving.push_back(std::move(id));
-    }
-    if (ca.num_first_tokens_refused > 0) metrics_.first_tokens_refused->inc(ca.num_first_tokens_refused);
-    for (auto& [request_id, token] : ca.first_tokens) {
-      metrics_.first_tokens_accepted->inc();
-      events_.first_tokens.push_back(engine::HandedOverToken{std::move(request_id), token});
-    }
-    for (auto& failure : ca.load_failures) {
-      forget_hand_over(failure.request_id);
-      metrics_.load_errors->inc();
-      metrics_.failed_consumer->inc();
-      if (failure.invalid_params && push_failed_request(events_, failure.request_id, failure.reason, true)) {
-        // Recomputing would serve a request whose parameters were forged or wrong.
-        PD_LOG_WARN("connector: request {} failed: {}", failure.request_id, failure.reason);
+      auto it = consumer_loads_.find(r.transfer_id);
+      if (it == consumer_loads_.end() || !it->second.hand_over) continue;
+      HandOverExpected& e = *it->second.hand_over;
+      if (!e.armed || !e.read_mode) continue;
+      if (!e.read_token) {
+        it->second.hand_over.reset();  // read_ok brought no token we may take
         continue;
       }
-      if (config_.on_failure == FailurePolicy::kFail &&
-          push_failed_request(events_, failure.request_id, "remote KV transfer failed: " + failure.reason)) {
-        PD_LOG_WARN("connector: KV load for request {} failed ({}); failing it", failure.request_id, failure.reason);
-        continue;
-      }
-      PD_LOG_WARN("connector: KV load for request {} failed ({}); recomputing {} blocks", failure.request_id,
-                  failure.reason, failure.block_ids.size());
-      metrics_.recomputes->inc();
-      events_.load_errors.push_back(engine::LoadError{failure.request_id, std::move(failure.block_ids)});
+      e.num_reads_left = std::max(e.num_reads_left, 0) + 1;
     }
+  }
+  for (const auto& r : ca.reads) post_read(r);
+  report_events(pa, ca);
+}
+
+void PdConnector::post_write(const ProducerActions::PostWrite& w) {
+  const auto* dest = producer_->destination(w.transfer_id);
+  const auto* local = producer_->local_blocks(w.transfer_id);
+  auto peer = dest == nullptr ? producer_side_peers_.end() : producer_side_peers_.find(dest->peer.key);
+  Status status = Status::Ok();
+  if (dest == nullptr || local == nullptr || peer == producer_side_peers_.end()) {
+    status = unavailable("transfer {}: destination peer gone", w.transfer_id);
+  } else {
+    // This producer rank's share of the consumer rank's heads, block by block.
+    Result<std::vector<xfer::Op>> ops =
+        write_piece_ops(block_layout_, peer->second.pieces, w.piece, local_heads_, peer->second.heads, *local,
+                        dest->num_skip_blocks, dest->block_ids);
+    status = ops.ok() ? post_batch(peer->second, true, w.transfer_id, w.layer, w.piece, std::move(ops).value())
+                      : ops.status().with_context("transfer " + w.transfer_id);
+  }
+  if (status.ok()) return;
+  PD_LOG_WARN("connector: cannot post write: {}", status.to_string());
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    write_batches_[w.transfer_id].failed = true;  // an early done must not go out for it
+  }
+  producer_->on_write_done(w.transfer_id, w.layer, false, w.piece);
+}
+
+void PdConnector::post_read(const ConsumerActions::PostRead& r) {
+  auto view = consumer_->view(r.transfer_id);
+  auto peer = view ? consumer_side_peers_.find(view->remote_control) : consumer_side_peers_.end();
+  Status status = Status::Ok();
+  if (!view || peer == consumer_side_peers_.end()) {
+    status = unavailable("transfer {}: producer peer gone", r.transfer_id);
+  } else {
+    // This consumer rank pulls the heads it owns from the producer rank the plan picked.
+    Result<std::vector<xfer::Op>> ops = read_piece_ops(block_layout_, peer->second.pieces, r.piece, peer->second.heads,
+                                                       local_heads_, view->remote_block_ids, view->local_block_ids);
+    status = ops.ok() ? post_batch(peer->second, false, r.transfer_id, r.layer, r.piece, std::move(ops).value())
+                      : ops.status().with_context("transfer " + r.transfer_id);
+  }
+  if (status.ok()) return;
+  PD_LOG_WARN("connector: cannot post read: {}", status.to_string());
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = consumer_loads_.find(r.transfer_id);
+    if (it != consumer_loads_.end()) it->second.hand_over.reset();  // the load fails: nothing to stream
+  }
+  consumer_->on_read_done(r.transfer_id, r.layer, false, r.piece);
+}
+
+void PdConnector::report_events(ProducerActions& pa, ConsumerActions& ca) {
+  for (auto& id : pa.released_request_ids) events_.finished_sending.push_back(std::move(id));
+  for (const auto& transfer_id : ca.closed_transfer_ids) {
+    std::optional<int64_t> admitted_ns;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = consumer_loads_.find(transfer_id);
+      if (it == consumer_loads_.end()) continue;  // its request left first
+      admitted_ns = it->second.admitted_ns;
+      consumer_loads_.erase(it);
+    }
+    metrics_.transfer_seconds->observe(static_cast<double>(now_ns() - *admitted_ns) * 1e-9);
+  }
+  for (auto& id : ca.finished_recving) events_.finished_recving.push_back(std::move(id));
+  if (ca.num_first_tokens_refused > 0) metrics_.first_tokens_refused->inc(ca.num_first_tokens_refused);
+  for (auto& [request_id, token] : ca.first_tokens) {
+    metrics_.first_tokens_accepted->inc();
+    events_.first_tokens.push_back(engine::HandedOverToken{std::move(request_id), token});
+  }
+  for (auto& failure : ca.load_failures) {
+    metrics_.load_errors->inc();
+    metrics_.failed_consumer->inc();
+    if (failure.invalid_params) {
+      // Recomputing would serve a request whose parameters were forged or wrong.
+      PD_LOG_WARN("connector: request {} failed: {}", failure.request_id, failure.reason);
+      events_.failed_requests.push_back({failure.request_id, failure.reason, /*invalid_request=*/true});
+      continue;
+    }
+    if (config_.on_failure == FailurePolicy::kFail) {
+      PD_LOG_WARN("connector: KV load for request {} failed ({}); failing it", failure.request_id, failure.reason);
+      events_.failed_requests.push_back({failure.request_id, "remote KV transfer failed: " + failure.reason});
+      continue;
+    }
+    PD_LOG_WARN("connector: KV load for request {} failed ({}); recomputing {} blocks", failure.request_id,
+                failure.reason, failure.block_ids.size());
+    metrics_.recomputes->inc();
+    events_.load_errors.push_back(engine::LoadError{failure.request_id, std::move(failure.block_ids)});
   }
 }
 

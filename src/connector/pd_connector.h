@@ -3,7 +3,7 @@
 //
 // Owners and threads (README.md has the full picture):
 //   * engine thread: every KvConnector call, both transfer state machines
-//     (transfer_state.h), the peer tables, posting of xfer batches;
+//     (transfer_machines.h), the peer tables, posting of xfer batches;
 //   * control-plane thread (control_plane.h): sockets; decoded messages go to an
 //     inbox, then the engine is woken;
 //   * completion thread: waits on posted xfer batches (each has a deadline),
@@ -38,9 +38,9 @@
 #include "connector/control_plane.h"
 #include "connector/heartbeat.h"
 #include "connector/messages.h"
+#include "connector/transfer_machines.h"
 #include "connector/transfer_params.h"
 #include "connector/transfer_plan.h"
-#include "connector/transfer_state.h"
 #include "engine/kv_connector.h"
 #include "engine/model_runner.h"
 #include "xfer/engine.h"
@@ -131,24 +131,48 @@ class PdConnector final : public engine::KvConnector {
     bool failed = false;
     std::optional<OutgoingMessage> done;
   };
-  // Consumer with first-token hand-over, from the moment `blocks` (WRITE) or `read`
-  // (READ) for the whole prompt went out: what the producer's answer must carry for
-  // the state machine to accept it with its token, checked on the control-plane
-  // thread so the token is streamed without waiting for the engine thread
-  // (bind_first_token_sink). WRITE streams when `done` arrives; READ takes the token
-  // from `read_ok` and streams when the completion thread sees the last read complete.
+  // Consumer with first-token hand-over: what the producer's answer must carry for the
+  // state machine to accept it with its token, checked on the control-plane thread so
+  // the token is streamed without waiting for the engine thread (bind_first_token_sink).
+  // Armed just before `blocks` (WRITE) or `read` (READ) for the whole prompt goes out
+  // (the answer may come at once). WRITE streams when `done` arrives; READ takes the
+  // token from `read_ok` and the completion thread streams it when the last read
+  // completes ok.
   struct HandOverExpected {
-    std::string request_id;
     PeerKey from;
     std::string instance_id;
     uint64_t boot_nonce = 0;
     int32_t num_prompt_tokens = 0;
     uint64_t sampling_key = 0;
     int64_t deadline_ns = 0;  // the engine's remote-KV deadline for the request, or earlier
+    bool armed = false;       // `blocks` / `read` for the whole prompt is going out: answers count
     bool read_mode = false;
     std::optional<int32_t> read_token;  // READ: from a read_ok that passed the checks
     int32_t num_reads_left = -1;        // READ: set by the engine thread before it posts them
   };
+  // A consumer load in flight (admitted with external tokens), by transfer id, from its
+  // admission until its transfer closes or its request leaves (finish, preemption,
+  // timeout). Shared with the control-plane thread, which finds the request of an
+  // arriving `done` / `read_ok` here, and the completion thread, which counts a READ
+  // hand-over's reads here; so it cannot live on the engine's request.
+  struct ConsumerLoad {
+    std::string request_id;
+    int64_t admitted_ns = 0;
+    std::optional<HandOverExpected> hand_over;
+  };
+  // What the connector keeps about one request, on the request itself
+  // (engine::Request::connector_state): set at its admission, read in every later
+  // call about it, gone with the request after request_finished.
+  struct RequestState final : engine::RequestSlot {
+    bool producer = false;
+    std::string transfer_id;
+    bool read_mode = false;
+    // Consumer: the admission's local prefix (the external tokens follow it), and
+    // whether a load of external tokens is under way (it has a ConsumerLoad).
+    int32_t num_local_computed_tokens = 0;
+    bool loading = false;
+  };
+  static RequestState* state_of(const engine::Request& request);
   struct PendingBatch {
     xfer::XferId id = 0;
     Completion completion;
@@ -165,15 +189,13 @@ class PdConnector final : public engine::KvConnector {
     // (local rank, remote rank, layer) -> session, opened on first use.
     std::map<std::tuple<int32_t, int32_t, int32_t>, xfer::Session> sessions;
   };
-  struct ConsumerRequest {
-    int32_t num_local_computed_tokens = 0;
-    int64_t admitted_ns = 0;
-    // First-token hand-over: the expectation registered once `blocks` / `read` went out.
-    std::optional<HandOverExpected> hand_over;
-  };
 
   PdConnector(PdConnectorOptions options, engine::ModelRunner* runner);
   Status init();
+  Status create_transfer_engine();
+  // Every tensor-parallel rank's KV region of every layer, registered with xfer.
+  Status register_kv_regions();
+  Status start_control_plane();
   KvFingerprint fingerprint() const;
   ControlMessage meta_message(MessageType type) const;
   void wake();
@@ -188,7 +210,8 @@ class PdConnector final : public engine::KvConnector {
   // Engine thread: registers or drops early paths after the state machines acted.
   void offer_early_done(OutgoingMessage done);
   void expect_hand_over(const std::string& transfer_id);
-  void forget_hand_over(const std::string& request_id);
+  // The request leaves its load (finish, preemption, timeout): its ConsumerLoad goes.
+  void forget_load(const engine::Request& request);
   void drop_finished_write_batches();
 
   void handle_message(const InboundMessage& in, int64_t now_ms);
@@ -198,7 +221,13 @@ class PdConnector final : public engine::KvConnector {
   // peer's (producer) to ours.
   Result<PeerInfo> peer_from_meta(const ControlMessage& msg, bool local_is_producer);
   void reply_error(const PeerKey& to, const std::string& transfer_id, const std::string& text);
+  // Takes both state machines' actions and executes them until neither has any.
   void run_actions();
+  void execute(TransferActions& actions);
+  void post_write(const ProducerActions::PostWrite& write);
+  void post_read(const ConsumerActions::PostRead& read);
+  // Completed loads, first tokens and failures become the next poll's events.
+  void report_events(ProducerActions& pa, ConsumerActions& ca);
   void send(OutgoingMessage out);
   // One xfer batch: `layer` of the plan piece `piece` of `peer` (a pair of ranks).
   Status post_batch(PeerInfo& peer, bool is_write, const std::string& transfer_id, int32_t layer, int32_t piece,
@@ -231,8 +260,8 @@ class PdConnector final : public engine::KvConnector {
   std::function<void()> wakeup_;
   std::deque<InboxItem> inbox_;
   std::deque<PendingBatch> pending_batches_;
-  std::unordered_map<std::string, WriteBatches> write_batches_;            // by transfer id
-  std::unordered_map<std::string, HandOverExpected> hand_overs_expected_;  // by transfer id
+  std::unordered_map<std::string, WriteBatches> write_batches_;   // by transfer id
+  std::unordered_map<std::string, ConsumerLoad> consumer_loads_;  // by transfer id
   engine::FirstTokenSink first_token_sink_;
   std::condition_variable pending_cv_;
   bool stopping_ = false;
@@ -243,15 +272,6 @@ class PdConnector final : public engine::KvConnector {
   std::unique_ptr<ConsumerTransfers> consumer_;
   std::map<PeerKey, PeerInfo> producer_side_peers_;      // consumers that handshook with us, by ROUTER key
   std::map<std::string, PeerInfo> consumer_side_peers_;  // producers we dialled, by control address
-  // Producer requests in flight: request id -> their transfer, with the mode parsed (and
-  // validated) when the request arrived; later steps never re-read the client's JSON.
-  struct ProducerRequest {
-    std::string transfer_id;
-    bool read_mode = false;
-  };
-  std::unordered_map<std::string, ProducerRequest> producer_request_transfer_;
-  std::unordered_map<std::string, ConsumerRequest> consumer_requests_;
-  std::unordered_map<std::string, int64_t> transfer_started_ns_;
   std::vector<std::string> final_step_transfers_;
   std::unique_ptr<StepHooks> hooks_;
   engine::ConnectorEvents events_;
@@ -277,6 +297,8 @@ class PdConnector final : public engine::KvConnector {
     metrics::Counter* first_tokens_refused;
     metrics::Counter* first_tokens_streamed;  // consumer: streamed as `done` arrived (any thread)
     metrics::Counter* dones_on_completion;    // producer: done sent ahead of the engine thread's poll
+
+    static Metrics create();
   } metrics_{};
 };
 

@@ -104,4 +104,53 @@ void append_piece_ops(const KvBlockLayout& layout, const PlanPiece& piece, const
   }
 }
 
+namespace {
+
+Result<PlanPiece> checked_piece(std::span<const PlanPiece> pieces, int32_t piece,
+                                std::span<const RankHeads> producer_heads, std::span<const RankHeads> consumer_heads) {
+  if (piece < 0 || static_cast<size_t>(piece) >= pieces.size()) {
+    return internal_error("plan piece {} of {}", piece, pieces.size());
+  }
+  const PlanPiece& p = pieces[static_cast<size_t>(piece)];
+  if (p.producer_rank < 0 || static_cast<size_t>(p.producer_rank) >= producer_heads.size() || p.consumer_rank < 0 ||
+      static_cast<size_t>(p.consumer_rank) >= consumer_heads.size()) {
+    return internal_error("plan piece {} names producer rank {} of {} and consumer rank {} of {}", piece,
+                          p.producer_rank, producer_heads.size(), p.consumer_rank, consumer_heads.size());
+  }
+  return p;
+}
+
+}  // namespace
+
+Result<std::vector<xfer::Op>> write_piece_ops(const KvBlockLayout& layout, std::span<const PlanPiece> pieces,
+                                              int32_t piece, std::span<const RankHeads> producer_heads,
+                                              std::span<const RankHeads> consumer_heads,
+                                              std::span<const int32_t> producer_blocks, int32_t num_skip_blocks,
+                                              std::span<const int32_t> consumer_blocks) {
+  if (num_skip_blocks < 0 || static_cast<size_t>(num_skip_blocks) + consumer_blocks.size() > producer_blocks.size()) {
+    return internal_error("{} local blocks for {} + {} destination blocks", producer_blocks.size(), num_skip_blocks,
+                          consumer_blocks.size());
+  }
+  PD_ASSIGN_OR_RETURN(PlanPiece p, checked_piece(pieces, piece, producer_heads, consumer_heads));
+  std::vector<xfer::Op> ops;
+  append_piece_ops(layout, p, producer_heads[static_cast<size_t>(p.producer_rank)],
+                   consumer_heads[static_cast<size_t>(p.consumer_rank)],
+                   producer_blocks.subspan(static_cast<size_t>(num_skip_blocks)), consumer_blocks,
+                   /*local_is_producer=*/true, ops);
+  return ops;
+}
+
+Result<std::vector<xfer::Op>> read_piece_ops(const KvBlockLayout& layout, std::span<const PlanPiece> pieces,
+                                             int32_t piece, std::span<const RankHeads> producer_heads,
+                                             std::span<const RankHeads> consumer_heads,
+                                             std::span<const int32_t> producer_blocks,
+                                             std::span<const int32_t> consumer_blocks) {
+  PD_ASSIGN_OR_RETURN(PlanPiece p, checked_piece(pieces, piece, producer_heads, consumer_heads));
+  std::vector<xfer::Op> ops;
+  append_piece_ops(layout, p, producer_heads[static_cast<size_t>(p.producer_rank)],
+                   consumer_heads[static_cast<size_t>(p.consumer_rank)], producer_blocks, consumer_blocks,
+                   /*local_is_producer=*/false, ops);
+  return ops;
+}
+
 }  // namespace pd::connector

@@ -83,4 +83,23 @@ void append_piece_ops(const KvBlockLayout& layout, const PlanPiece& piece, const
                       const RankHeads& consumer_rank, std::span<const int32_t> blocks_producer,
                       std::span<const int32_t> blocks_consumer, bool local_is_producer, std::vector<xfer::Op>& out);
 
+// The ops of one WRITE batch, posted by the producer: plan piece `piece` (an index into
+// `pieces`, the plan with that consumer) from the producer's blocks after the first
+// num_skip_blocks (prompt blocks the consumer already had) into the consumer's destination
+// blocks, pair by pair. kInternal when the piece is outside the plan, names a rank outside a
+// head map, or the destination lists more blocks than the producer has after the skip.
+Result<std::vector<xfer::Op>> write_piece_ops(const KvBlockLayout& layout, std::span<const PlanPiece> pieces,
+                                              int32_t piece, std::span<const RankHeads> producer_heads,
+                                              std::span<const RankHeads> consumer_heads,
+                                              std::span<const int32_t> producer_blocks, int32_t num_skip_blocks,
+                                              std::span<const int32_t> consumer_blocks);
+// The ops of one READ batch, posted by the consumer: plan piece `piece` from the producer's
+// blocks into the consumer's, pair by pair. kInternal when the piece is outside the plan or
+// names a rank outside a head map.
+Result<std::vector<xfer::Op>> read_piece_ops(const KvBlockLayout& layout, std::span<const PlanPiece> pieces,
+                                             int32_t piece, std::span<const RankHeads> producer_heads,
+                                             std::span<const RankHeads> consumer_heads,
+                                             std::span<const int32_t> producer_blocks,
+                                             std::span<const int32_t> consumer_blocks);
+
 }  // namespace pd::connector

@@ -386,10 +386,14 @@ class EngineImpl final : public Engine {
   }
 
  private:
-  struct LiveIo {
+  // A live request's output callback and output state, kept on the request
+  // (Request::engine_io) from the moment the engine thread takes it in.
+  struct LiveIo final : RequestSlot {
+    LiveIo(OutputCallback cb, RequestOutputState out) : callback(std::move(cb)), output(std::move(out)) {}
     OutputCallback callback;
     RequestOutputState output;
   };
+  static LiveIo* io_of(const Request& r) { return static_cast<LiveIo*>(r.engine_io.get()); }
 
   Status validate(const GenerateRequest& request) const {
     if (request.request_id.empty()) return invalid_argument("request_id must not be empty");
@@ -446,8 +450,8 @@ class EngineImpl final : public Engine {
   // Emits the final output of a request the scheduler has finished.
   void finalize(FinishedRequest finished, std::string text_delta, std::string error, bool invalid_request = false) {
     const Request& r = *finished.request;
-    auto it = io_.find(r.request_id());
-    if (it == io_.end()) return;
+    LiveIo* io = io_of(r);
+    if (io == nullptr) return;
     early_.close(r.request_id());  // a token streamed before this final output stays before it
     RequestOutput out = base_output(r);
     out.finished = true;
@@ -458,8 +462,8 @@ class EngineImpl final : public Engine {
     out.conflict = finished.conflict;
     out.kv_transfer_params = std::move(finished.decision.kv_transfer_params);
     vllm_.observe_finished(r, r.finish_reason, now_ns());
-    OutputCallback callback = std::move(it->second.callback);
-    io_.erase(it);
+    OutputCallback callback = std::move(io->callback);
+    finished.request->engine_io.reset();
     release_id_if_unused(r.request_id());
     emit(callback, std::move(out));
   }
@@ -474,8 +478,8 @@ class EngineImpl final : public Engine {
   void finish_live(Request& r, RequestState state, FinishReason reason, std::string error,
                    bool invalid_request = false) {
     std::string text;
-    auto it = io_.find(r.request_id());
-    if (it != io_.end() && state != RequestState::kFinishedError) text = it->second.output.flush();
+    LiveIo* io = io_of(r);
+    if (io != nullptr && state != RequestState::kFinishedError) text = io->output.flush();
     FinishedRequest f = scheduler_.finish_request(r, state, reason);
     finalize(std::move(f), std::move(text), std::move(error), invalid_request);
   }
@@ -490,23 +494,22 @@ class EngineImpl final : public Engine {
           r.kv_transfer_params()->side == contract::TransferSide::kConsumer && r.sampling().logprobs < 0) {
         early_.arm(r, add->callback, RequestOutputState(tokenizer_, r, config_.eos_token_ids, config_.max_model_len));
       }
-      io_.emplace(id, LiveIo{std::move(add->callback),
-                             RequestOutputState(tokenizer_, r, config_.eos_token_ids, config_.max_model_len)});
+      RequestOutputState output(tokenizer_, r, config_.eos_token_ids, config_.max_model_len);
       counters_.num_prompt_tokens += r.num_prompt_tokens();
       Status s = scheduler_.add_request(std::move(add->request));
       if (!s.ok()) {
         // Cannot happen while ids_in_use_ mirrors the scheduler; answered, not crashed.
-        auto it = io_.find(id);
         RequestOutput out;
         out.request_id = id;
         out.finished = true;
         out.finish_reason = FinishReason::kError;
         out.error = s.message();
-        OutputCallback callback = std::move(it->second.callback);
-        io_.erase(it);
         early_.close(id);
-        emit(callback, std::move(out));
+        emit(add->callback, std::move(out));
+        return;
       }
+      // The scheduler owns the request now; its output state goes with it.
+      scheduler_.find(id)->engine_io = std::make_unique<LiveIo>(std::move(add->callback), std::move(output));
       return;
     }
     const auto& abort_msg = std::get<AbortMessage>(message);
@@ -732,7 +735,7 @@ class EngineImpl final : public Engine {
   }
 
   void process_token(Request& r, SampledToken& token, int64_t now) {
-    auto it = io_.find(r.request_id());
+    LiveIo& io = *io_of(r);
     // A handed-over first token may have been streamed already: it is taken here
     // as usual, not emitted again, and its arrival is the first-token time.
     std::optional<EarlyFirstTokens::Streamed> streamed;
@@ -767,11 +770,11 @@ class EngineImpl final : public Engine {
     }
     r.last_token_ns = now;
 
-    TokenVerdict verdict = it->second.output.on_token(r, token.token_id);
+    TokenVerdict verdict = io.output.on_token(r, token.token_id);
     if (!verdict.finished && r.constraint != nullptr && r.constraint->is_finished()) {
       // The grammar is complete and allows only the end: the output ends here, as it would
       // with the EOS that is all the mask still allows (vLLM samples it; this saves the step).
-      verdict.text_delta += it->second.output.flush();
+      verdict.text_delta += io.output.flush();
       verdict.finished = true;
       verdict.final_state = RequestState::kFinishedStopped;
       verdict.reason = FinishReason::kStop;
@@ -793,7 +796,7 @@ class EngineImpl final : public Engine {
       out.text_delta.clear();
     }
     if (!verdict.finished) {
-      if (!streamed) emit(it->second.callback, std::move(out));
+      if (!streamed) emit(io.callback, std::move(out));
       return;
     }
     FinishedRequest f = scheduler_.finish_request(r, verdict.final_state, verdict.reason);
@@ -803,8 +806,8 @@ class EngineImpl final : public Engine {
     out.stop_string = std::move(verdict.stop_string);
     out.stop_token_id = verdict.stop_token_id;
     out.kv_transfer_params = std::move(f.decision.kv_transfer_params);
-    OutputCallback callback = std::move(it->second.callback);
-    io_.erase(it);
+    OutputCallback callback = std::move(io.callback);
+    f.request->engine_io.reset();
     release_id_if_unused(f.request->request_id());
     emit(callback, std::move(out));
   }
@@ -873,8 +876,8 @@ class EngineImpl final : public Engine {
   EarlyFirstTokens early_;
 
   // Engine thread only.
+  // Owns every live Request, and with it each one's LiveIo (Request::engine_io).
   Scheduler scheduler_;
-  std::unordered_map<std::string, LiveIo> io_;
   EngineCounters counters_;
   EngineStats published_;      // the last snapshot the metrics were written from
   bool reports_load_ = false;  // set before the thread starts

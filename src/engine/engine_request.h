@@ -22,6 +22,36 @@ namespace pd::engine {
 
 using BlockHash = uint64_t;
 
+// State that another owner keeps on a request (Request::engine_io, Request::connector_state):
+// the request holds it from the moment the owner sets it until the request is destroyed, so
+// it lives exactly as long as the request without a map keyed by its id. The scheduler never
+// looks inside; each owner casts back to its own type.
+class RequestSlot {
+ public:
+  virtual ~RequestSlot() = default;
+};
+
+// Owns one RequestSlot. A copy of a request (a snapshot of its tokens and params, such
+// as the engine's early first-token slot keeps) owns no slot: the slot belongs to the
+// one live request.
+class OwnedRequestSlot {
+ public:
+  OwnedRequestSlot() = default;
+  OwnedRequestSlot(const OwnedRequestSlot&) noexcept {}
+  OwnedRequestSlot& operator=(const OwnedRequestSlot&) = delete;
+  OwnedRequestSlot(OwnedRequestSlot&&) noexcept = default;
+  OwnedRequestSlot& operator=(OwnedRequestSlot&&) noexcept = default;
+  OwnedRequestSlot& operator=(std::unique_ptr<RequestSlot> slot) {
+    slot_ = std::move(slot);
+    return *this;
+  }
+  RequestSlot* get() const { return slot_.get(); }
+  void reset() { slot_.reset(); }
+
+ private:
+  std::unique_ptr<RequestSlot> slot_;
+};
+
 class Request {
  public:
   Request(std::string request_id, uint64_t arrival_seq, std::vector<int32_t> prompt_token_ids, SamplingParams sampling,
@@ -80,6 +110,16 @@ class Request {
   // Its admission waited at least once for the remote-admission reserve
   // (SchedulerConfig::remote_output_reserve); counted once.
   bool deferred_for_reserve = false;
+
+  // --- state other owners keep on the request (RequestSlot) ----------------
+  // The engine loop's output callback and output state (engine.cc), set when the
+  // engine thread takes the request in.
+  OwnedRequestSlot engine_io;
+  // The connector's own state for this request (kv_connector.h): the connector sets it
+  // at admission (get_num_new_matched_tokens) and reads it in every later call about
+  // the request, last in request_finished. Mutable: the connector gets the request as
+  // const& and owns only this slot of it; the engine never looks inside.
+  mutable OwnedRequestSlot connector_state;
 
   // --- output bookkeeping ----------------------------------------------------
   int64_t first_scheduled_ns = 0;  // the first step that computed any of it (end of queueing)

@@ -5,12 +5,16 @@
 // step by build_step_hooks.
 //
 // Lifecycle of a request as the connector sees it:
-//   admission:  get_num_new_matched_tokens -> (blocks allocated) -> update_state_after_alloc
+//   admission:  get_num_new_matched_tokens (may set the request's connector slot,
+//               Request::connector_state, which the request carries from then on)
+//               -> (blocks allocated) -> update_state_after_alloc
 //               (async load: request sits in kWaitingForRemoteKv until poll() lists it in
 //               finished_recving, or its deadline passes -> on_remote_kv_timeout)
 //   each step:  build_step_hooks -> runner.execute -> after_step -> poll
 //   preemption: request_preempted (may hold the old blocks until a transfer stops)
-//   finish:     request_finished (any finish: stop, length, abort, error; may hold blocks)
+//   finish:     request_finished (any finish: stop, length, abort, error; may hold blocks);
+//               the slot goes with the request after that call: what the connector must
+//               keep past the finish (a hold, a transfer in flight) it keeps by id itself
 //
 // Block holds: when request_preempted returns true or request_finished returns
 // delay_free_blocks, the engine keeps one reference on each of those blocks (a

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "connector/transfer_state.h"
+#include "connector/transfer_machines.h"
 
 namespace pd::connector {
 namespace {
@@ -11,7 +11,7 @@ constexpr int32_t kLayers = 2;
 constexpr int32_t kBlockSize = 4;
 
 PeerRef producer(uint64_t nonce = 5) {
-  return PeerRef{dealer_peer_key(kControl), "prefill-0", nonce};
+  return PeerRef{PeerKey::dialled(kControl), "prefill-0", nonce};
 }
 
 ConsumerTransfers::Params params(bool read_mode = false, uint64_t nonce = 5) {
@@ -102,12 +102,34 @@ TEST_F(ConsumerStateTest, DoneNotOkBecomesALoadErrorForEveryExternalBlock) {
   EXPECT_EQ(a.load_failures[0].block_ids, (std::vector<int32_t>{4, 5, 6}));
 }
 
+TEST_F(ConsumerStateTest, ATransferIsReportedClosedOnceWhenItsLoadEndsEitherWay) {
+  admit_and_allocate();
+  c_.on_peer_ready(kControl, "prefill-0", 5, 64);
+  auto a = c_.take_actions();
+  EXPECT_TRUE(a.closed_transfer_ids.empty()) << "waiting for done";
+  c_.on_done(producer(), msg(MessageType::kDone));
+  a = c_.take_actions();
+  EXPECT_EQ(a.closed_transfer_ids, std::vector<std::string>{kT});
+  c_.on_done(producer(), msg(MessageType::kDone));
+  EXPECT_TRUE(c_.take_actions().closed_transfer_ids.empty()) << "a second done closes nothing";
+
+  ConsumerTransfers failing(kLayers, kBlockSize, ConsumerTimeouts{100, 300});
+  ASSERT_EQ(failing.admit("req", params(), 0, 10, 0), 9);
+  failing.allocated("req", {4, 5, 6}, 0, 9, 0);
+  failing.on_peer_ready(kControl, "prefill-0", 5, 64);
+  failing.take_actions();
+  failing.on_done(producer(), msg(MessageType::kDone, /*ok=*/false));
+  a = failing.take_actions();
+  ASSERT_EQ(a.load_failures.size(), 1u);
+  EXPECT_EQ(a.closed_transfer_ids, std::vector<std::string>{kT});
+}
+
 TEST_F(ConsumerStateTest, DoneFromAnyoneButTheNamedProducerIsRefused) {
   admit_and_allocate();
   c_.on_peer_ready(kControl, "prefill-0", 5, 64);
   c_.take_actions();
   c_.on_done(producer(/*nonce=*/6), msg(MessageType::kDone));
-  c_.on_done(PeerRef{"d:127.0.0.1:7001", "prefill-0", 5}, msg(MessageType::kDone));
+  c_.on_done(PeerRef{PeerKey::dialled("127.0.0.1:7001"), "prefill-0", 5}, msg(MessageType::kDone));
   auto a = c_.take_actions();
   EXPECT_EQ(a.num_refused, 2);
   EXPECT_TRUE(a.finished_recving.empty());

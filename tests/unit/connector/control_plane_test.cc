@@ -57,14 +57,14 @@ TEST(ControlPlane, RequestAndReplyTravelOverRouterAndDealer) {
   ASSERT_TRUE(server.ok()) << server.status().to_string();
   auto client = ControlPlane::start({}, [&](InboundMessage m) { client_inbox.push(std::move(m)); });
   ASSERT_TRUE(client.ok());
-  (*client)->send(dealer_peer_key((*server)->address()), release_msg("consumer"));
+  (*client)->send(PeerKey::dialled((*server)->address()), release_msg("consumer"));
   ASSERT_TRUE(server_inbox.wait_for(1));
   auto got = server_inbox.messages()[0];
   EXPECT_EQ(got.message.instance_id, "consumer");
-  EXPECT_EQ(got.from.rfind("r:", 0), 0u);
+  EXPECT_EQ(got.from.kind(), PeerKey::Kind::kAccepted);
   (*server)->send(got.from, release_msg("producer"));
   ASSERT_TRUE(client_inbox.wait_for(1));
-  EXPECT_EQ(client_inbox.messages()[0].from, dealer_peer_key((*server)->address()));
+  EXPECT_EQ(client_inbox.messages()[0].from, PeerKey::dialled((*server)->address()));
   EXPECT_EQ(client_inbox.messages()[0].message.instance_id, "producer");
 }
 
@@ -74,7 +74,7 @@ TEST(ControlPlane, MalformedFramesAreCountedAnsweredAndTheListenerKeepsServing) 
   ASSERT_TRUE(server.ok());
   auto client = ControlPlane::start({}, [&](InboundMessage m) { client_inbox.push(std::move(m)); });
   ASSERT_TRUE(client.ok());
-  const PeerKey to = dealer_peer_key((*server)->address());
+  const PeerKey to = PeerKey::dialled((*server)->address());
   (*client)->send_raw(to, {0xc1, 0xc1});                     // not msgpack
   (*client)->send_raw(to, std::vector<uint8_t>(100, 0x91));  // deep nesting
   (*client)->send_raw(to, {0x81, 0xa1, 'v', 0x02});          // wrong version
@@ -116,8 +116,8 @@ TEST(ControlPlane, AHandlerThatThrowsDoesNotEndTheThread) {
   });
   ASSERT_TRUE(server.ok());
   auto client = ControlPlane::start({}, [](InboundMessage) {});
-  (*client)->send(dealer_peer_key((*server)->address()), release_msg("a"));
-  (*client)->send(dealer_peer_key((*server)->address()), release_msg("b"));
+  (*client)->send(PeerKey::dialled((*server)->address()), release_msg("a"));
+  (*client)->send(PeerKey::dialled((*server)->address()), release_msg("b"));
   ASSERT_TRUE(inbox.wait_for(1));
   EXPECT_EQ(inbox.messages()[0].message.instance_id, "b");
   EXPECT_EQ((*server)->num_handler_errors(), 1u);
@@ -126,8 +126,8 @@ TEST(ControlPlane, AHandlerThatThrowsDoesNotEndTheThread) {
 TEST(ControlPlane, SendsToUnknownRoutingIdsAreDroppedAndCounted) {
   auto server = ControlPlane::start({}, [](InboundMessage) {});
   ASSERT_TRUE(server.ok());
-  (*server)->send("r:00ff", release_msg("p"));
-  (*server)->send("garbage", release_msg("p"));
+  (*server)->send(PeerKey::accepted("00ff"), release_msg("p"));
+  (*server)->send(PeerKey::accepted("not hex"), release_msg("p"));  // an id that cannot be a routing id
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while ((*server)->num_send_dropped() < 2 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::yield();
@@ -156,7 +156,7 @@ TEST(ControlPlane, WithCurveOnlyPeersHoldingTheSecretGetThrough) {
   ControlPlaneConfig good = plain;
   good.curve = *keys;
   auto right_key = ControlPlane::start(good, [](InboundMessage) {});
-  const PeerKey to = dealer_peer_key((*server)->address());
+  const PeerKey to = PeerKey::dialled((*server)->address());
   (*no_auth)->send(to, release_msg("plain"));
   (*wrong_key)->send(to, release_msg("wrong"));
   (*right_key)->send(to, release_msg("right"));

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "connector/transfer_state.h"
+#include "connector/transfer_machines.h"
 
 namespace pd::connector {
 namespace {
@@ -10,10 +10,10 @@ constexpr int32_t kLayers = 3;
 constexpr int32_t kBlockSize = 4;
 
 PeerRef consumer() {
-  return PeerRef{"r:0a", "decode-0", 77};
+  return PeerRef{PeerKey::accepted("0a"), "decode-0", 77};
 }
 PeerRef intruder() {
-  return PeerRef{"r:0b", "decode-9", 99};
+  return PeerRef{PeerKey::accepted("0b"), "decode-9", 99};
 }
 
 // kv_tokens < 0: the consumer computes the last prompt token (n - 1).

@@ -156,6 +156,53 @@ TEST(TransferPlan, EqualShardsAreOnePiecePerRankAndOneOpPerBlock) {
   EXPECT_EQ(ops, (std::vector<xfer::Op>{{5 * block, 9 * block, block}, {6 * block, 2 * block, block}}));
 }
 
+TEST(TransferPlan, WritePieceOpsSkipTheBlocksTheConsumerHasAndMapPairByPair) {
+  const auto map = runner_head_map(2, 1);
+  const std::vector<PlanPiece> pieces{{0, 0, 0, 2}};
+  const KvBlockLayout layout{16, {64, 64}};
+  const uint64_t block = layout.block_bytes(2);
+  // Producer blocks 3 4 5 7 (7: a decode block past the prompt); the consumer had the first one.
+  const std::vector<int32_t> local{3, 4, 5, 7}, dest{10, 11};
+  auto ops = write_piece_ops(layout, pieces, 0, map, map, local, /*num_skip_blocks=*/1, dest);
+  ASSERT_TRUE(ops.ok()) << ops.status().to_string();
+  // WRITE: the local side is the producer, so the producer's offset comes first.
+  EXPECT_EQ(*ops, (std::vector<xfer::Op>{{4 * block, 10 * block, block}, {5 * block, 11 * block, block}}));
+}
+
+TEST(TransferPlan, ReadPieceOpsPutTheConsumerBlockFirst) {
+  const auto map = runner_head_map(2, 1);
+  const std::vector<PlanPiece> pieces{{0, 0, 0, 2}};
+  const KvBlockLayout layout{16, {64, 64}};
+  const uint64_t block = layout.block_bytes(2);
+  const std::vector<int32_t> remote{8, 9}, local{1, 2};
+  auto ops = read_piece_ops(layout, pieces, 0, map, map, remote, local);
+  ASSERT_TRUE(ops.ok()) << ops.status().to_string();
+  EXPECT_EQ(*ops, (std::vector<xfer::Op>{{1 * block, 8 * block, block}, {2 * block, 9 * block, block}}));
+}
+
+TEST(TransferPlan, PieceOpsRefuseWhatDoesNotLineUp) {
+  const auto map = runner_head_map(2, 1);
+  const std::vector<PlanPiece> pieces{{0, 0, 0, 2}};
+  const KvBlockLayout layout{16, {64, 64}};
+  const std::vector<int32_t> local{3, 4}, dest{10, 11};
+  // More destination blocks than the producer has after the skip.
+  auto too_many = write_piece_ops(layout, pieces, 0, map, map, local, 1, dest);
+  ASSERT_FALSE(too_many.ok());
+  EXPECT_EQ(too_many.status().code(), ErrorCode::kInternal);
+  EXPECT_NE(too_many.status().message().find("2 local blocks for 1 + 2 destination blocks"), std::string::npos)
+      << too_many.status().message();
+  // A piece index outside the plan, either way.
+  for (int32_t piece : {-1, 1}) {
+    EXPECT_FALSE(write_piece_ops(layout, pieces, piece, map, map, local, 0, dest).ok()) << piece;
+    EXPECT_FALSE(read_piece_ops(layout, pieces, piece, map, map, local, dest).ok()) << piece;
+  }
+  // A piece naming a rank the head maps do not have.
+  const std::vector<PlanPiece> stray{{1, 0, 0, 2}};
+  auto bad_rank = read_piece_ops(layout, stray, 0, map, map, local, dest);
+  ASSERT_FALSE(bad_rank.ok());
+  EXPECT_NE(bad_rank.status().message().find("producer rank 1 of 1"), std::string::npos) << bad_rank.status().message();
+}
+
 TEST(TransferPlan, SplitMergeAndReplicaChoice) {
   // Producer TP 1 (2 heads) -> consumer TP 2: a split, both consumer ranks read rank 0.
   auto split = plan_transfer(2, runner_head_map(2, 1), runner_head_map(2, 2));

@@ -34,8 +34,8 @@
 #include <vector>
 
 #include "common/status.h"
-#include "connector/control_plane.h"
 #include "connector/messages.h"
+#include "connector/peer_key.h"
 
 namespace pd::connector {
 
@@ -81,6 +81,12 @@ struct ProducerActions {
   int32_t num_completed = 0;
   int32_t num_failed = 0;
   int32_t num_refused = 0;  // messages refused (forged, wrong peer, bad ids)
+
+  bool empty() const {
+    return sends.empty() && writes.empty() && released_request_ids.empty() && early_dones.empty() &&
+           withdrawn_early_dones.empty() && num_timeouts == 0 && num_completed == 0 && num_failed == 0 &&
+           num_refused == 0;
+  }
 };
 
 class ProducerTransfers {
@@ -249,9 +255,18 @@ struct ConsumerActions {
   std::vector<std::pair<std::string, int32_t>> first_tokens;
   int32_t num_first_tokens_refused = 0;  // came with another sampling key
   std::vector<LoadFailure> load_failures;
+  // Transfers that ended with their load reported (finished_recving, load_failures) or their
+  // hold released: nothing more arrives for them, so the adapter drops what it keeps by their id.
+  std::vector<std::string> closed_transfer_ids;
   int32_t num_completed = 0;
   int32_t num_timeouts = 0;
   int32_t num_refused = 0;
+
+  bool empty() const {
+    return sends.empty() && handshakes.empty() && dropped_dealers.empty() && reads.empty() &&
+           finished_recving.empty() && first_tokens.empty() && num_first_tokens_refused == 0 && load_failures.empty() &&
+           num_completed == 0 && num_timeouts == 0 && num_refused == 0;
+  }
 };
 
 class ConsumerTransfers {
@@ -383,5 +398,18 @@ class ConsumerTransfers {
   std::map<std::string, Peer> peers_;              // by control address
   ConsumerActions actions_;
 };
+
+// ----------------------------------------------------------------------------
+// What both state machines asked for since their actions were last taken: the one
+// struct the adapter executes (PdConnector::run_actions).
+struct TransferActions {
+  ProducerActions producer;
+  ConsumerActions consumer;
+  bool empty() const { return producer.empty() && consumer.empty(); }
+};
+
+inline TransferActions take_actions(ProducerTransfers& producer, ConsumerTransfers& consumer) {
+  return TransferActions{producer.take_actions(), consumer.take_actions()};
+}
 
 }  // namespace pd::connector

@@ -1,4 +1,4 @@
-#include "connector/transfer_state.h"
+#include "connector/transfer_machines.h"
 
 #include <algorithm>
 #include <unordered_set>
@@ -518,7 +518,7 @@ namespace pd::connector {
 void ConsumerTransfers::send(const std::string& control, MessageType type, const std::string& transfer_id,
                              std::string text) {
   OutgoingMessage out;
-  out.to = dealer_peer_key(control);
+  out.to = PeerKey::dialled(control);
   out.message.type = type;
   out.message.transfer_id = transfer_id;
   out.message.text = std::move(text);
@@ -628,7 +628,7 @@ void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, con
       send(t.params.remote_control, MessageType::kRelease, transfer_id);
     } else {
       OutgoingMessage out;
-      out.to = dealer_peer_key(t.params.remote_control);
+      out.to = PeerKey::dialled(t.params.remote_control);
       out.message.type = MessageType::kBlocks;
       out.message.transfer_id = transfer_id;
       out.message.num_tokens = t.num_prompt_tokens;
@@ -647,7 +647,7 @@ void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, con
       }
     }
     OutgoingMessage out;
-    out.to = dealer_peer_key(t.params.remote_control);
+    out.to = PeerKey::dialled(t.params.remote_control);
     out.message.type = MessageType::kRead;
     out.message.transfer_id = transfer_id;
     out.message.block_ids = t.read_remote_ids;
@@ -658,7 +658,7 @@ void ConsumerTransfers::proceed(const std::string& transfer_id, Transfer& t, con
     return;
   }
   OutgoingMessage out;
-  out.to = dealer_peer_key(t.params.remote_control);
+  out.to = PeerKey::dialled(t.params.remote_control);
   out.message.type = MessageType::kBlocks;
   out.message.transfer_id = transfer_id;
   out.message.block_ids = t.local_block_ids;
@@ -758,13 +758,14 @@ void ConsumerTransfers::on_peer_failed(const std::string& control, const std::st
 }
 
 bool ConsumerTransfers::from_producer(const Transfer& t, const PeerRef& from) const {
-  return from.key == dealer_peer_key(t.params.remote_control) && from.instance_id == t.params.remote_instance_id &&
+  return from.key == PeerKey::dialled(t.params.remote_control) && from.instance_id == t.params.remote_instance_id &&
          from.boot_nonce == t.params.remote_boot_nonce;
 }
 
 void ConsumerTransfers::finish(const std::string& transfer_id, Transfer& t, bool ok, const std::string& reason,
                                bool invalid_params) {
   t.phase = Phase::kClosed;
+  actions_.closed_transfer_ids.push_back(transfer_id);
   if (t.holding) {
     // The request is gone; this only ends the hold on its blocks.
     actions_.finished_recving.push_back(t.request_id);
@@ -845,8 +846,8 @@ void ConsumerTransfers::on_read_done(const std::string& transfer_id, int32_t lay
 void ConsumerTransfers::on_abort_or_error(const PeerRef& from, const ControlMessage& msg) {
   if (msg.transfer_id.empty()) {
     // A refusal of our handshake (e.g. layout mismatch) from a producer we dialled.
-    if (is_dealer_peer(from.key)) {
-      const std::string control = from.key.substr(2);
+    if (from.key.is_dialled()) {
+      const std::string& control = from.key.name();
       auto peer = peers_.find(control);
       if (peer != peers_.end() && peer->second.phase == PeerPhase::kHandshaking) {
         on_peer_failed(control, msg.text);
