@@ -146,7 +146,7 @@ Status PdConnector::create_transfer_engine() {
   }
   const auto fault = fault_from_env();
   xcfg.enable_fault_injection = fault.has_value();
-  PD_ASSIGN_OR_RETURN(xfer_, xfer::Engine::create(xcfg));
+  PD_ASSIGN_OR_RETURN(xfer_, xfer::TransferEngine::create(xcfg));
   if (fault && xfer_->fault_injector() != nullptr) {
     xfer_->fault_injector()->set_fault(*fault);
     PD_LOG_WARN("connector: xfer fault injection armed from PD_CONNECTOR_XFER_FAULT");

@@ -241,7 +241,7 @@ class PdConnector final : public engine::KvConnector {
   engine::KvCacheSpec spec_;
   RegistrationRecord record_;
 
-  std::unique_ptr<xfer::Engine> xfer_;
+  std::unique_ptr<xfer::TransferEngine> xfer_;
   // Our KV shards: per tensor-parallel rank its heads, and its region of every
   // layer (rank r, layer l at r * num_layers + l).
   std::vector<RankHeads> local_heads_;

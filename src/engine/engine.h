@@ -11,9 +11,9 @@
 
 #include "common/status.h"
 #include "engine/engine_stats.h"
+#include "engine/generate_api.h"
 #include "engine/kv_connector.h"
 #include "engine/model_runner.h"
-#include "engine/request.h"
 
 namespace pd::tokenizer {
 class Tokenizer;

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "engine/request.h"
+#include "engine/generate_api.h"
 #include "engine/sampling_params.h"
 #include "engine/token_constraint.h"
 

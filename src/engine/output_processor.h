@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "engine/engine_request.h"
-#include "engine/request.h"
+#include "engine/generate_api.h"
 
 namespace pd::tokenizer {
 class Tokenizer;

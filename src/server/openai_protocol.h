@@ -14,7 +14,7 @@
 #include <variant>
 #include <vector>
 
-#include "engine/request.h"
+#include "engine/generate_api.h"
 #include "engine/sampling_params.h"
 #include "server/api_error.h"
 

@@ -1,5 +1,5 @@
 // The interface every transport implements. Internal to pd_xfer: callers use
-// Engine/Session; backends never see unvalidated ops.
+// TransferEngine/Session; backends never see unvalidated ops.
 #pragma once
 
 #include <memory>

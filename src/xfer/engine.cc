@@ -12,7 +12,7 @@
 
 namespace pd::xfer {
 
-struct Engine::Region {
+struct TransferEngine::Region {
   LocalRegion local;
   MemDesc desc;
   // Batches posted on the region that their backend has not retired yet.
@@ -20,7 +20,7 @@ struct Engine::Region {
   std::atomic<bool> deregistered{false};
 };
 
-struct Engine::Peer {
+struct TransferEngine::Peer {
   EngineDesc desc;
   // Set when a newer boot of the same peer connected; sessions and pending batches go stale.
   std::atomic<bool> replaced{false};
@@ -29,13 +29,13 @@ struct Engine::Peer {
 struct SessionState {
   Backend* backend = nullptr;
   std::shared_ptr<Route> route;
-  std::shared_ptr<Engine::Region> local;
-  std::shared_ptr<Engine::Peer> peer;
+  std::shared_ptr<TransferEngine::Region> local;
+  std::shared_ptr<TransferEngine::Peer> peer;
   MemDesc remote;
   int64_t batch_timeout_ms = 0;
 };
 
-struct Engine::Batch {
+struct TransferEngine::Batch {
   XferId id = 0;
   std::unique_ptr<BackendBatch> backend;  // null for an empty batch
   std::shared_ptr<Region> local;
@@ -94,24 +94,24 @@ std::string Session::transports() const {
   return state_ ? state_->backend->route_transports(*state_->route) : std::string();
 }
 
-// ---- Engine ----
+// ---- TransferEngine ----
 
-Engine::Engine(EngineConfig config)
+TransferEngine::TransferEngine(EngineConfig config)
     : config_(std::move(config)), boot_nonce_(random_nonce()), host_id_(read_host_id()) {}
 
-Engine::~Engine() {
+TransferEngine::~TransferEngine() {
   // Batches and sessions' routes go before the backends that own their resources.
   std::lock_guard lock(mutex_);
   batches_.clear();
   lingering_.clear();
 }
 
-Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config) {
+Result<std::unique_ptr<TransferEngine>> TransferEngine::create(EngineConfig config) {
   if (config.name.empty()) return invalid_argument("EngineConfig.name is empty");
   if (config.batch_timeout_ms <= 0) {
     return invalid_argument("EngineConfig.batch_timeout_ms must be > 0, got {}", config.batch_timeout_ms);
   }
-  std::unique_ptr<Engine> engine(new Engine(config));
+  std::unique_ptr<TransferEngine> engine(new TransferEngine(config));
   std::shared_ptr<FaultController> faults;
   if (config.enable_fault_injection) {
     faults = make_fault_controller();
@@ -141,20 +141,20 @@ Result<std::unique_ptr<Engine>> Engine::create(EngineConfig config) {
   return engine;
 }
 
-Backend* Engine::find_backend(std::string_view name) const {
+Backend* TransferEngine::find_backend(std::string_view name) const {
   for (const auto& backend : backends_) {
     if (backend->name() == name) return backend.get();
   }
   return nullptr;
 }
 
-std::vector<std::string> Engine::backend_names() const {
+std::vector<std::string> TransferEngine::backend_names() const {
   std::vector<std::string> names;
   for (const auto& backend : backends_) names.emplace_back(backend->name());
   return names;
 }
 
-EngineDesc Engine::describe() const {
+EngineDesc TransferEngine::describe() const {
   EngineDesc desc;
   desc.name = config_.name;
   desc.boot_nonce = boot_nonce_;
@@ -163,7 +163,7 @@ EngineDesc Engine::describe() const {
   return desc;
 }
 
-Result<MemDesc> Engine::register_memory(void* ptr, size_t bytes, MemKind kind, int device) {
+Result<MemDesc> TransferEngine::register_memory(void* ptr, size_t bytes, MemKind kind, int device) {
   if (ptr == nullptr || bytes == 0) return invalid_argument("register_memory: null pointer or zero bytes");
   if (kind == MemKind::kHost && device != -1) return invalid_argument("host memory with device {}", device);
   if (kind == MemKind::kCuda && device < 0) return invalid_argument("cuda memory needs a device ordinal");
@@ -202,7 +202,7 @@ Result<MemDesc> Engine::register_memory(void* ptr, size_t bytes, MemKind kind, i
   return desc;
 }
 
-Result<MemDesc> Engine::allocate_host_memory(size_t bytes, void** ptr) {
+Result<MemDesc> TransferEngine::allocate_host_memory(size_t bytes, void** ptr) {
   if (bytes == 0 || ptr == nullptr) return invalid_argument("allocate_host_memory: zero bytes or no out pointer");
   Backend* ucx = find_backend("ucx");
   if (ucx == nullptr) return failed_precondition("allocate_host_memory needs the ucx backend");
@@ -229,7 +229,7 @@ Result<MemDesc> Engine::allocate_host_memory(size_t bytes, void** ptr) {
   return desc;
 }
 
-Status Engine::deregister(RegionId region_id) {
+Status TransferEngine::deregister(RegionId region_id) {
   std::shared_ptr<Region> region;
   std::vector<std::shared_ptr<Batch>> batches;
   {
@@ -257,7 +257,7 @@ Status Engine::deregister(RegionId region_id) {
   return Status::Ok();
 }
 
-Status Engine::connect(const EngineDesc& peer) {
+Status TransferEngine::connect(const EngineDesc& peer) {
   if (peer.name.empty() || peer.boot_nonce == 0) return invalid_argument("peer descriptor without name or nonce");
   if (peer.name == config_.name) return invalid_argument("peer '{}' has this engine's own name", peer.name);
   std::lock_guard lock(mutex_);
@@ -279,7 +279,7 @@ Status Engine::connect(const EngineDesc& peer) {
   return Status::Ok();
 }
 
-Result<Session> Engine::session(const MemDesc& local, const MemDesc& remote, std::string_view backend_name) {
+Result<Session> TransferEngine::session(const MemDesc& local, const MemDesc& remote, std::string_view backend_name) {
   auto state = std::make_shared<SessionState>();
   state->batch_timeout_ms = config_.batch_timeout_ms;
   state->remote = remote;
@@ -335,7 +335,8 @@ Result<Session> Engine::session(const MemDesc& local, const MemDesc& remote, std
   return Session(this, std::move(state));
 }
 
-Result<XferId> Engine::post(SessionState& session, Direction direction, std::span<const Op> ops, Deadline deadline) {
+Result<XferId> TransferEngine::post(SessionState& session, Direction direction, std::span<const Op> ops,
+                                    Deadline deadline) {
   if (session.local->deregistered.load()) {
     num_batches_rejected_.fetch_add(1);
     return failed_precondition("local region {} was deregistered", session.local->local.id);
@@ -386,13 +387,13 @@ Result<XferId> Engine::post(SessionState& session, Direction direction, std::spa
   return batch->id;
 }
 
-std::shared_ptr<Engine::Batch> Engine::find_batch(XferId id) {
+std::shared_ptr<TransferEngine::Batch> TransferEngine::find_batch(XferId id) {
   std::lock_guard lock(mutex_);
   auto it = batches_.find(id);
   return it == batches_.end() ? nullptr : it->second;
 }
 
-TransferState Engine::refresh(Batch& batch) {
+TransferState TransferEngine::refresh(Batch& batch) {
   std::lock_guard lock(batch.mutex);
   if (!batch.retired) {
     TransferState backend_state = batch.backend->test();
@@ -417,13 +418,13 @@ TransferState Engine::refresh(Batch& batch) {
   return batch.state;
 }
 
-TransferState Engine::poll(XferId id) {
+TransferState TransferEngine::poll(XferId id) {
   std::shared_ptr<Batch> batch = find_batch(id);
   if (!batch) return {TransferStatus::kFailed, fmt::format("unknown or released transfer id {}", id)};
   return refresh(*batch);
 }
 
-Status Engine::wait(XferId id, Deadline deadline) {
+Status TransferEngine::wait(XferId id, Deadline deadline) {
   std::shared_ptr<Batch> batch = find_batch(id);
   if (!batch) return not_found("unknown or released transfer id {}", id);
   while (true) {
@@ -438,7 +439,7 @@ Status Engine::wait(XferId id, Deadline deadline) {
   }
 }
 
-void Engine::release(XferId id) {
+void TransferEngine::release(XferId id) {
   std::vector<std::shared_ptr<Batch>> lingering;
   {
     std::lock_guard lock(mutex_);

@@ -1,9 +1,9 @@
-// pd::xfer::Engine — one-sided, batched, asynchronous transfers between
+// pd::xfer::TransferEngine — one-sided, batched, asynchronous transfers between
 // registered regions of this process and of peer engines (DESIGN.md §3.1).
 //
-// Thread-safety: every Engine and Session method may be called from any thread
+// Thread-safety: every TransferEngine and Session method may be called from any thread
 // concurrently (the connector calls from its engine thread and one progress
-// thread). The Engine must outlive its Sessions.
+// thread). The TransferEngine must outlive its Sessions.
 #pragma once
 
 #include <atomic>
@@ -23,7 +23,7 @@
 
 namespace pd::xfer {
 
-class Engine;
+class TransferEngine;
 struct SessionState;
 
 // A route between one local and one remote region, bound to one backend and to the
@@ -45,18 +45,18 @@ class Session {
   bool valid() const { return state_ != nullptr; }
 
  private:
-  friend class Engine;
-  Session(Engine* engine, std::shared_ptr<SessionState> state) : engine_(engine), state_(std::move(state)) {}
-  Engine* engine_ = nullptr;
+  friend class TransferEngine;
+  Session(TransferEngine* engine, std::shared_ptr<SessionState> state) : engine_(engine), state_(std::move(state)) {}
+  TransferEngine* engine_ = nullptr;
   std::shared_ptr<SessionState> state_;
 };
 
-class Engine {
+class TransferEngine {
  public:
-  static Result<std::unique_ptr<Engine>> create(EngineConfig config);
-  ~Engine();
-  Engine(const Engine&) = delete;
-  Engine& operator=(const Engine&) = delete;
+  static Result<std::unique_ptr<TransferEngine>> create(EngineConfig config);
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
 
   EngineDesc describe() const;
   const std::string& name() const { return config_.name; }
@@ -107,7 +107,7 @@ class Engine {
   struct Peer;
   struct Batch;
 
-  explicit Engine(EngineConfig config);
+  explicit TransferEngine(EngineConfig config);
   Backend* find_backend(std::string_view name) const;
   Result<XferId> post(SessionState& session, Direction direction, std::span<const Op> ops, Deadline deadline);
   std::shared_ptr<Batch> find_batch(XferId id);

@@ -18,7 +18,7 @@ namespace pd::xfer {
 inline constexpr uint32_t kDescriptorVersion = 1;
 
 struct EngineConfig {
-  // Engine id among peers; a restarted process reuses its name with a new boot nonce.
+  // TransferEngine id among peers; a restarted process reuses its name with a new boot nonce.
   std::string name;
   // Address whose network interface UCX may use (UCX_NET_DEVICES is derived from it).
   std::string listen_host = "127.0.0.1";

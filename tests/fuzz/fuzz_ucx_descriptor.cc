@@ -6,9 +6,9 @@
 //
 // One real engine (UCX backend) lives for the whole run; its own worker address and remote key
 // are the starting points that random bytes rarely reach. The first input byte picks the mode:
-//   0: the rest is a raw engine descriptor          -> decode -> Engine::connect
+//   0: the rest is a raw engine descriptor          -> decode -> TransferEngine::connect
 //   1: this worker's own address with the rest applied as edits (overwrite / truncate / append)
-//      -> wrapped into a descriptor -> Engine::connect
+//      -> wrapped into a descriptor -> TransferEngine::connect
 //   2: the rest is a raw memory descriptor          -> decode -> key walker
 //   3: a connected peer's real remote key with edits -> key walker
 // An address the checks accept makes a real endpoint (to this very worker, since the bytes are
@@ -37,8 +37,8 @@ constexpr int kMaxEndpoints = 256;
 }
 
 struct Target {
-  std::unique_ptr<Engine> engine;
-  std::unique_ptr<Engine> peer;  // a connected peer whose region descriptors mode 2/3 forge
+  std::unique_ptr<TransferEngine> engine;
+  std::unique_ptr<TransferEngine> peer;  // a connected peer whose region descriptors mode 2/3 forge
   std::vector<uint8_t> local_memory, peer_memory;
   MemDesc local, remote;
   std::vector<uint8_t> address, rkey;
@@ -47,12 +47,12 @@ struct Target {
   int num_endpoints = 0;
 };
 
-std::unique_ptr<Engine> make_engine(const char* name) {
+std::unique_ptr<TransferEngine> make_engine(const char* name) {
   EngineConfig config;
   config.name = name;
   config.backends = {"ucx"};
   config.batch_timeout_ms = 1'000;
-  auto engine = Engine::create(config);
+  auto engine = TransferEngine::create(config);
   if (!engine.ok()) fail("cannot create a UCX engine");
   return std::move(engine).value();
 }

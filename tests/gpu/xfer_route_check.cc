@@ -4,7 +4,7 @@
 // cuda key claims must lie inside the allocation the IPC handle maps; for a peer claiming
 // this process (same-process shortcut) base + bytes must lie inside a span some cuda
 // backend of this process registered. Forged copies of real descriptors go straight to
-// Engine::session (no decode: the decoder's own limits are not what is tested here).
+// TransferEngine::session (no decode: the decoder's own limits are not what is tested here).
 //
 // A forked target process owns a 64 MiB allocation with a 16 MiB region registered at
 // 4 MiB and canary bytes everywhere else; an in-process target engine owns an 8 MiB
@@ -139,7 +139,7 @@ uint64_t mismatches(const void* dev, const std::vector<uint8_t>& expected) {
 int run_target(int fd, int device, pid_t parent) {
   // Dies with the initiator (a timeout killing it must not leave a GPU process behind).
   if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) return 1;
-  auto engine = xfer::Engine::create(engine_config("route-check-target"));
+  auto engine = xfer::TransferEngine::create(engine_config("route-check-target"));
   if (!engine.ok()) {
     std::fprintf(stderr, "target: %s\n", engine.status().to_string().c_str());
     return 2;
@@ -200,8 +200,8 @@ class Initiator {
   }
 
   bool setup() {
-    auto engine = xfer::Engine::create(engine_config("route-check-initiator"));
-    auto inproc = xfer::Engine::create(engine_config("route-check-inproc"));
+    auto engine = xfer::TransferEngine::create(engine_config("route-check-initiator"));
+    auto inproc = xfer::TransferEngine::create(engine_config("route-check-inproc"));
     if (!engine.ok() || !inproc.ok()) return fail("engine: " + (engine.ok() ? inproc : engine).status().to_string());
     engine_ = std::move(engine).value();
     inproc_ = std::move(inproc).value();
@@ -362,7 +362,7 @@ class Initiator {
   int fd_;
   bool child_alive_ = true;  // a target that stopped answering is not waited for again
   std::string error_;
-  std::unique_ptr<xfer::Engine> engine_, inproc_;
+  std::unique_ptr<xfer::TransferEngine> engine_, inproc_;
   void* source_ = nullptr;
   void* stray_ = nullptr;
   void* inproc_alloc_ = nullptr;

@@ -87,7 +87,7 @@ struct Options {
   std::string target_netns;
   std::string target_host = "127.0.0.1";
   std::string initiator_host = "127.0.0.1";
-  // Engine settings to compare in one run: "name:key=value,..." (keys: mode, pipeline,
+  // TransferEngine settings to compare in one run: "name:key=value,..." (keys: mode, pipeline,
   // streams, chunk, ctas, threads, upload_table). Empty: one variant from the flags.
   std::vector<std::string> variants;
   bool compare = false;
@@ -233,7 +233,7 @@ struct Buffer {
     }
     return b;
   }
-  bool engine_owned = false;  // from Engine::allocate_host_memory; the engine frees it
+  bool engine_owned = false;  // from TransferEngine::allocate_host_memory; the engine frees it
   void release() {
     if (ptr == nullptr || engine_owned) return;
 #ifdef XFERBENCH_HAVE_CUDA
@@ -272,7 +272,7 @@ struct Buffer {
 
 // GPU memory (cudaMalloc), host memory (engine-allocated shared memory, or malloc with
 // --host-malloc) or, for --memory staged-host, malloc memory registered as GPU memory.
-Result<xfer::MemDesc> allocate_and_register(const Options& o, xfer::Engine& engine, int device, size_t bytes,
+Result<xfer::MemDesc> allocate_and_register(const Options& o, xfer::TransferEngine& engine, int device, size_t bytes,
                                             Buffer& buffer) {
   const MemoryChoice memory = memory_choice(o);
   if (memory.kind == MemKind::kHost && !o.host_malloc) {
@@ -324,7 +324,7 @@ int run_target(const Options& o, int fd, size_t bytes) {
                  std::strerror(errno));
     return 2;
   }
-  auto engine = xfer::Engine::create(engine_config(o, "xferbench-target", o.target_host));
+  auto engine = xfer::TransferEngine::create(engine_config(o, "xferbench-target", o.target_host));
   if (!engine.ok()) {
     std::fprintf(stderr, "target: %s\n", engine.status().to_string().c_str());
     return 2;
@@ -419,7 +419,8 @@ class Initiator {
   // pattern) and a session to the target. end_variant() takes them down again.
   bool begin_variant(const Variant& variant) {
     error_.clear();
-    auto engine = xfer::Engine::create(engine_config(variant.options, "xferbench-initiator", o_.initiator_host));
+    auto engine =
+        xfer::TransferEngine::create(engine_config(variant.options, "xferbench-initiator", o_.initiator_host));
     if (!engine.ok()) return fail(engine.status().to_string());
     engine_ = std::move(engine).value();
     auto mem = allocate_and_register(o_, *engine_, o_.local_device, bytes_, local_);
@@ -554,7 +555,7 @@ class Initiator {
   const Options& o_;
   int fd_;
   size_t bytes_;
-  std::unique_ptr<xfer::Engine> engine_;
+  std::unique_ptr<xfer::TransferEngine> engine_;
   Buffer local_;
   xfer::MemDesc local_desc_;
   bool registered_ = false;
@@ -985,7 +986,7 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-warmup-ms", o.gpu_warmup_ms, "busy both GPUs this long before each measurement");
   app.add_flag("--ucx-busy-poll", o.ucx_busy_poll, "UCX progress threads spin instead of sleeping");
   app.add_flag("--host-malloc", o.host_malloc,
-               "ucx: register malloc'd host memory instead of Engine::allocate_host_memory");
+               "ucx: register malloc'd host memory instead of TransferEngine::allocate_host_memory");
   app.add_flag("--cuda-upload-table", o.cuda_upload_table,
                "cuda: one launch per large batch after uploading its op table (instead of sub-launches)");
   app.add_flag("!--no-b2b", o.b2b, "skip the back-to-back timing rows");

@@ -23,8 +23,8 @@ EngineConfig config(const std::string& name, bool faults = false) {
   return c;
 }
 
-std::unique_ptr<Engine> make_engine(const EngineConfig& c) {
-  auto engine = Engine::create(c);
+std::unique_ptr<TransferEngine> make_engine(const EngineConfig& c) {
+  auto engine = TransferEngine::create(c);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   return engine.ok() ? std::move(engine).value() : nullptr;
 }
@@ -75,7 +75,7 @@ class TwoEngines : public ::testing::Test {
     return p;
   }
 
-  std::unique_ptr<Engine> a_, b_;
+  std::unique_ptr<TransferEngine> a_, b_;
 };
 
 TEST_F(TwoEngines, AutoPicksUcxForHostMemory) {
@@ -319,16 +319,16 @@ TEST_F(TwoEngines, EngineAllocatedHostMemoryIsWrittenAndReadByteExact) {
 
 TEST(EngineCreate, RejectsBadConfig) {
   EngineConfig unnamed;
-  EXPECT_EQ(Engine::create(unnamed).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(TransferEngine::create(unnamed).status().code(), ErrorCode::kInvalidArgument);
   EngineConfig unknown = config("x");
   unknown.backends = {"carrier-pigeon"};
-  EXPECT_EQ(Engine::create(unknown).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(TransferEngine::create(unknown).status().code(), ErrorCode::kInvalidArgument);
 }
 
 TEST(EngineCreate, DefaultBackendListWorksWithoutAGpu) {
   EngineConfig c;
   c.name = "default";
-  auto engine = Engine::create(c);
+  auto engine = TransferEngine::create(c);
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
   auto names = (*engine)->backend_names();
   EXPECT_NE(std::find(names.begin(), names.end(), "ucx"), names.end());

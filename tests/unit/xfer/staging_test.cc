@@ -31,8 +31,8 @@ EngineConfig staged_config(const std::string& name, uint64_t chunk_bytes, uint32
   return c;
 }
 
-std::unique_ptr<Engine> make_engine(const EngineConfig& c) {
-  auto engine = Engine::create(c);
+std::unique_ptr<TransferEngine> make_engine(const EngineConfig& c) {
+  auto engine = TransferEngine::create(c);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   return engine.ok() ? std::move(engine).value() : nullptr;
 }
@@ -68,7 +68,7 @@ class StagedEngines : public ::testing::Test {
     std::vector<uint8_t> bytes;
     MemDesc desc;
   };
-  Side region(Engine& engine, size_t bytes, MemKind kind, uint64_t seed) {
+  Side region(TransferEngine& engine, size_t bytes, MemKind kind, uint64_t seed) {
     Side s;
     s.bytes.resize(bytes);
     if (seed != 0) fill_pattern(s.bytes, seed);
@@ -77,7 +77,7 @@ class StagedEngines : public ::testing::Test {
     if (d.ok()) s.desc = *decode_mem_desc(encode(*d));
     return s;
   }
-  std::unique_ptr<Engine> a_, b_;
+  std::unique_ptr<TransferEngine> a_, b_;
 };
 
 TEST_F(StagedEngines, GpuRegionsAreReachedThroughUcxWhenNoCudaBackendRuns) {
@@ -156,7 +156,7 @@ TEST_F(StagedEngines, BothEnginesWritingToEachOtherWithOneBufferPerRoleDoNotDead
   auto ba = b_->session(b_src.desc, a_dst.desc);
   ASSERT_TRUE(ab.ok() && ba.ok());
   std::vector<Op> whole = {{0, 0, kBytes}};
-  std::vector<std::pair<Engine*, XferId>> ids;
+  std::vector<std::pair<TransferEngine*, XferId>> ids;
   for (int i = 0; i < 4; ++i) {
     auto x = ab->write(whole);
     auto y = ba->write(whole);
@@ -253,9 +253,9 @@ TEST(StagingOff, GpuRegionsAreRefusedWithoutAStagingPath) {
 TEST(StagingConfig, BadSettingsAreRefusedAtEngineCreation) {
   EngineConfig unknown_mode = staged_config("bad", 64 << 10, 2);
   unknown_mode.ucx_staging = "carrier-pigeon";
-  EXPECT_EQ(Engine::create(unknown_mode).status().code(), ErrorCode::kInvalidArgument);
-  EXPECT_EQ(Engine::create(staged_config("bad", 64 << 10, 0)).status().code(), ErrorCode::kInvalidArgument);
-  EXPECT_EQ(Engine::create(staged_config("bad", 100, 2)).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(TransferEngine::create(unknown_mode).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(TransferEngine::create(staged_config("bad", 64 << 10, 0)).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(TransferEngine::create(staged_config("bad", 100, 2)).status().code(), ErrorCode::kInvalidArgument);
 }
 
 // ---- the pure parts: chunk plan and wire checks ----

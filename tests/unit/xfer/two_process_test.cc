@@ -116,7 +116,7 @@ class ChildPeer {
     config.backends = {"ucx"};
     config.ucx_transports = "tcp";
     config.ucx_staging = "memcpy";
-    auto engine = Engine::create(config);
+    auto engine = TransferEngine::create(config);
     if (!engine.ok()) return 4;
     std::vector<uint8_t> region(spec.bytes, 0);
     auto mem = spec.staged ? (*engine)->register_memory(region.data(), region.size(), MemKind::kCuda, 0)
@@ -160,7 +160,7 @@ struct ChildEntry {
 };
 const ChildEntry kChildEntry;
 
-std::unique_ptr<Engine> parent_engine(const std::string& listen_host = "127.0.0.1") {
+std::unique_ptr<TransferEngine> parent_engine(const std::string& listen_host = "127.0.0.1") {
   EngineConfig config;
   config.name = "parent";
   config.listen_host = listen_host;
@@ -169,7 +169,7 @@ std::unique_ptr<Engine> parent_engine(const std::string& listen_host = "127.0.0.
   config.ucx_staging = "memcpy";
   config.ucx_staging_chunk_bytes = 64 << 10;  // a 1 MiB region is many chunks
   config.ucx_staging_slots = 2;
-  auto engine = Engine::create(config);
+  auto engine = TransferEngine::create(config);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   return engine.ok() ? std::move(engine).value() : nullptr;
 }
@@ -187,7 +187,7 @@ std::vector<Op> random_ops(std::mt19937_64& rng, uint64_t num_blocks, uint64_t b
 // Writes random batches, then reads them back into a second region, checking the
 // peer's bytes after each write and ours after each read. The sessions must travel over
 // exactly `expected_transports` (as UCX names its lanes: "tcp/<interface>").
-void exchange_and_verify(Engine& engine, ChildPeer& child, size_t bytes, uint64_t seed,
+void exchange_and_verify(TransferEngine& engine, ChildPeer& child, size_t bytes, uint64_t seed,
                          const std::string& expected_transports, MemKind kind = MemKind::kHost) {
   std::vector<uint8_t> source(bytes), sink(bytes, 0);
   fill_pattern(source, seed);
@@ -450,7 +450,7 @@ TEST(TwoProcess, RandomWritesAndReadsAcrossTwoNetworkNamespacesOverVeth) {
   // Without that wait UCX drops the veth from UCX_NET_DEVICES and advertises loopback
   // only, which the other namespace cannot reach ("Destination is unreachable").
   ASSERT_EQ(std::system(fmt::format("ip -n {} link set {} down", ns->name_, ns->peer_veth_).c_str()), 0);
-  std::unique_ptr<Engine> engine;
+  std::unique_ptr<TransferEngine> engine;
   std::thread starter([&] { engine = parent_engine(ns->host_ip_); });
   const int up = std::system(fmt::format("ip -n {} link set {} up", ns->name_, ns->peer_veth_).c_str());
   starter.join();
@@ -486,7 +486,7 @@ TEST(TwoProcess, EngineRefusesAnInterfaceThatStaysDownInsteadOfFallingBackToLoop
   config.backends = {"ucx"};
   config.ucx_transports = "tcp";
   config.interface_up_timeout_ms = 300;
-  auto engine = Engine::create(config);
+  auto engine = TransferEngine::create(config);
   ASSERT_FALSE(engine.ok());
   EXPECT_EQ(engine.status().code(), ErrorCode::kUnavailable);
   EXPECT_NE(engine.status().message().find(ns->veth_), std::string::npos) << engine.status().to_string();

@@ -22,8 +22,8 @@ EngineConfig config(const std::string& name) {
   return c;
 }
 
-std::unique_ptr<Engine> make_engine(const std::string& name) {
-  auto engine = Engine::create(config(name));
+std::unique_ptr<TransferEngine> make_engine(const std::string& name) {
+  auto engine = TransferEngine::create(config(name));
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   return engine.ok() ? std::move(engine).value() : nullptr;
 }
@@ -47,7 +47,7 @@ class UcxBlobs : public ::testing::Test {
     local_ = *desc;
     rkey_ = desc->keys.at("ucx");
   }
-  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<TransferEngine> engine_;
   std::vector<uint8_t> address_;
   std::vector<uint8_t> memory_;
   std::vector<uint8_t> rkey_;

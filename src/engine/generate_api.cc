@@ -1,4 +1,4 @@
-#include "engine/request.h"
+#include "engine/generate_api.h"
 
 namespace pd::engine {
 
