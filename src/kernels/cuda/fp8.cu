@@ -10,37 +10,12 @@
 #include "kernels/cuda/fp8_args.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/warp_util.cuh"
 
 namespace pd::kernels::cuda::detail {
 namespace {
 
 constexpr int kQuantWarps = 8;
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// Expert of sorted row `row`: the e with offsets[e] <= row < offsets[e + 1] (binary search).
-__device__ __forceinline__ int find_group(const int32_t* offsets, int num_groups, int row) {
-  int lo = 0, hi = num_groups - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (offsets[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 // One warp per (row, 128-wide group): 4 elements per lane, amax across the warp,
 // scale = amax / 448 (1 for an all-zero group), q = satfinite(x / scale).
@@ -255,15 +230,6 @@ __global__ void __launch_bounds__(kStreamWarps * 32, 2) stream_gemm_kernel(Strea
 // error of 2^-9 per weight.
 constexpr int kTcWarps = 8;
 constexpr int kTcChunk = 64;
-
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ uint32_t fp8x2_scaled_to_bf16x2(uint32_t bits16, float s) {
   const float2 f = fp8x2_to_float2(bits16);

@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/fp8_args.h"
 #include "kernels/cuda/grouped_fp8_launch.h"
+#include "kernels/cuda/warp_util.cuh"
 
 #if PD_HAVE_CUTLASS
 #include "cute/tensor.hpp"
@@ -32,26 +33,6 @@ namespace pd::kernels::cuda::detail {
 namespace {
 
 constexpr int kQuantWarps = 8;
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// The group of sorted row `row`: the g with offsets[g] <= row < offsets[g + 1].
-__device__ __forceinline__ int group_of_row(const int32_t* offsets, int num_groups, int row) {
-  int lo = 0, hi = num_groups - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (offsets[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 __device__ __forceinline__ void bf16x4_to_float(uint2 raw, float* v) {
   v[0] = __uint_as_float(raw.x << 16);
@@ -97,7 +78,7 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
   *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(row) * k + col) =
       static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
   if (lane == 0) {
-    const int e = group_of_row(offsets, num_groups, row);
+    const int e = find_group(offsets, num_groups, row);
     const int count = offsets[e + 1] - offsets[e];
     scales[static_cast<int64_t>(offsets[e]) * kb + static_cast<int64_t>(g) * count + (row - offsets[e])] = scale;
   }

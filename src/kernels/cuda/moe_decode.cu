@@ -26,6 +26,7 @@
 #include "kernels/cuda/fp8_args.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/warp_util.cuh"
 
 namespace pd::kernels::cuda::detail {
 namespace {
@@ -47,15 +48,6 @@ __device__ __forceinline__ uint32_t e4m3x2_scaled_bf16x2(uint32_t bits16, float 
   const float2 f = __half22float2(__half2(h));
   const __nv_bfloat162 v = __floats2bfloat162_rn(f.x * s, f.y * s);
   return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // A token's 16 activations at k = koff + 16 t4 .. + 16 (row already offset by 16 t4) as 8 bf16x2
@@ -92,8 +84,8 @@ __device__ __forceinline__ void mma_chunk(float (&acc0)[4], float (&acc1)[4], co
     const uint32_t x2 = e4m3x2_scaled_bf16x2(lo[s] >> 16, sc);
     const uint32_t x1 = e4m3x2_scaled_bf16x2(hi[s] & 0xffffu, sc);
     const uint32_t x3 = e4m3x2_scaled_bf16x2(hi[s] >> 16, sc);
-    mma_16816(acc0, x0, x1, x2, x3, b0[2 * s], b0[2 * s + 1]);
-    if constexpr (kHi) mma_16816(acc1, x0, x1, x2, x3, b1[2 * s], b1[2 * s + 1]);
+    mma_bf16_16816(acc0, x0, x1, x2, x3, b0[2 * s], b0[2 * s + 1]);
+    if constexpr (kHi) mma_bf16_16816(acc1, x0, x1, x2, x3, b1[2 * s], b1[2 * s + 1]);
   }
 }
 
